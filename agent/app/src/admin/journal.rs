@@ -1,0 +1,298 @@
+//! `/v1/journal` on the admin plane: list, show, verify, timeline, statistics and the
+//! resolution of in-doubt calls.
+//!
+//! - `GET /v1/journal?task=&tool=&state=&since=&until=&limit=` — records, newest filters
+//!   applied (`since`/`until` are RFC 3339 times or durations ago, e.g. `1h`);
+//! - `GET /v1/journal?view=verify` — the hash-chain check;
+//! - `GET /v1/journal?view=timeline&task=T` — the task's calls in order;
+//! - `GET /v1/journal?view=stats` — writer statistics (flushes per record, states);
+//! - `GET /v1/journal/{key}` — one record (the key is percent-decoded; it may hold `/`);
+//! - `POST /v1/journal/{key}/resolve` — `{"action": "mark_succeeded" | "mark_failed" |
+//!   "retry", "status": 200, "body": …, "actor": "…", "reason": "…"}`.
+
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use http::{Method, Response, StatusCode};
+use outrigger_journal::{Filter, Headers, Journal, Resolution, State, StoredResponse};
+use outrigger_proxy::body::Body;
+use outrigger_proxy::problem::Problem;
+use outrigger_types::{IdempotencyKey, TaskId};
+use serde_json::{Value, json};
+
+use super::json_response;
+
+pub async fn handle(
+    journal: Option<&Journal>,
+    method: &Method,
+    path: &str,
+    query: &str,
+    body: Bytes,
+) -> Response<Body> {
+    let Some(journal) = journal else {
+        return Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "journal-unavailable",
+            "The journal is not open",
+            "The sidecar runs without a journal (see its log for why); nothing can be read.",
+        )
+        .into_response();
+    };
+    let rest = path.strip_prefix("/v1/journal").unwrap_or_default();
+    let result = match (method, rest) {
+        (&Method::GET, "" | "/") => collection(journal, query),
+        (&Method::POST, r) if r.ends_with("/resolve") && r.len() > "/resolve".len() + 1 => {
+            let key = decode(&r[1..r.len() - "/resolve".len()]);
+            resolve(journal, &key, &body).await
+        }
+        (&Method::GET, r) if r.len() > 1 => {
+            let key = decode(&r[1..]);
+            show(journal, &key)
+        }
+        _ => Err(Problem::new(
+            StatusCode::NOT_FOUND,
+            "no-route",
+            "No such journal route",
+            "Use GET /v1/journal, GET /v1/journal/{key} or POST /v1/journal/{key}/resolve.",
+        )),
+    };
+    result.unwrap_or_else(Problem::into_response)
+}
+
+fn bad(detail: impl Into<String>) -> Problem {
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        "invalid-request",
+        "Invalid request",
+        detail,
+    )
+}
+
+fn journal_error(e: outrigger_journal::Error) -> Problem {
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "journal-error",
+        "Journal error",
+        e.to_string(),
+    )
+}
+
+fn collection(journal: &Journal, query: &str) -> Result<Response<Body>, Problem> {
+    let q = parse_query(query);
+    let get = |k: &str| q.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+    match get("view").unwrap_or("records") {
+        "records" => {
+            let filter = filter_from(&q).map_err(bad)?;
+            let records = journal.list(&filter).map_err(journal_error)?;
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({"count": records.len(), "records": records}),
+            ))
+        }
+        "verify" => {
+            let report = journal.verify().map_err(journal_error)?;
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({"clean": report.is_clean(), "entries": report.entries,
+                        "records": report.records, "problems": report.problems}),
+            ))
+        }
+        "timeline" => {
+            let task = get("task").ok_or_else(|| bad("view=timeline needs task=<task id>"))?;
+            let task = TaskId::new(task).map_err(|e| bad(format!("task: {e}")))?;
+            let entries = journal.timeline(&task).map_err(journal_error)?;
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({"task": task, "calls": entries}),
+            ))
+        }
+        "stats" => Ok(json_response(StatusCode::OK, &json!(journal.stats()))),
+        other => Err(bad(format!(
+            "view={other:?} is not a view; use records, verify, timeline or stats"
+        ))),
+    }
+}
+
+fn show(journal: &Journal, key: &str) -> Result<Response<Body>, Problem> {
+    let key = IdempotencyKey::new(key).map_err(|e| bad(format!("key: {e}")))?;
+    match journal.get(&key).map_err(journal_error)? {
+        Some(record) => Ok(json_response(StatusCode::OK, &json!(record))),
+        None => Err(Problem::new(
+            StatusCode::NOT_FOUND,
+            "unknown-key",
+            "No such key",
+            format!("The journal has no record for key {key}."),
+        )),
+    }
+}
+
+async fn resolve(journal: &Journal, key: &str, body: &[u8]) -> Result<Response<Body>, Problem> {
+    let key = IdempotencyKey::new(key).map_err(|e| bad(format!("key: {e}")))?;
+    let doc: Value = serde_json::from_slice(body)
+        .map_err(|e| bad(format!("the body must be a JSON object ({e})")))?;
+    let reason = doc["reason"].as_str().unwrap_or_default();
+    if reason.trim().is_empty() {
+        return Err(bad(
+            "say why: \"reason\" is required (it is journaled with the resolution)",
+        ));
+    }
+    let actor = doc["actor"].as_str().unwrap_or("admin-api");
+    let stored = |default_status: u16| -> Result<StoredResponse, Problem> {
+        let status = doc["status"].as_u64().unwrap_or(u64::from(default_status));
+        let status = u16::try_from(status).map_err(|_| bad("status must be an HTTP status"))?;
+        let body = match &doc["body"] {
+            Value::Null => Bytes::new(),
+            Value::String(s) => Bytes::from(s.clone()),
+            other => Bytes::from(other.to_string()),
+        };
+        let ct = if doc["body"].is_string() {
+            "text/plain"
+        } else {
+            "application/json"
+        };
+        Ok(StoredResponse::new(
+            status,
+            Headers::redacted([("content-type".to_string(), ct.to_string())]),
+            body,
+        ))
+    };
+    let resolution = match doc["action"].as_str() {
+        Some("mark_succeeded") => Resolution::MarkSucceeded(stored(200)?),
+        Some("mark_failed") => Resolution::MarkFailed(stored(500)?),
+        Some("retry") => Resolution::Retry,
+        other => {
+            return Err(bad(format!(
+                "action {other:?} is not one of mark_succeeded, mark_failed, retry"
+            )));
+        }
+    };
+    match journal.resolve(&key, resolution, actor, reason).await {
+        Ok(record) => Ok(json_response(StatusCode::OK, &json!(record))),
+        Err(e @ outrigger_journal::Error::UnknownKey(_)) => Err(Problem::new(
+            StatusCode::NOT_FOUND,
+            "unknown-key",
+            "No such key",
+            e.to_string(),
+        )),
+        Err(
+            e @ (outrigger_journal::Error::NotResolvable { .. }
+            | outrigger_journal::Error::InvalidResolution(_)),
+        ) => Err(Problem::new(
+            StatusCode::CONFLICT,
+            "not-resolvable",
+            "Cannot resolve this call",
+            e.to_string(),
+        )),
+        Err(e) => Err(journal_error(e)),
+    }
+}
+
+/// A journal filter from query pairs (also used by the CLI).
+pub fn filter_from(q: &[(String, String)]) -> Result<Filter, String> {
+    let mut f = Filter::default();
+    for (k, v) in q {
+        match k.as_str() {
+            "task" => f.task = Some(TaskId::new(v.as_str()).map_err(|e| format!("task: {e}"))?),
+            "tool" => f.tool = Some(v.clone()),
+            "state" => f.state = Some(v.parse::<State>()?),
+            "since" => f.since = Some(parse_time(v)?),
+            "until" => f.until = Some(parse_time(v)?),
+            "limit" => {
+                f.limit = Some(
+                    v.parse()
+                        .map_err(|_| format!("limit {v:?} is not a number"))?,
+                )
+            }
+            "view" => {}
+            other => {
+                return Err(format!(
+                    "unknown filter {other:?}; use task, tool, state, since, until, limit"
+                ));
+            }
+        }
+    }
+    Ok(f)
+}
+
+/// An RFC 3339 time, or a duration meaning "that long ago" (`90m`, `2d`).
+pub fn parse_time(s: &str) -> Result<SystemTime, String> {
+    if let Ok(t) = humantime::parse_rfc3339_weak(s) {
+        return Ok(t);
+    }
+    match humantime::parse_duration(s) {
+        Ok(d) => SystemTime::now()
+            .checked_sub(d)
+            .ok_or_else(|| format!("{s:?} reaches before the epoch")),
+        Err(_) => Err(format!(
+            "{s:?} is neither an RFC 3339 time (2026-11-29T10:00:00Z) nor a duration ago (90m)"
+        )),
+    }
+}
+
+pub fn parse_query(q: &str) -> Vec<(String, String)> {
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (decode(k), decode(v))
+        })
+        .collect()
+}
+
+/// Percent-decoding (and `+` as space in queries), lenient on malformed escapes.
+pub fn decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok();
+                match hex.and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                    Some(b) => {
+                        out.push(b);
+                        i += 3;
+                    }
+                    None => {
+                        out.push(b'%');
+                        i += 1;
+                    }
+                }
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decoding() {
+        assert_eq!(decode("payments%2Fabc"), "payments/abc");
+        assert_eq!(decode("a+b"), "a b");
+        assert_eq!(decode("bad%zz"), "bad%zz");
+        assert_eq!(decode("end%2"), "end%2");
+    }
+
+    #[test]
+    fn filters() {
+        let q = parse_query("task=t1&state=in_doubt&since=1h&limit=5");
+        let f = filter_from(&q).unwrap();
+        assert_eq!(f.task.unwrap().as_str(), "t1");
+        assert_eq!(f.state, Some(State::InDoubt));
+        assert!(f.since.is_some());
+        assert_eq!(f.limit, Some(5));
+        assert!(filter_from(&parse_query("state=bogus")).is_err());
+        assert!(filter_from(&parse_query("colour=red")).is_err());
+    }
+}

@@ -1,0 +1,320 @@
+//! The admin plane: health, readiness, metrics and the operator API, on its own
+//! listener (never the data port).
+//!
+//! When a bearer token is configured every route but `/healthz` and `/readyz`
+//! requires it, and routes that change state additionally refuse peers that are not
+//! on loopback, whatever token they present.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use outrigger_proxy::body::{Body, full};
+use outrigger_proxy::options::Secret;
+use outrigger_proxy::problem::Problem;
+use outrigger_telemetry::Metrics;
+use serde_json::json;
+
+mod faults;
+mod journal;
+pub use faults::Faults;
+pub use journal::filter_from;
+
+/// What `/readyz` reports on. Each component flips its own flag.
+#[derive(Debug, Default)]
+pub struct Readiness {
+    pub started: AtomicBool,
+    pub draining: AtomicBool,
+    /// Set while the journal is open and its writer runs.
+    pub journal: AtomicBool,
+    /// Set while every policy binding has a version serving it.
+    pub policies: AtomicBool,
+    /// Why the GPUs make this node not ready, if they do (`None`: ready).
+    pub gpu: std::sync::Mutex<Option<String>>,
+}
+
+impl Readiness {
+    /// The verdict and the reasons it is not ready, if any.
+    pub fn check(&self) -> (bool, Vec<String>) {
+        let mut reasons = Vec::new();
+        if !self.started.load(Ordering::Acquire) {
+            reasons.push("starting".to_string());
+        }
+        if self.draining.load(Ordering::Acquire) {
+            reasons.push("draining: shutting down".to_string());
+        }
+        if !self.journal.load(Ordering::Acquire) {
+            reasons.push("journal: not writable (see the log)".to_string());
+        }
+        if !self.policies.load(Ordering::Acquire) {
+            reasons.push(
+                "policies: a binding has no loaded version (see GET /v1/policies)".to_string(),
+            );
+        }
+        if let Ok(g) = self.gpu.lock()
+            && let Some(why) = g.as_ref()
+        {
+            reasons.push(format!("gpu: {why}"));
+        }
+        (reasons.is_empty(), reasons)
+    }
+}
+
+/// Everything the admin routes read.
+pub struct Admin {
+    pub readiness: Arc<Readiness>,
+    pub metrics: Metrics,
+    pub token: Option<Secret>,
+    pub journal: Option<outrigger_journal::Journal>,
+    pub faults: Faults,
+    pub policies: outrigger_policy::Registry,
+    pub gpu: tokio::sync::watch::Receiver<Arc<outrigger_gpu::Snapshot>>,
+}
+
+impl Admin {
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let path = req.uri().path().to_string();
+        let method = req.method().clone();
+        if !matches!(path.as_str(), "/healthz" | "/readyz")
+            && let Some(problem) = self.authorize(&req, peer)
+        {
+            return problem.into_response();
+        }
+        match (&method, path.as_str()) {
+            (&Method::GET, "/v1/policies") => {
+                return json_response(StatusCode::OK, &json!({"bindings": self.policies.status()}));
+            }
+            (&Method::POST, "/v1/policies/reload") => {
+                let report = crate::policies::reload(&self.policies, "admin API").await;
+                self.readiness.policies.store(
+                    self.policies.status().iter().all(|b| b.version.is_some()),
+                    Ordering::Release,
+                );
+                let status = if report.is_ok() {
+                    StatusCode::OK
+                } else {
+                    StatusCode::UNPROCESSABLE_ENTITY
+                };
+                return json_response(
+                    status,
+                    &json!({"ok": report.is_ok(), "report": report, "bindings": self.policies.status()}),
+                );
+            }
+            (&Method::GET, "/v1/gpu") => {
+                let snap = self.gpu.borrow().clone();
+                return json_response(StatusCode::OK, &json!(*snap));
+            }
+            _ => {}
+        }
+        if path == "/v1/faults" {
+            return match method {
+                Method::GET => self.faults.get(),
+                Method::POST => {
+                    match outrigger_proxy::body::read_limited(req.into_body(), 1 << 16).await {
+                        Ok(body) => self.faults.set(self.journal.as_ref(), &body),
+                        Err(e) => Problem::new(
+                            StatusCode::BAD_REQUEST,
+                            "unreadable-body",
+                            "Unreadable request body",
+                            e.to_string(),
+                        )
+                        .into_response(),
+                    }
+                }
+                _ => Problem::new(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "method-not-allowed",
+                    "Method not allowed",
+                    "Use GET or POST.",
+                )
+                .header(header::ALLOW, HeaderValue::from_static("GET, POST"))
+                .into_response(),
+            };
+        }
+        if path == "/v1/journal" || path.starts_with("/v1/journal/") {
+            let query = req.uri().query().unwrap_or_default().to_string();
+            let body = match outrigger_proxy::body::read_limited(req.into_body(), 1 << 20).await {
+                Ok(b) => b,
+                Err(e) => {
+                    return Problem::new(
+                        StatusCode::BAD_REQUEST,
+                        "unreadable-body",
+                        "Unreadable request body",
+                        e.to_string(),
+                    )
+                    .into_response();
+                }
+            };
+            return journal::handle(self.journal.as_ref(), &method, &path, &query, body).await;
+        }
+        match (method, path.as_str()) {
+            (Method::GET, "/healthz") => json_response(StatusCode::OK, &json!({"status": "ok"})),
+            (Method::GET, "/readyz") => {
+                let (ready, reasons) = self.readiness.check();
+                let status = if ready {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                };
+                json_response(status, &json!({"ready": ready, "reasons": reasons}))
+            }
+            (Method::GET, "/metrics") => {
+                let mut text = self.metrics.encode();
+                let snap = self.gpu.borrow().clone();
+                append_samples(&mut text, &snap.metrics());
+                let mut resp = Response::new(full(Bytes::from(text)));
+                resp.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static(
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    ),
+                );
+                resp
+            }
+            (_, "/healthz" | "/readyz" | "/metrics") => Problem::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "method-not-allowed",
+                "Method not allowed",
+                format!("{path} only answers GET."),
+            )
+            .header(header::ALLOW, HeaderValue::from_static("GET"))
+            .into_response(),
+            _ => Problem::new(
+                StatusCode::NOT_FOUND,
+                "no-route",
+                "No such admin route",
+                format!(
+                    "The admin plane serves nothing at {path}; see the README's admin API list."
+                ),
+            )
+            .into_response(),
+        }
+    }
+
+    fn authorize<B>(&self, req: &Request<B>, peer: SocketAddr) -> Option<Problem> {
+        let mutating = !matches!(*req.method(), Method::GET | Method::HEAD);
+        if mutating && !is_loopback(peer) {
+            return Some(Problem::new(
+                StatusCode::FORBIDDEN,
+                "admin-loopback-only",
+                "Loopback only",
+                "Routes that change state are only served to clients on the same host (loopback).",
+            ));
+        }
+        let token = self.token.as_ref()?;
+        let presented = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if presented.is_some_and(|p| constant_time_eq(p.as_bytes(), token.expose().as_bytes())) {
+            None
+        } else {
+            Some(
+                Problem::new(
+                    StatusCode::UNAUTHORIZED,
+                    "admin-token-required",
+                    "Admin token required",
+                    "Send the admin token as `Authorization: Bearer <token>`.",
+                )
+                .header(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer")),
+            )
+        }
+    }
+}
+
+/// Adds GPU samples to an OpenMetrics exposition (before its `# EOF`).
+fn append_samples(text: &mut String, samples: &[outrigger_gpu::MetricSample]) {
+    use std::fmt::Write;
+    let eof = text.rfind("# EOF").unwrap_or(text.len());
+    let tail = text.split_off(eof);
+    let mut seen = std::collections::HashSet::new();
+    for s in samples {
+        let family = s.family();
+        if seen.insert(family) {
+            let kind = match s.kind {
+                outrigger_gpu::MetricKind::Gauge => "gauge",
+                outrigger_gpu::MetricKind::Counter => "counter",
+            };
+            let _ = writeln!(text, "# HELP {family} {}", s.help);
+            let _ = writeln!(text, "# TYPE {family} {kind}");
+        }
+        let labels: Vec<String> = s
+            .labels
+            .iter()
+            .map(|(k, v)| format!("{k}=\"{}\"", v.replace('\\', "\\\\").replace('"', "\\\"")))
+            .collect();
+        if labels.is_empty() {
+            let _ = writeln!(text, "{} {}", s.name, s.value);
+        } else {
+            let _ = writeln!(text, "{}{{{}}} {}", s.name, labels.join(","), s.value);
+        }
+    }
+    text.push_str(if tail.is_empty() { "# EOF\n" } else { &tail });
+}
+
+fn is_loopback(peer: SocketAddr) -> bool {
+    match peer.ip() {
+        std::net::IpAddr::V4(v4) => v4.is_loopback(),
+        std::net::IpAddr::V6(v6) => {
+            v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+pub fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<Body> {
+    let mut resp = Response::new(full(Bytes::from(value.to_string())));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_detection_covers_mapped_v6() {
+        for (addr, want) in [
+            ("127.0.0.1:1", true),
+            ("[::1]:1", true),
+            ("[::ffff:127.0.0.1]:1", true),
+            ("10.0.0.1:1", false),
+            ("[::ffff:10.0.0.1]:1", false),
+        ] {
+            assert_eq!(is_loopback(addr.parse().unwrap()), want, "{addr}");
+        }
+    }
+
+    #[test]
+    fn readiness_reasons() {
+        let r = Readiness::default();
+        r.journal.store(true, Ordering::Release);
+        r.policies.store(true, Ordering::Release);
+        assert_eq!(r.check(), (false, vec!["starting".to_string()]));
+        r.started.store(true, Ordering::Release);
+        assert_eq!(r.check(), (true, vec![]));
+        r.draining.store(true, Ordering::Release);
+        assert!(!r.check().0);
+    }
+
+    #[test]
+    fn token_compare() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+}

@@ -1,0 +1,406 @@
+//! `outrigger journal list|show|export|verify|timeline`: the offline audit.
+//!
+//! With the sidecar stopped it opens the journal directly (read only in effect: it
+//! writes nothing). While the sidecar runs, sled's lock keeps the directory to the
+//! sidecar, so the command reads through the admin API instead — and says which it
+//! used, on stderr, every time.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use outrigger_journal::{Audit, Filter, Journal};
+use outrigger_types::{IdempotencyKey, TaskId};
+use serde_json::Value;
+
+use crate::admin::filter_from;
+
+/// Where the records come from.
+enum Source {
+    Direct(Audit),
+    Admin { base: String, token: Option<String> },
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct Common {
+    /// The data directory (the config's `[journal] dir`; the journal is in `<dir>/journal`).
+    #[arg(long, default_value = "./outrigger-data")]
+    pub data_dir: PathBuf,
+    /// The admin plane to use when the sidecar holds the journal.
+    #[arg(long, default_value = "http://127.0.0.1:7071")]
+    pub admin: String,
+}
+
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct Filters {
+    #[arg(long)]
+    pub task: Option<String>,
+    #[arg(long)]
+    pub tool: Option<String>,
+    /// claimed, dispatched, completed, failed_before_send, in_doubt, reconciling, needs_operator, tombstone
+    #[arg(long)]
+    pub state: Option<String>,
+    /// RFC 3339 time, or a duration ago (`2h`).
+    #[arg(long)]
+    pub since: Option<String>,
+    #[arg(long)]
+    pub until: Option<String>,
+    #[arg(long)]
+    pub limit: Option<usize>,
+}
+
+impl Filters {
+    fn pairs(&self) -> Vec<(String, String)> {
+        let mut q = Vec::new();
+        let mut add = |k: &str, v: &Option<String>| {
+            if let Some(v) = v {
+                q.push((k.to_string(), v.clone()));
+            }
+        };
+        add("task", &self.task);
+        add("tool", &self.tool);
+        add("state", &self.state);
+        add("since", &self.since);
+        add("until", &self.until);
+        add("limit", &self.limit.map(|l| l.to_string()));
+        q
+    }
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum Command {
+    /// List records (newest last), filtered.
+    List {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        filters: Filters,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show one record in full.
+    Show {
+        key: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Export records as JSON Lines.
+    Export {
+        #[command(flatten)]
+        common: Common,
+        #[command(flatten)]
+        filters: Filters,
+        /// Write to a file instead of stdout.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// Check the hash chain; exits 1 if anything was edited or deleted.
+    Verify {
+        #[command(flatten)]
+        common: Common,
+    },
+    /// A task's calls in order, with durations and states.
+    Timeline {
+        #[arg(long)]
+        task: String,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+pub fn run(cmd: Command) -> ExitCode {
+    match dispatch(cmd) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("outrigger journal: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn open(common: &Common) -> anyhow::Result<Source> {
+    let dir = common.data_dir.join("journal");
+    match Journal::open_for_audit(&dir) {
+        Ok(audit) => {
+            eprintln!(
+                "(reading the journal directly from {}: the sidecar is not running)",
+                dir.display()
+            );
+            Ok(Source::Direct(audit))
+        }
+        Err(outrigger_journal::Error::Locked { .. }) => {
+            eprintln!(
+                "(the sidecar holds {}; reading the journal through its admin API at {})",
+                dir.display(),
+                common.admin
+            );
+            Ok(Source::Admin {
+                base: common.admin.trim_end_matches('/').to_string(),
+                token: std::env::var("OUTRIGGER_ADMIN_TOKEN")
+                    .ok()
+                    .filter(|t| !t.is_empty()),
+            })
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot open the journal in {}", dir.display())),
+    }
+}
+
+fn dispatch(cmd: Command) -> anyhow::Result<ExitCode> {
+    match cmd {
+        Command::List {
+            common,
+            filters,
+            json,
+        } => {
+            let records = list(&open(&common)?, &filters)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&records)?);
+            } else {
+                print_table(&records);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Show { key, common } => {
+            let key = IdempotencyKey::new(key.as_str()).map_err(|e| anyhow::anyhow!("key: {e}"))?;
+            let record: Option<Value> = match open(&common)? {
+                Source::Direct(a) => a.get(&key)?.map(serde_json::to_value).transpose()?,
+                Source::Admin { base, token } => {
+                    let (status, body) = admin_get(
+                        &base,
+                        &format!("/v1/journal/{}", encode(key.as_str())),
+                        token.as_deref(),
+                    )?;
+                    match status {
+                        200 => Some(body),
+                        404 => None,
+                        s => bail!("the admin API answered {s}: {body}"),
+                    }
+                }
+            };
+            match record {
+                Some(r) => {
+                    println!("{}", serde_json::to_string_pretty(&r)?);
+                    Ok(ExitCode::SUCCESS)
+                }
+                None => {
+                    eprintln!("no record for key {key}");
+                    Ok(ExitCode::FAILURE)
+                }
+            }
+        }
+        Command::Export {
+            common,
+            filters,
+            out,
+        } => {
+            let mut sink: Box<dyn Write> = match &out {
+                Some(p) => Box::new(
+                    std::fs::File::create(p)
+                        .with_context(|| format!("cannot create {}", p.display()))?,
+                ),
+                None => Box::new(std::io::stdout().lock()),
+            };
+            let n = match open(&common)? {
+                Source::Direct(a) => a.export(&to_filter(&filters)?, &mut sink)?,
+                source @ Source::Admin { .. } => {
+                    let records = list(&source, &filters)?;
+                    for r in &records {
+                        writeln!(sink, "{}", serde_json::to_string(r)?)?;
+                    }
+                    records.len()
+                }
+            };
+            sink.flush()?;
+            eprintln!(
+                "exported {n} record(s){}",
+                out.map(|p| format!(" to {}", p.display()))
+                    .unwrap_or_default()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Verify { common } => {
+            let report: Value = match open(&common)? {
+                Source::Direct(a) => {
+                    let r = a.verify()?;
+                    serde_json::json!({"clean": r.is_clean(), "entries": r.entries, "records": r.records, "problems": r.problems})
+                }
+                Source::Admin { base, token } => {
+                    admin_json(&base, "/v1/journal?view=verify", token.as_deref())?
+                }
+            };
+            let problems = report["problems"].as_array().cloned().unwrap_or_default();
+            println!(
+                "{} log entries, {} records: {}",
+                report["entries"],
+                report["records"],
+                if problems.is_empty() {
+                    "the hash chain is intact"
+                } else {
+                    "TAMPERING OR DAMAGE FOUND"
+                }
+            );
+            for p in &problems {
+                println!("  - {p}");
+            }
+            Ok(if problems.is_empty() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            })
+        }
+        Command::Timeline { task, common } => {
+            let task = TaskId::new(task.as_str()).map_err(|e| anyhow::anyhow!("--task: {e}"))?;
+            let entries: Vec<Value> = match open(&common)? {
+                Source::Direct(a) => a
+                    .timeline(&task)?
+                    .iter()
+                    .map(serde_json::to_value)
+                    .collect::<Result<_, _>>()?,
+                Source::Admin { base, token } => {
+                    let v = admin_json(
+                        &base,
+                        &format!("/v1/journal?view=timeline&task={}", encode(task.as_str())),
+                        token.as_deref(),
+                    )?;
+                    v["calls"].as_array().cloned().unwrap_or_default()
+                }
+            };
+            print_timeline(&task, &entries);
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+fn to_filter(f: &Filters) -> anyhow::Result<Filter> {
+    filter_from(&f.pairs()).map_err(|e| anyhow::anyhow!(e))
+}
+
+fn list(source: &Source, filters: &Filters) -> anyhow::Result<Vec<Value>> {
+    match source {
+        Source::Direct(a) => Ok(a
+            .list(&to_filter(filters)?)?
+            .iter()
+            .map(serde_json::to_value)
+            .collect::<Result<_, _>>()?),
+        Source::Admin { base, token } => {
+            // Validate locally first so a typo gets the same message either way.
+            to_filter(filters)?;
+            let query: Vec<String> = filters
+                .pairs()
+                .iter()
+                .map(|(k, v)| format!("{k}={}", encode(v)))
+                .collect();
+            let v = admin_json(
+                base,
+                &format!("/v1/journal?{}", query.join("&")),
+                token.as_deref(),
+            )?;
+            Ok(v["records"].as_array().cloned().unwrap_or_default())
+        }
+    }
+}
+
+fn print_table(records: &[Value]) {
+    println!(
+        "{:<24} {:<18} {:<14} {:>3} {:>6}  {:<20} KEY",
+        "CREATED", "STATE", "TOOL", "ATT", "STATUS", "TASK"
+    );
+    for r in records {
+        println!(
+            "{:<24} {:<18} {:<14} {:>3} {:>6}  {:<20} {}",
+            r["created_at"].as_str().unwrap_or("-"),
+            r["state"].as_str().unwrap_or("-"),
+            r["tool"].as_str().unwrap_or("-"),
+            r["attempt"],
+            r["final_status"]
+                .as_u64()
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| "-".into()),
+            r["task_id"].as_str().unwrap_or("-"),
+            r["key"].as_str().unwrap_or("-"),
+        );
+    }
+    println!("{} record(s)", records.len());
+}
+
+fn print_timeline(task: &TaskId, entries: &[Value]) {
+    println!("task {task}: {} call(s)", entries.len());
+    println!(
+        "{:<24} {:>10}  {:<18} {:<14} {:>3} {:>6}  KEY",
+        "STARTED", "DURATION", "STATE", "TOOL", "ATT", "STATUS"
+    );
+    for e in entries {
+        let us = e["duration_us"].as_u64().unwrap_or(0);
+        println!(
+            "{:<24} {:>8.1}ms  {:<18} {:<14} {:>3} {:>6}  {}{}",
+            e["started_at"].as_str().unwrap_or("-"),
+            us as f64 / 1000.0,
+            e["state"].as_str().unwrap_or("-"),
+            e["tool"].as_str().unwrap_or("-"),
+            e["attempts"],
+            e["final_status"]
+                .as_u64()
+                .map(|s| s.to_string())
+                .unwrap_or_else(|| "-".into()),
+            e["key"].as_str().unwrap_or("-"),
+            e["resolved_by"]
+                .as_str()
+                .map(|a| format!("  (resolved by {a})"))
+                .unwrap_or_default(),
+        );
+    }
+}
+
+fn admin_json(base: &str, path: &str, token: Option<&str>) -> anyhow::Result<Value> {
+    let (status, body) = admin_get(base, path, token)?;
+    if status != 200 {
+        bail!("the admin API answered {status}: {body}");
+    }
+    Ok(body)
+}
+
+fn admin_get(base: &str, path: &str, token: Option<&str>) -> anyhow::Result<(u16, Value)> {
+    let url = format!("{base}{path}");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let client: Client<HttpConnector, Full<Bytes>> =
+            Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let mut req = http::Request::get(&url);
+        if let Some(t) = token {
+            req = req.header(http::header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        let resp = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            client.request(req.body(Full::new(Bytes::new()))?),
+        )
+        .await
+        .with_context(|| format!("{url} did not answer within 30 s"))?
+        .with_context(|| format!("cannot reach the admin API at {url}"))?;
+        let status = resp.status().as_u16();
+        let bytes = resp.into_body().collect().await?.to_bytes();
+        let body = serde_json::from_slice(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+        Ok((status, body))
+    })
+}
+
+fn encode(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b':') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}

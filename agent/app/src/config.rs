@@ -1,0 +1,853 @@
+//! Configuration in two phases: the TOML file (plus `OUTRIGGER_*` environment
+//! overrides) is read into a raw, loosely typed [`raw::Config`], which is then
+//! validated into typed options for each component. Validation reports every
+//! problem at once, each with its key path, so one edit fixes a config.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::Uri;
+use outrigger_proxy::options::{
+    self as popts, Capabilities, Dialect, Limits, ModelPattern, Provider, Secret, Tool, ToolKind,
+};
+use outrigger_types::ToolClass;
+
+pub mod raw;
+
+/// The sections whose scalar keys `OUTRIGGER_<SECTION>_<KEY>` may override.
+const ENV_SECTIONS: &[&str] = &[
+    "listen",
+    "admin",
+    "journal",
+    "limits",
+    "drain",
+    "log",
+    "policies",
+    "resilience",
+    "budget",
+    "gpu",
+];
+
+/// Everything `outrigger serve` needs, validated.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub data_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    pub admin_token: Option<Secret>,
+    pub data_dir: PathBuf,
+    pub journal: outrigger_journal::Options,
+    pub proxy: popts::Options,
+    pub policies: outrigger_policy::Options,
+    pub gpu: outrigger_gpu::Options,
+    pub drain_deadline: Duration,
+    pub log: LogOptions,
+    /// Where the configuration came from, for the startup log.
+    pub source: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct LogOptions {
+    pub json: bool,
+    pub filter: String,
+}
+
+/// One thing wrong with the configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// Dotted key path, e.g. `providers[1].base_url`.
+    pub path: String,
+    pub message: String,
+}
+
+/// Every problem found, reported together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Error {
+    pub source: String,
+    pub problems: Vec<Problem>,
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "{} has {} problem{}:",
+            self.source,
+            self.problems.len(),
+            if self.problems.len() == 1 { "" } else { "s" }
+        )?;
+        for p in &self.problems {
+            writeln!(f, "  - {}: {}", p.path, p.message)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// Collects problems while validating.
+#[derive(Default)]
+pub(crate) struct Problems(Vec<Problem>);
+
+impl Problems {
+    pub(crate) fn add(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(Problem {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+}
+
+/// Reads and validates the configuration. `env` is the process environment (passed
+/// in so tests can supply their own).
+pub fn load(path: Option<&Path>, env: &[(String, String)]) -> Result<Config, Error> {
+    let source = match path {
+        Some(p) => p.display().to_string(),
+        None => "the embedded defaults".to_string(),
+    };
+    let fail = |problems: Vec<Problem>| Error {
+        source: source.clone(),
+        problems,
+    };
+    let text = match path {
+        Some(p) => std::fs::read_to_string(p).map_err(|e| {
+            fail(vec![Problem {
+                path: "(file)".into(),
+                message: format!("cannot read {}: {e}", p.display()),
+            }])
+        })?,
+        None => String::new(),
+    };
+    let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+        fail(vec![Problem {
+            path: "(syntax)".into(),
+            message: e.to_string().trim().replace('\n', " "),
+        }])
+    })?;
+    let mut problems = Problems::default();
+    apply_env_overrides(&mut table, env, &mut problems);
+
+    let mut unknown = Vec::new();
+    let raw: raw::Config = match serde_ignored::deserialize(toml::Value::Table(table), |p| {
+        unknown.push(p.to_string())
+    }) {
+        Ok(raw) => raw,
+        Err(e) => {
+            problems.add("(types)", e.to_string().trim().replace('\n', " "));
+            return Err(fail(problems.0));
+        }
+    };
+    for key in unknown {
+        problems.add(
+            key,
+            "unknown key (check the spelling against the README's config reference)",
+        );
+    }
+    let config = validate(raw, env, source.clone(), &mut problems);
+    if problems.0.is_empty() {
+        config.ok_or_else(|| fail(Vec::new()))
+    } else {
+        Err(fail(problems.0))
+    }
+}
+
+fn apply_env_overrides(table: &mut toml::Table, env: &[(String, String)], problems: &mut Problems) {
+    for (name, value) in env {
+        let Some(rest) = name.strip_prefix("OUTRIGGER_") else {
+            continue;
+        };
+        let rest = rest.to_ascii_lowercase();
+        let Some(section) = ENV_SECTIONS
+            .iter()
+            .find(|s| rest.starts_with(&format!("{s}_")))
+        else {
+            continue;
+        };
+        let key = &rest[section.len() + 1..];
+        let parsed = value
+            .parse::<i64>()
+            .map(toml::Value::Integer)
+            .or_else(|_| value.parse::<bool>().map(toml::Value::Boolean))
+            .unwrap_or_else(|_| toml::Value::String(value.clone()));
+        match table
+            .entry(section.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+        {
+            toml::Value::Table(t) => {
+                t.insert(key.to_string(), parsed);
+            }
+            _ => problems.add(
+                format!("{section} (from {name})"),
+                "cannot override: the config's value is not a table",
+            ),
+        }
+    }
+}
+
+fn env_var<'a>(env: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    env.iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+        .filter(|v| !v.is_empty())
+}
+
+pub(crate) fn duration(
+    p: &mut Problems,
+    path: &str,
+    value: &Option<String>,
+    default: Duration,
+) -> Duration {
+    match value {
+        None => default,
+        Some(s) => match humantime::parse_duration(s) {
+            Ok(d) => d,
+            Err(e) => {
+                p.add(
+                    path,
+                    format!(
+                        "{s:?} is not a duration ({e}); write e.g. \"500ms\", \"30s\", \"24h\""
+                    ),
+                );
+                default
+            }
+        },
+    }
+}
+
+fn addr(p: &mut Problems, path: &str, value: &Option<String>, default: &str) -> SocketAddr {
+    let s = value.as_deref().unwrap_or(default);
+    s.parse().unwrap_or_else(|e| {
+        p.add(
+            path,
+            format!("{s:?} is not a socket address ({e}); write e.g. \"127.0.0.1:7070\""),
+        );
+        SocketAddr::from(([127, 0, 0, 1], 0))
+    })
+}
+
+fn url(p: &mut Problems, path: &str, s: &str) -> Option<Uri> {
+    match s.parse::<Uri>() {
+        Ok(u) if matches!(u.scheme_str(), Some("http" | "https")) && u.authority().is_some() => {
+            if u.query().is_some() {
+                p.add(
+                    path,
+                    format!("{s:?} has a query string; give only scheme, host, port and path"),
+                );
+                return None;
+            }
+            Some(u)
+        }
+        Ok(_) => {
+            p.add(
+                path,
+                format!("{s:?} must be an absolute http:// or https:// URL"),
+            );
+            None
+        }
+        Err(e) => {
+            p.add(path, format!("{s:?} is not a URL ({e})"));
+            None
+        }
+    }
+}
+
+fn validate(
+    raw: raw::Config,
+    env: &[(String, String)],
+    source: String,
+    p: &mut Problems,
+) -> Option<Config> {
+    let data_addr = addr(p, "listen.data", &raw.listen.data, "127.0.0.1:7070");
+    let admin_addr = addr(p, "listen.admin", &raw.listen.admin, "127.0.0.1:7071");
+    if data_addr == admin_addr && data_addr.port() != 0 {
+        p.add(
+            "listen.admin",
+            "the admin plane must not share the data plane's address",
+        );
+    }
+    let admin_token = raw
+        .admin
+        .token
+        .clone()
+        .filter(|t| !t.is_empty())
+        .map(Secret::new);
+    if !admin_addr.ip().is_loopback() && admin_token.is_none() {
+        p.add(
+            "admin.token",
+            format!(
+                "the admin plane binds {admin_addr}, which is not loopback: set a bearer token \
+                 (admin.token, or OUTRIGGER_ADMIN_TOKEN) or bind 127.0.0.1"
+            ),
+        );
+    }
+
+    let data_dir = PathBuf::from(
+        raw.journal
+            .dir
+            .clone()
+            .unwrap_or_else(|| "./outrigger-data".into()),
+    );
+    let journal = journal_options(&raw.journal, &data_dir, p);
+
+    let limits = Limits {
+        max_body_bytes: raw.limits.max_body_bytes.unwrap_or(8 << 20),
+        connect_timeout: duration(
+            p,
+            "limits.connect_timeout",
+            &raw.limits.connect_timeout,
+            Duration::from_secs(5),
+        ),
+        first_byte_timeout: duration(
+            p,
+            "limits.first_byte_timeout",
+            &raw.limits.first_byte_timeout,
+            Duration::from_secs(120),
+        ),
+        max_event_bytes: raw
+            .limits
+            .max_event_bytes
+            .unwrap_or(outrigger_proxy::sse::DEFAULT_MAX_EVENT_BYTES),
+    };
+    if limits.max_body_bytes == 0 {
+        p.add("limits.max_body_bytes", "must be greater than 0");
+    }
+
+    let providers = providers(&raw, env, p);
+    let tools = tools(&raw, p);
+    let policies = policies(&raw.policies, &data_dir, p);
+    let resilience = resilience(&raw.resilience, p);
+    let budget = budget(&raw.budget, &providers, p);
+    let gpu = gpu(&raw.gpu, p);
+
+    let drain_deadline = duration(
+        p,
+        "drain.deadline",
+        &raw.drain.deadline,
+        Duration::from_secs(30),
+    );
+    let log = LogOptions {
+        json: match raw.log.format.as_deref() {
+            None | Some("text") => false,
+            Some("json") => true,
+            Some(other) => {
+                p.add(
+                    "log.format",
+                    format!("{other:?} is not a log format; use \"text\" or \"json\""),
+                );
+                false
+            }
+        },
+        filter: raw.log.level.clone().unwrap_or_else(|| "info".into()),
+    };
+
+    Some(Config {
+        data_addr,
+        admin_addr,
+        admin_token,
+        data_dir,
+        journal,
+        proxy: popts::Options {
+            providers,
+            tools,
+            limits,
+            budget,
+            resilience,
+        },
+        policies,
+        gpu,
+        drain_deadline,
+        log,
+        source,
+    })
+}
+
+fn journal_options(
+    raw: &raw::Journal,
+    data_dir: &Path,
+    p: &mut Problems,
+) -> outrigger_journal::Options {
+    let d = outrigger_journal::Options::default();
+    let durability = match raw.durability.as_deref() {
+        None | Some("process") => outrigger_journal::Durability::Process,
+        Some("node") => outrigger_journal::Durability::Node,
+        Some(other) => {
+            p.add(
+                "journal.durability",
+                format!("{other:?} is not a durability; use \"process\" or \"node\""),
+            );
+            outrigger_journal::Durability::Process
+        }
+    };
+    let retention = duration(p, "journal.retention", &raw.retention, d.retention);
+    if retention < Duration::from_secs(60 * 60) {
+        p.add(
+            "journal.retention",
+            "must be at least 1h: a retried call must still find its key",
+        );
+    }
+    outrigger_journal::Options {
+        dir: data_dir.join("journal"),
+        durability,
+        retention,
+        tombstone_retention: duration(
+            p,
+            "journal.tombstone_retention",
+            &raw.tombstone_retention,
+            d.tombstone_retention,
+        ),
+        stream_retention: duration(
+            p,
+            "journal.stream_retention",
+            &raw.stream_retention,
+            d.stream_retention,
+        ),
+        cache_capacity_bytes: raw.cache_bytes.unwrap_or(d.cache_capacity_bytes),
+        ..d
+    }
+}
+
+fn providers(raw: &raw::Config, env: &[(String, String)], p: &mut Problems) -> Vec<Provider> {
+    let mut out: Vec<Provider> = Vec::new();
+    if raw.providers.is_empty() {
+        // Zero-config: providers from the environment, as the provider SDKs read it.
+        for (name, dialect, key_env, base_env, default_base) in [
+            (
+                "openai",
+                Dialect::OpenAi,
+                "OPENAI_API_KEY",
+                "OPENAI_BASE_URL",
+                "https://api.openai.com/v1",
+            ),
+            (
+                "anthropic",
+                Dialect::Anthropic,
+                "ANTHROPIC_API_KEY",
+                "ANTHROPIC_BASE_URL",
+                "https://api.anthropic.com",
+            ),
+        ] {
+            let Some(key) = env_var(env, key_env) else {
+                continue;
+            };
+            let base = env_var(env, base_env).unwrap_or(default_base);
+            if let Some(base_url) = url(p, &format!("({base_env})"), base) {
+                out.push(Provider {
+                    name: name.into(),
+                    dialect,
+                    base_url,
+                    api_key: Some(Secret::new(key.to_string())),
+                    models: vec![ModelPattern::Any],
+                    caps: Capabilities::permissive(),
+                });
+            }
+        }
+        return out;
+    }
+    for (i, rp) in raw.providers.iter().enumerate() {
+        let at = |k: &str| format!("providers[{i}].{k}");
+        if rp.name.is_empty() {
+            p.add(at("name"), "must not be empty");
+        } else if out.iter().any(|o| o.name == rp.name) {
+            p.add(
+                at("name"),
+                format!("{:?} is already used by another provider", rp.name),
+            );
+        }
+        let dialect = match rp.kind.as_str() {
+            "openai" => Some(Dialect::OpenAi),
+            "anthropic" => Some(Dialect::Anthropic),
+            other => {
+                p.add(
+                    at("kind"),
+                    format!("{other:?} is not a provider kind; use \"openai\" or \"anthropic\""),
+                );
+                None
+            }
+        };
+        let base_url = url(p, &at("base_url"), &rp.base_url);
+        let api_key = match &rp.api_key_env {
+            None => None,
+            Some(var) => match env_var(env, var) {
+                Some(v) => Some(Secret::new(v.to_string())),
+                None => {
+                    p.add(
+                        at("api_key_env"),
+                        format!("environment variable {var} is not set (or empty)"),
+                    );
+                    None
+                }
+            },
+        };
+        if rp.models.is_empty() {
+            p.add(at("models"), "list at least one model, or \"*\" for any");
+        }
+        let mut price = |k: &str, v: Option<f64>| match v {
+            None => 0,
+            Some(d) if d.is_finite() && d >= 0.0 => (d * 1_000_000.0).round() as u64,
+            Some(d) => {
+                p.add(
+                    at(k),
+                    format!("{d} is not a price; give dollars per million tokens, e.g. 2.5"),
+                );
+                0
+            }
+        };
+        let caps = Capabilities {
+            fallbacks: rp.fallbacks.clone(),
+            default_model: rp.default_model.clone(),
+            supports_tools: rp.supports_tools.unwrap_or(true),
+            supports_streaming: rp.supports_streaming.unwrap_or(true),
+            context_window: rp.context_window.unwrap_or(0),
+            modalities: rp.modalities.clone(),
+            local: rp.local.unwrap_or(false),
+            price_in: price("price_in", rp.price_in),
+            price_out: price("price_out", rp.price_out),
+        };
+        if let (Some(dialect), Some(base_url)) = (dialect, base_url) {
+            out.push(Provider {
+                name: rp.name.clone(),
+                dialect,
+                base_url,
+                api_key,
+                models: rp.models.iter().map(|m| ModelPattern::parse(m)).collect(),
+                caps,
+            });
+        }
+    }
+    // Fallbacks name providers of the same kind (no translation between dialects).
+    for (i, rp) in raw.providers.iter().enumerate() {
+        let Some(me) = out.iter().find(|o| o.name == rp.name) else {
+            continue;
+        };
+        for f in &rp.fallbacks {
+            match out.iter().find(|o| &o.name == f) {
+                None => p.add(
+                    format!("providers[{i}].fallbacks"),
+                    format!("{f:?} is not a configured provider"),
+                ),
+                Some(o) if o.dialect != me.dialect => p.add(
+                    format!("providers[{i}].fallbacks"),
+                    format!(
+                        "{f:?} speaks {}, {} speaks {}: fallbacks must share the API kind",
+                        o.dialect.as_str(),
+                        me.name,
+                        me.dialect.as_str()
+                    ),
+                ),
+                Some(o) if o.name == me.name => p.add(
+                    format!("providers[{i}].fallbacks"),
+                    "a provider cannot fall back to itself",
+                ),
+                Some(_) => {}
+            }
+        }
+    }
+    out
+}
+
+fn policies(raw: &raw::Policies, data_dir: &Path, p: &mut Problems) -> outrigger_policy::Options {
+    use outrigger_policy::{Binding, Hook, OnError, Source};
+    let d = outrigger_policy::Options::default();
+    let mut bindings = Vec::new();
+    for (i, b) in raw.bindings.iter().enumerate() {
+        let at = |k: &str| format!("policies.bindings[{i}].{k}");
+        let hook = match b.hook.as_str() {
+            "retry" => Some(Hook::Retry),
+            "fallback" => Some(Hook::Fallback),
+            "budget" => Some(Hook::Budget),
+            other => {
+                p.add(
+                    at("hook"),
+                    format!("{other:?} is not a hook; use \"retry\", \"fallback\" or \"budget\""),
+                );
+                None
+            }
+        };
+        let source = if let Some(name) = b.policy.strip_prefix("builtin:") {
+            if outrigger_builtins::by_name(name).is_none() {
+                p.add(at("policy"), format!("there is no built-in {name:?}; the built-ins are retry, fallback and budget"));
+            }
+            Some(Source::Builtin(name.to_string()))
+        } else if b.policy.ends_with(".wasm") {
+            Some(Source::Path(PathBuf::from(&b.policy)))
+        } else if !b.policy.is_empty() && !b.policy.contains('/') {
+            if raw.dir.is_none() {
+                p.add(
+                    at("policy"),
+                    format!(
+                        "{:?} names a file in [policies] dir, but no dir is set",
+                        b.policy
+                    ),
+                );
+            }
+            Some(Source::Named(b.policy.clone()))
+        } else {
+            p.add(at("policy"), "give \"builtin:<name>\", the stem of a .wasm in [policies] dir, or a path ending in .wasm");
+            None
+        };
+        let on_error = match b.on_error.as_deref() {
+            None | Some("fail-open") => OnError::FailOpen,
+            Some("fail-closed") => OnError::FailClosed,
+            Some(other) => {
+                p.add(
+                    at("on_error"),
+                    format!("{other:?} is not \"fail-open\" or \"fail-closed\""),
+                );
+                OnError::FailOpen
+            }
+        };
+        let params = b
+            .params
+            .iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    toml::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                (k.clone(), v)
+            })
+            .collect();
+        if let (Some(hook), Some(source)) = (hook, source) {
+            if bindings.iter().any(|x: &Binding| x.hook == hook) {
+                p.add(at("hook"), format!("{} is bound twice", hook.as_str()));
+            }
+            bindings.push(Binding {
+                hook,
+                source,
+                params,
+                on_error,
+            });
+        }
+    }
+    outrigger_policy::Options {
+        dir: raw.dir.as_ref().map(PathBuf::from),
+        cache_dir: Some(data_dir.join("policy-cache")),
+        bindings,
+        deadline: duration(p, "policies.deadline", &raw.deadline, d.deadline),
+        memory_limit_bytes: raw
+            .memory_limit_mb
+            .map(|m| m << 20)
+            .unwrap_or(d.memory_limit_bytes),
+        max_retry_delay: duration(
+            p,
+            "policies.max_retry_delay",
+            &raw.max_retry_delay,
+            d.max_retry_delay,
+        ),
+        seed: raw.seed,
+        warm_instances: d.warm_instances,
+    }
+}
+
+fn resilience(raw: &raw::Resilience, p: &mut Problems) -> popts::Resilience {
+    use outrigger_proxy::resilience::{breaker, limiter, retry_budget};
+    let rb = retry_budget::Options::default();
+    let br = breaker::Options::default();
+    let li = limiter::Options::default();
+    let ratio = raw.retry_budget_ratio.unwrap_or(rb.ratio);
+    if !(0.0..=10.0).contains(&ratio) {
+        p.add(
+            "resilience.retry_budget_ratio",
+            format!("{ratio} must be between 0 and 10 (0.2 = retries up to 20 % of requests)"),
+        );
+    }
+    popts::Resilience {
+        retry_budget: retry_budget::Options {
+            ratio,
+            min_retries: raw.retry_budget_min.unwrap_or(rb.min_retries),
+            window: duration(
+                p,
+                "resilience.retry_budget_window",
+                &raw.retry_budget_window,
+                rb.window,
+            ),
+        },
+        breaker: breaker::Options {
+            consecutive_failures: raw
+                .breaker_failures
+                .unwrap_or(br.consecutive_failures)
+                .max(1),
+            min_penalty: duration(
+                p,
+                "resilience.breaker_min_penalty",
+                &raw.breaker_min_penalty,
+                br.min_penalty,
+            ),
+            max_penalty: duration(
+                p,
+                "resilience.breaker_max_penalty",
+                &raw.breaker_max_penalty,
+                br.max_penalty,
+            ),
+            jitter: br.jitter,
+        },
+        limiter: limiter::Options {
+            max_concurrency: raw.max_concurrency.unwrap_or(li.max_concurrency).max(1),
+            min_concurrency: li.min_concurrency,
+            max_queue: raw.max_queue.unwrap_or(li.max_queue),
+            queue_timeout: duration(
+                p,
+                "resilience.queue_timeout",
+                &raw.queue_timeout,
+                li.queue_timeout,
+            ),
+        },
+    }
+}
+
+fn budget(raw: &raw::Budget, providers: &[Provider], p: &mut Problems) -> popts::Budget {
+    let cost = raw.cost.and_then(|c| {
+        if c.is_finite() && c >= 0.0 {
+            Some((c * 1_000_000.0).round() as u64)
+        } else {
+            p.add("budget.cost", format!("{c} is not an amount of dollars"));
+            None
+        }
+    });
+    let wall = raw.wall_clock.as_ref().map(|_| {
+        duration(p, "budget.wall_clock", &raw.wall_clock, Duration::ZERO).as_millis() as u64
+    });
+    for (i, m) in raw.downgrade_models.iter().enumerate() {
+        if !providers
+            .iter()
+            .any(|pr| pr.models.iter().any(|pat| pat.matches(m)))
+        {
+            p.add(
+                format!("budget.downgrade_models[{i}]"),
+                format!("no provider serves {m:?}"),
+            );
+        }
+    }
+    popts::Budget {
+        limits: outrigger_types::Limits {
+            tokens_in: raw.tokens_in,
+            tokens_out: raw.tokens_out,
+            tokens_total: raw.tokens_total,
+            cost_micros: cost,
+            wall_clock_ms: wall,
+            calls: raw.calls,
+            retries: raw.retries,
+        },
+        downgrades: raw.downgrade_models.clone(),
+    }
+}
+
+fn gpu(raw: &raw::Gpu, p: &mut Problems) -> outrigger_gpu::Options {
+    let d = outrigger_gpu::Options::default();
+    let mut uuids = Vec::new();
+    let mut indices = Vec::new();
+    for (i, w) in raw.watch.iter().enumerate() {
+        match w {
+            toml::Value::String(s) if s.starts_with("GPU-") || s.starts_with("MIG-") => {
+                uuids.push(s.clone())
+            }
+            toml::Value::Integer(n) if *n >= 0 => indices.push(*n as u32),
+            other => p.add(
+                format!("gpu.watch[{i}]"),
+                format!("{other} is neither a GPU UUID (\"GPU-…\") nor an index"),
+            ),
+        }
+    }
+    let watch = match (uuids.is_empty(), indices.is_empty()) {
+        (true, true) => outrigger_gpu::Watch::All,
+        (false, true) => outrigger_gpu::Watch::Uuids(uuids),
+        (true, false) => outrigger_gpu::Watch::Indices(indices),
+        (false, false) => {
+            p.add("gpu.watch", "list UUIDs or indices, not both");
+            outrigger_gpu::Watch::All
+        }
+    };
+    let options = outrigger_gpu::Options {
+        enabled: raw.enabled.unwrap_or(d.enabled),
+        library_path: raw.library.as_ref().map(PathBuf::from),
+        sample_interval: duration(
+            p,
+            "gpu.sample_interval",
+            &raw.sample_interval,
+            d.sample_interval,
+        ),
+        watch,
+        unknown_is_ready: raw.unknown_is_ready.unwrap_or(d.unknown_is_ready),
+        degraded_is_ready: raw.degraded_is_ready.unwrap_or(d.degraded_is_ready),
+        fatal_xids: raw
+            .fatal_xids
+            .clone()
+            .map(|v| v.into_iter().collect())
+            .unwrap_or(d.fatal_xids.clone()),
+        expected_count: raw.expected_count.or(d.expected_count),
+        ..d
+    };
+    for problem in options.problems() {
+        p.add("gpu", problem);
+    }
+    options
+}
+
+fn tools(raw: &raw::Config, p: &mut Problems) -> Vec<Tool> {
+    let mut out: Vec<Tool> = Vec::new();
+    for (i, rt) in raw.tools.iter().enumerate() {
+        let at = |k: &str| format!("tools[{i}].{k}");
+        let valid_name = !rt.name.is_empty()
+            && rt
+                .name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if !valid_name {
+            p.add(
+                at("name"),
+                format!(
+                    "{:?} must be non-empty letters, digits, - or _ (it is a URL segment)",
+                    rt.name
+                ),
+            );
+        } else if out.iter().any(|o| o.name == rt.name) {
+            p.add(
+                at("name"),
+                format!("{:?} is already used by another tool", rt.name),
+            );
+        }
+        let kind = match rt.kind.as_str() {
+            "http" => Some(ToolKind::Http),
+            "mcp" => Some(ToolKind::Mcp),
+            other => {
+                p.add(
+                    at("kind"),
+                    format!("{other:?} is not a tool kind; use \"http\" or \"mcp\""),
+                );
+                None
+            }
+        };
+        let class = match rt.class.as_deref().unwrap_or("unsafe").parse::<ToolClass>() {
+            Ok(c) => Some(c),
+            Err(e) => {
+                p.add(at("class"), e);
+                None
+            }
+        };
+        if class == Some(ToolClass::Probe) && rt.probe_path.is_none() {
+            p.add(
+                at("probe_path"),
+                "a probe tool needs probe_path (e.g. \"/status/{key}\")",
+            );
+        }
+        let base_url = url(p, &at("base_url"), &rt.base_url);
+        let timeout = duration(p, &at("timeout"), &rt.timeout, Duration::from_secs(30));
+        if let (Some(kind), Some(class), Some(base_url)) = (kind, class, base_url) {
+            out.push(Tool {
+                name: rt.name.clone(),
+                kind,
+                base_url,
+                class,
+                key_required: rt.key_required.unwrap_or(false),
+                journal_get: rt.journal_get.unwrap_or(false),
+                timeout,
+                probe_path: rt.probe_path.clone(),
+            });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,186 @@
+use super::*;
+
+fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn load_str(text: &str, env: &[(String, String)]) -> Result<Config, Error> {
+    let dir = std::env::temp_dir().join(format!("outrigger-config-test-{}", ulid_like()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("outrigger.toml");
+    std::fs::write(&path, text).unwrap();
+    let result = load(Some(&path), env);
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+fn ulid_like() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+fn paths(e: &Error) -> Vec<&str> {
+    e.problems.iter().map(|p| p.path.as_str()).collect()
+}
+
+#[test]
+fn embedded_defaults() {
+    let c = load(None, &[]).unwrap();
+    assert_eq!(c.data_addr.to_string(), "127.0.0.1:7070");
+    assert_eq!(c.admin_addr.to_string(), "127.0.0.1:7071");
+    assert_eq!(c.data_dir, PathBuf::from("./outrigger-data"));
+    assert!(c.proxy.providers.is_empty());
+}
+
+#[test]
+fn providers_from_the_environment() {
+    let c = load(
+        None,
+        &env(&[
+            ("OPENAI_API_KEY", "sk-test"),
+            ("OPENAI_BASE_URL", "http://127.0.0.1:9/v1"),
+            ("ANTHROPIC_API_KEY", "ak-test"),
+        ]),
+    )
+    .unwrap();
+    let names: Vec<_> = c.proxy.providers.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(names, ["openai", "anthropic"]);
+    assert_eq!(
+        c.proxy.providers[0].base_url.to_string(),
+        "http://127.0.0.1:9/v1"
+    );
+    assert_eq!(
+        c.proxy.providers[1].api_key.as_ref().map(|k| k.expose()),
+        Some("ak-test")
+    );
+}
+
+#[test]
+fn every_problem_is_reported_at_once_with_its_path() {
+    let err = load_str(
+        r#"
+[listen]
+data = "nonsense"
+admin = "0.0.0.0:7071"
+colour = "blue"
+
+[limits]
+connect_timeout = "soon"
+
+[[providers]]
+name = "p"
+kind = "gemini"
+base_url = "ftp://x"
+api_key_env = "OUTRIGGER_TEST_UNSET_VAR"
+models = []
+
+[[tools]]
+name = "bad name"
+kind = "http"
+base_url = "http://127.0.0.1:9"
+class = "sometimes"
+"#,
+        &[],
+    )
+    .unwrap_err();
+    let got = paths(&err);
+    for want in [
+        "listen.colour",
+        "listen.data",
+        "admin.token",
+        "limits.connect_timeout",
+        "providers[0].kind",
+        "providers[0].base_url",
+        "providers[0].api_key_env",
+        "providers[0].models",
+        "tools[0].name",
+        "tools[0].class",
+    ] {
+        assert!(got.contains(&want), "missing {want} in {got:?}");
+    }
+    let text = err.to_string();
+    assert!(text.contains("problems:"), "{text}");
+}
+
+#[test]
+fn environment_overrides_keys() {
+    let c = load_str(
+        "[listen]\ndata = \"127.0.0.1:1\"\n",
+        &env(&[
+            ("OUTRIGGER_LISTEN_DATA", "127.0.0.1:7777"),
+            ("OUTRIGGER_LIMITS_MAX_BODY_BYTES", "1024"),
+            ("OUTRIGGER_UNRELATED_THING", "ignored"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.data_addr.to_string(), "127.0.0.1:7777");
+    assert_eq!(c.proxy.limits.max_body_bytes, 1024);
+}
+
+#[test]
+fn an_override_to_an_unknown_key_is_reported() {
+    let err = load(None, &env(&[("OUTRIGGER_LIMITS_MAX_BODY", "1")])).unwrap_err();
+    assert_eq!(paths(&err), ["limits.max_body"]);
+}
+
+#[test]
+fn non_loopback_admin_needs_a_token() {
+    assert!(load(None, &env(&[("OUTRIGGER_LISTEN_ADMIN", "0.0.0.0:7071")])).is_err());
+    assert!(
+        load(
+            None,
+            &env(&[
+                ("OUTRIGGER_LISTEN_ADMIN", "0.0.0.0:7071"),
+                ("OUTRIGGER_ADMIN_TOKEN", "t0k3n")
+            ])
+        )
+        .is_ok()
+    );
+}
+
+#[test]
+fn syntax_errors_name_the_file() {
+    let err = load_str("[listen\n", &[]).unwrap_err();
+    assert_eq!(paths(&err), ["(syntax)"]);
+    assert!(err.to_string().contains("outrigger.toml"));
+}
+
+#[test]
+fn tools_are_validated() {
+    let c = load_str(
+        r#"
+[[tools]]
+name = "payments"
+kind = "http"
+base_url = "http://127.0.0.1:9000"
+class = "keyed"
+key_required = true
+
+[[tools]]
+name = "lookup"
+kind = "http"
+base_url = "http://127.0.0.1:9001"
+class = "probe"
+probe_path = "/status/{key}"
+"#,
+        &[],
+    )
+    .unwrap();
+    assert_eq!(c.proxy.tools.len(), 2);
+    assert_eq!(c.proxy.tools[0].class, ToolClass::Keyed);
+    assert!(c.proxy.tools[0].key_required);
+    let err = load_str(
+        "[[tools]]\nname = \"x\"\nkind = \"http\"\nbase_url = \"http://127.0.0.1:1\"\nclass = \"probe\"\n",
+        &[],
+    )
+    .unwrap_err();
+    assert_eq!(paths(&err), ["tools[0].probe_path"]);
+}

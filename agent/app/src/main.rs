@@ -1,0 +1,160 @@
+//! The `outrigger` binary: the sidecar (`serve`) and the operator's tools.
+//!
+//! This crate is the only place that reads the environment, files and arguments,
+//! and the only one that spawns long-lived tasks; the libraries it wires receive
+//! typed options.
+
+mod admin;
+mod audit;
+mod config;
+mod policies;
+mod serve;
+mod tools_cli;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "outrigger",
+    version,
+    about = "A sidecar that keeps AI agents upright: journaled tool calls, resumable model streams, WASM policies."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the sidecar (data plane on 127.0.0.1:7070, admin on 127.0.0.1:7071 by default).
+    Serve {
+        /// TOML configuration file; without it the embedded defaults apply.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Write the bound addresses as JSON to this file once ready.
+        #[arg(long, hide = true)]
+        ready_file: Option<PathBuf>,
+    },
+    /// Audit the side-effect journal (works whether the sidecar runs or not).
+    Journal {
+        #[command(subcommand)]
+        command: audit::Command,
+    },
+    /// Check or exercise a policy component.
+    Policy {
+        #[command(subcommand)]
+        command: tools_cli::PolicyCommand,
+    },
+    /// Print local GPU health once (says so plainly when there is no NVIDIA driver).
+    Gpu(tools_cli::GpuArgs),
+    /// Validate a configuration file and print what it configures.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Check a configuration (with the environment's overrides applied).
+    Check {
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let env: Vec<(String, String)> = std::env::vars().collect();
+    match cli.command {
+        Command::Serve { config, ready_file } => {
+            let config = match config::load(config.as_deref(), &env) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprint!("{e}");
+                    return ExitCode::from(2);
+                }
+            };
+            init_logging(&config.log);
+            let runtime = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("cannot start the async runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match runtime.block_on(serve::run(config, serve::ServeArgs { ready_file })) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!("{e:#}");
+                    eprintln!("outrigger: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Command::Journal { command } => audit::run(command),
+        Command::Policy { command } => tools_cli::policy(command),
+        Command::Gpu(args) => tools_cli::gpu(args),
+        Command::Config {
+            command: ConfigCommand::Check { config },
+        } => match config::load(config.as_deref(), &env) {
+            Ok(c) => {
+                println!("{} is valid:", c.source);
+                println!("  data plane  {}", c.data_addr);
+                println!("  admin plane {}", c.admin_addr);
+                println!("  data dir    {}", c.data_dir.display());
+                for p in &c.proxy.providers {
+                    println!(
+                        "  provider    {} ({}, {}) models: {}",
+                        p.name,
+                        p.dialect.as_str(),
+                        p.base_url,
+                        p.models
+                            .iter()
+                            .map(ToString::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                }
+                for t in &c.proxy.tools {
+                    println!(
+                        "  tool        {} ({}, class {})",
+                        t.name,
+                        t.base_url,
+                        t.class.as_str()
+                    );
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprint!("{e}");
+                ExitCode::from(2)
+            }
+        },
+    }
+}
+
+fn init_logging(log: &config::LogOptions) {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_new(&log.filter).unwrap_or_else(|e| {
+        eprintln!(
+            "log.level {:?} is not a valid filter ({e}); using \"info\"",
+            log.filter
+        );
+        EnvFilter::new("info")
+    });
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if log.json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}

@@ -1,0 +1,120 @@
+//! The policy registry in the running sidecar: the adapter that makes it the data
+//! plane's decider, and the three ways a reload is triggered (a change in the
+//! policy directory, `POST /v1/policies/reload`, SIGHUP). Every trigger runs the one
+//! reload path, off the async threads; startup was the first run of it.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outrigger_policy::{Registry, ReloadReport};
+use outrigger_proxy::decider::Decider;
+use outrigger_types::{
+    BudgetDecision, BudgetRequest, CallContext, Decided, Failure, FallbackRequest, RetryDecision,
+};
+
+/// The registry as the data plane's [`Decider`].
+pub struct PolicyDecider(pub Registry);
+
+impl Decider for PolicyDecider {
+    fn retry(&self, ctx: &CallContext, failure: &Failure) -> Decided<RetryDecision> {
+        self.0.retry(ctx, failure)
+    }
+
+    fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<String>> {
+        self.0.fallback(req)
+    }
+
+    fn budget(&self, req: &BudgetRequest) -> Decided<BudgetDecision> {
+        self.0.budget(req)
+    }
+}
+
+/// Builds the registry (the first reload: built-ins from the compiled cache when it
+/// is warm) and starts its epoch ticker on a thread of its own.
+pub fn start(options: outrigger_policy::Options) -> anyhow::Result<Registry> {
+    let builtins = outrigger_builtins::ALL
+        .iter()
+        .map(|b| outrigger_policy::BuiltinComponent {
+            name: b.name,
+            bytes: b.bytes,
+        })
+        .collect();
+    let registry = Registry::new(options, builtins)?;
+    let ticker = registry.ticker();
+    std::thread::Builder::new()
+        .name("policy-epoch".into())
+        .spawn(move || ticker.run())?;
+    for status in registry.status() {
+        tracing::info!(
+            hook = status.hook.as_str(),
+            source = %status.source,
+            version = status.version.as_ref().map(|v| v.as_str()).unwrap_or("none"),
+            from_cache = ?status.loaded_from_cache,
+            load_ms = ?status.load_ms,
+            error = status.last_error.as_deref().unwrap_or(""),
+            "policy bound"
+        );
+    }
+    Ok(registry)
+}
+
+/// Runs a reload off the async threads and logs what changed.
+pub async fn reload(registry: &Registry, why: &str) -> ReloadReport {
+    let r = registry.clone();
+    let report = match tokio::task::spawn_blocking(move || r.reload()).await {
+        Ok(report) => report,
+        Err(e) => {
+            tracing::error!(error = %e, "the policy reload task failed");
+            return ReloadReport {
+                bindings: Vec::new(),
+                elapsed_ms: 0.0,
+            };
+        }
+    };
+    for b in &report.bindings {
+        tracing::info!(trigger = why, hook = b.hook.as_str(), outcome = ?b.outcome, "policy reload");
+    }
+    report
+}
+
+/// Reloads on SIGHUP, forever.
+pub async fn on_sighup(registry: Registry) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hup) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot listen for SIGHUP; reload through the admin API instead");
+        return;
+    };
+    while hup.recv().await.is_some() {
+        reload(&registry, "SIGHUP").await;
+    }
+}
+
+/// Watches the policy directory and reloads (debounced) when a `.wasm` in it
+/// changes. The returned watcher must be kept alive.
+pub fn watch(dir: &Path, registry: Registry) -> anyhow::Result<notify::RecommendedWatcher> {
+    use notify::{RecursiveMode, Watcher};
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        if let Ok(e) = event {
+            let relevant = e
+                .paths
+                .iter()
+                .any(|p| p.extension().is_some_and(|x| x == "wasm"));
+            if relevant && !matches!(e.kind, notify::EventKind::Access(_)) {
+                let _ = tx.send(());
+            }
+        }
+    })?;
+    watcher.watch(dir, RecursiveMode::NonRecursive)?;
+    let registry = Arc::new(registry);
+    tokio::spawn(async move {
+        while rx.recv().await.is_some() {
+            // Let a copy finish (and coalesce its several events) before reloading.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            while rx.try_recv().is_ok() {}
+            reload(&registry, "policy directory changed").await;
+        }
+    });
+    Ok(watcher)
+}

@@ -1,0 +1,268 @@
+//! `outrigger serve`: wires the components together, binds the two planes, and
+//! supervises them until a signal asks for a drain.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use anyhow::Context;
+use outrigger_proxy::Proxy;
+use outrigger_proxy::server::serve;
+use outrigger_telemetry::Metrics;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::admin::{Admin, Readiness};
+use crate::config::Config;
+
+pub struct ServeArgs {
+    /// Written (as JSON with the bound addresses) once the sidecar is ready; lets
+    /// tests and scripts use port 0.
+    pub ready_file: Option<PathBuf>,
+}
+
+pub async fn run(config: Config, args: ServeArgs) -> anyhow::Result<()> {
+    let metrics = Metrics::new();
+    let readiness = Arc::new(Readiness::default());
+
+    let data = TcpListener::bind(config.data_addr)
+        .await
+        .with_context(|| format!("cannot listen on {} (listen.data)", config.data_addr))?;
+    let admin = TcpListener::bind(config.admin_addr)
+        .await
+        .with_context(|| format!("cannot listen on {} (listen.admin)", config.admin_addr))?;
+    let data_addr = data.local_addr()?;
+    let admin_addr = admin.local_addr()?;
+
+    for p in &config.proxy.providers {
+        tracing::info!(
+            provider = %p.name,
+            kind = p.dialect.as_str(),
+            host = p.authority().unwrap_or("?"),
+            models = %p.models.iter().map(ToString::to_string).collect::<Vec<_>>().join(","),
+            credential = if p.api_key.is_some() { "set" } else { "none" },
+            "provider configured"
+        );
+    }
+    if config.proxy.providers.is_empty() {
+        tracing::warn!(
+            "no model provider is configured: set OPENAI_API_KEY / ANTHROPIC_API_KEY or add [[providers]]"
+        );
+    }
+
+    let journal = open_journal(&config.journal, &readiness);
+
+    let policy_options = config.policies.clone();
+    let registry = tokio::task::spawn_blocking(move || crate::policies::start(policy_options))
+        .await
+        .context("the policy start-up task failed")??;
+    readiness.policies.store(
+        registry.status().iter().all(|b| b.version.is_some()),
+        Ordering::Release,
+    );
+    let _watcher = match &config.policies.dir {
+        Some(dir) => match crate::policies::watch(dir, registry.clone()) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(dir = %dir.display(), error = %e, "cannot watch the policy directory; reload with SIGHUP or the admin API");
+                None
+            }
+        },
+        None => None,
+    };
+    tokio::spawn(crate::policies::on_sighup(registry.clone()));
+
+    let (gpu, _gpu_threads) = outrigger_gpu::Monitor::launch(config.gpu.clone());
+    let gpu_rx = gpu.subscribe();
+
+    let proxy = Proxy::new(
+        config.proxy.clone(),
+        outrigger_proxy::Components {
+            metrics: metrics.clone(),
+            journal: journal.clone(),
+            decider: Arc::new(crate::policies::PolicyDecider(registry.clone())),
+        },
+    );
+    follow_gpu(gpu_rx.clone(), proxy.clone(), readiness.clone());
+    let admin_state = Arc::new(Admin {
+        readiness: readiness.clone(),
+        metrics: metrics.clone(),
+        token: config.admin_token.clone(),
+        journal: journal.clone(),
+        faults: crate::admin::Faults::default(),
+        policies: registry.clone(),
+        gpu: gpu_rx,
+    });
+
+    let (drain_tx, drain_rx) = watch::channel(false);
+    let (admin_stop_tx, admin_stop_rx) = watch::channel(false);
+
+    let data_task = tokio::spawn(serve(
+        data,
+        move |req, peer| {
+            let proxy = proxy.clone();
+            async move { proxy.handle(req, peer).await }
+        },
+        wait_for(drain_rx),
+        config.drain_deadline,
+    ));
+    let admin_task = tokio::spawn(serve(
+        admin,
+        move |req, peer| {
+            let admin = admin_state.clone();
+            async move { admin.handle(req, peer).await }
+        },
+        wait_for(admin_stop_rx),
+        std::time::Duration::from_secs(1),
+    ));
+
+    readiness.started.store(true, Ordering::Release);
+    tracing::info!(data = %data_addr, admin = %admin_addr, source = %config.source, "outrigger ready");
+    if let Some(path) = &args.ready_file {
+        let doc = serde_json::json!({
+            "data": data_addr.to_string(),
+            "admin": admin_addr.to_string(),
+            "pid": std::process::id(),
+        });
+        std::fs::write(path, doc.to_string())
+            .with_context(|| format!("cannot write the ready file {}", path.display()))?;
+    }
+
+    let signal = shutdown_signal().await;
+    readiness.draining.store(true, Ordering::Release);
+    tracing::info!(signal, deadline = ?config.drain_deadline, "draining: readiness is now false");
+    let _ = drain_tx.send(true);
+
+    let drained = data_task.await.context("the data plane task failed")?;
+    if drained.complete {
+        tracing::info!(took = ?drained.took, "drained: every in-flight request finished");
+    } else {
+        tracing::warn!(took = ?drained.took, "drain deadline passed: remaining requests were cut");
+    }
+    let _ = admin_stop_tx.send(true);
+    let _ = admin_task.await;
+    tracing::info!("outrigger stopped");
+    Ok(())
+}
+
+/// Feeds each new GPU snapshot to the data plane (fallback input, hardware cause)
+/// and to readiness.
+fn follow_gpu(
+    mut rx: watch::Receiver<Arc<outrigger_gpu::Snapshot>>,
+    proxy: Proxy,
+    readiness: Arc<Readiness>,
+) {
+    tokio::spawn(async move {
+        let mut last_state = None;
+        loop {
+            let snap = rx.borrow_and_update().clone();
+            proxy.set_gpu(snap.summary.clone());
+            if let Ok(mut g) = readiness.gpu.lock() {
+                *g = (!snap.ready).then(|| snap.ready_reason.clone());
+            }
+            if last_state != Some(snap.summary.state) {
+                tracing::info!(state = snap.summary.state.as_str(), ready = snap.ready, reason = %snap.ready_reason, "GPU health");
+                last_state = Some(snap.summary.state);
+            }
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+}
+
+/// Opens the journal and starts its writer and its retention sweeper. A journal that
+/// cannot be opened leaves the sidecar running without one: readiness says so, and
+/// every side-effecting call is refused (fail closed) rather than run unjournaled.
+fn open_journal(
+    options: &outrigger_journal::Options,
+    readiness: &Arc<Readiness>,
+) -> Option<outrigger_journal::Journal> {
+    use outrigger_journal::{Error, Journal};
+    let opened = match Journal::open(options.clone()) {
+        Err(Error::Corrupt { dir, detail }) => {
+            tracing::error!(dir = %dir.display(), %detail,
+                "the journal is corrupt: moving it aside and starting a fresh one; \
+                 calls that were in flight must be reviewed in the quarantined copy");
+            match Journal::quarantine(&dir) {
+                Ok(moved) => {
+                    tracing::error!(quarantined = %moved.display(), "journal quarantined");
+                    Journal::open(options.clone())
+                }
+                Err(e) => Err(e),
+            }
+        }
+        other => other,
+    };
+    let (journal, writer, recovery) = match opened {
+        Ok(o) => o,
+        Err(e) => {
+            tracing::error!(error = %e, "the journal cannot be opened: side-effecting calls will be refused");
+            return None;
+        }
+    };
+    tracing::info!(
+        dir = %options.dir.display(),
+        epoch = recovery.epoch,
+        records = recovery.records,
+        failed_before_send = recovery.failed_before_send.len(),
+        in_doubt = recovery.in_doubt.len(),
+        needs_operator = recovery.needs_operator.len(),
+        abandoned_streams = recovery.abandoned_streams.len(),
+        "journal open"
+    );
+    for key in &recovery.needs_operator {
+        tracing::warn!(%key, "a call to an unsafe tool was in flight when the sidecar stopped: it needs an operator");
+    }
+    if !recovery.undecodable.is_empty() {
+        tracing::error!(
+            count = recovery.undecodable.len(),
+            "journal records could not be decoded; run `outrigger journal verify`"
+        );
+    }
+    let ready = readiness.clone();
+    tokio::spawn(async move {
+        writer.run().await;
+        ready.journal.store(false, Ordering::Release);
+        tracing::error!("the journal writer stopped");
+    });
+    readiness.journal.store(true, Ordering::Release);
+    let sweeper = journal.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
+        loop {
+            tick.tick().await;
+            match sweeper.reap(std::time::SystemTime::now()).await {
+                Ok(report) => tracing::debug!(?report, "retention sweep"),
+                Err(e) => tracing::warn!(error = %e, "retention sweep failed"),
+            }
+        }
+    });
+    Some(journal)
+}
+
+async fn wait_for(mut rx: watch::Receiver<bool>) {
+    while !*rx.borrow() {
+        if rx.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn shutdown_signal() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    match (term, int) {
+        (Ok(mut term), Ok(mut int)) => tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        },
+        _ => {
+            // Without signal handlers there is no graceful path; wait forever rather
+            // than exit at once.
+            std::future::pending::<()>().await;
+            "none"
+        }
+    }
+}

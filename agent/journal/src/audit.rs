@@ -1,0 +1,263 @@
+//! Reading the journal: by the live sidecar (through [`crate::Journal`]) and offline
+//! (through [`Audit`], while the sidecar is stopped).
+
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use outrigger_types::{IdempotencyKey, TaskId};
+
+use crate::Error;
+use crate::chain::{self, Head, LogEntry, VerifyReport};
+use crate::options::Durability;
+use crate::record::{Filter, Record, TimelineEntry};
+use crate::store::{Store, keys};
+use crate::stream::{StreamKey, StreamMeta};
+use crate::writer::{decode_record, decode_stream};
+
+/// Reads go straight to the store: they never wait for the writer. They may see a
+/// write that is applied but whose flush is still running (it is milliseconds from
+/// durable); answers that release a side effect's outcome go through the writer.
+#[derive(Clone)]
+pub(crate) struct Reader {
+    pub(crate) store: Arc<Store>,
+}
+
+impl Reader {
+    pub(crate) fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, Error> {
+        self.store
+            .get(&keys::record(key.as_str()))?
+            .map(|bytes| decode_record(key.as_str(), &bytes))
+            .transpose()
+    }
+
+    /// Matching records, oldest first. Undecodable records are skipped with a warning
+    /// (`verify` names them), so that one damaged record cannot hide all the others.
+    pub(crate) fn list(&self, filter: &Filter) -> Result<Vec<Record>, Error> {
+        let mut out = Vec::new();
+        let mut keep = |key: &[u8], bytes: &[u8]| {
+            let key = String::from_utf8_lossy(key);
+            match decode_record(&key, bytes) {
+                Ok(rec) if filter.matches(&rec) => out.push(rec),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "skipping an undecodable journal record"),
+            }
+        };
+        if let Some(task) = &filter.task {
+            let prefix = keys::task_prefix(task.as_str());
+            for entry in self.store.scan_prefix(&prefix) {
+                let (index, _) = entry?;
+                let Some(key) = keys::task_entry_key(task.as_str(), &index) else {
+                    continue;
+                };
+                if let Some(bytes) = self.store.get(&[keys::RECORDS, key].concat())? {
+                    keep(key, &bytes);
+                }
+            }
+        } else {
+            for entry in self.store.scan_prefix(keys::RECORDS) {
+                let (key, bytes) = entry?;
+                keep(&key[keys::RECORDS.len()..], &bytes);
+            }
+        }
+        out.sort_by(|a, b| (a.created_at, &a.key).cmp(&(b.created_at, &b.key)));
+        if let Some(limit) = filter.limit {
+            out.truncate(limit);
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn export(&self, filter: &Filter, out: &mut dyn Write) -> Result<usize, Error> {
+        let records = self.list(filter)?;
+        for rec in &records {
+            serde_json::to_writer(&mut *out, rec)
+                .map_err(|e| Error::Storage(format!("cannot write the export: {e}")))?;
+            out.write_all(b"\n")
+                .map_err(|e| Error::Storage(format!("cannot write the export: {e}")))?;
+        }
+        Ok(records.len())
+    }
+
+    pub(crate) fn verify(&self) -> Result<VerifyReport, Error> {
+        let head = self
+            .store
+            .get(keys::HEAD)?
+            .map(|bytes| Head::decode(&bytes))
+            .transpose()?;
+        let log = self.store.scan_prefix(keys::LOG).map(|entry| {
+            let (key, bytes) = entry?;
+            let seq = keys::log_seq(&key).ok_or_else(|| Error::Decode {
+                what: "a log key".to_owned(),
+                detail: format!("{} bytes, expected 10", key.len()),
+            })?;
+            Ok((seq, bytes))
+        });
+        let records = self.store.scan_prefix(keys::RECORDS).map(|entry| {
+            let (key, bytes) = entry?;
+            Ok((
+                String::from_utf8_lossy(&key[keys::RECORDS.len()..]).into_owned(),
+                bytes,
+            ))
+        });
+        chain::verify(log, records, head)
+    }
+
+    /// Log entries from `from_seq` on, at most `limit` (for archiving the chain or
+    /// inspecting it after `verify` named a sequence number).
+    pub(crate) fn log_entries(&self, from_seq: u64, limit: usize) -> Result<Vec<LogEntry>, Error> {
+        self.store
+            .range_from(&keys::log(from_seq))
+            .take_while(|e| e.as_ref().map_or(true, |(k, _)| k.starts_with(keys::LOG)))
+            .take(limit)
+            .map(|entry| {
+                let (key, bytes) = entry?;
+                serde_json::from_slice(&bytes).map_err(|e| Error::Decode {
+                    what: format!("log entry {:?}", keys::log_seq(&key)),
+                    detail: e.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    pub(crate) fn timeline(&self, task: &TaskId) -> Result<Vec<TimelineEntry>, Error> {
+        let filter = Filter {
+            task: Some(task.clone()),
+            ..Filter::default()
+        };
+        Ok(self.list(&filter)?.iter().map(TimelineEntry::of).collect())
+    }
+
+    pub(crate) fn stream_meta(&self, key: &StreamKey) -> Result<Option<StreamMeta>, Error> {
+        let Some(bytes) = self.store.get(&keys::stream(key.as_str()))? else {
+            return Ok(None);
+        };
+        let mut meta = decode_stream(key.as_str(), &bytes)?;
+        meta.last_seq = match self
+            .store
+            .scan_prefix(&keys::attempt_prefix(key.as_str(), meta.attempt))
+            .next_back()
+        {
+            Some(entry) => keys::event_seq(&entry?.0),
+            None => None,
+        };
+        Ok(Some(meta))
+    }
+
+    pub(crate) fn stream_events(
+        &self,
+        key: &StreamKey,
+        attempt: u32,
+        after_seq: Option<u64>,
+    ) -> Result<Vec<(u64, Bytes)>, Error> {
+        let prefix = keys::attempt_prefix(key.as_str(), attempt);
+        let start = match after_seq {
+            Some(seq) => match seq.checked_add(1) {
+                Some(next) => keys::event(key.as_str(), attempt, next),
+                None => return Ok(Vec::new()),
+            },
+            None => prefix.clone(),
+        };
+        let iter = self
+            .store
+            .range_from(&start)
+            .take_while(move |e| e.as_ref().map_or(true, |(k, _)| k.starts_with(&prefix)));
+        iter.map(|entry| {
+            let (k, v) = entry?;
+            let seq = keys::event_seq(&k).ok_or_else(|| Error::Decode {
+                what: format!("an event key of stream {key}"),
+                detail: "too short".to_owned(),
+            })?;
+            Ok((seq, Bytes::from(v)))
+        })
+        .collect()
+    }
+
+    pub(crate) fn kv_get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, Error> {
+        check_namespace(namespace)?;
+        self.store.get(&keys::kv(namespace, key))
+    }
+
+    pub(crate) fn kv_scan(&self, namespace: &str) -> Result<Vec<(String, Vec<u8>)>, Error> {
+        check_namespace(namespace)?;
+        let prefix = keys::kv_prefix(namespace);
+        self.store
+            .scan_prefix(&prefix)
+            .map(|entry| {
+                let (k, v) = entry?;
+                Ok((String::from_utf8_lossy(&k[prefix.len()..]).into_owned(), v))
+            })
+            .collect()
+    }
+}
+
+pub(crate) fn check_namespace(namespace: &str) -> Result<(), Error> {
+    if namespace.is_empty() || !namespace.chars().all(|c| c.is_ascii_graphic()) {
+        return Err(Error::Invalid {
+            what: "kv namespace",
+            detail: format!("{namespace:?} must be non-empty visible ASCII"),
+        });
+    }
+    Ok(())
+}
+
+/// A read-only view of a stopped sidecar's journal (`outrigger journal …`).
+///
+/// It holds the journal's lock while open, so a sidecar cannot start on the same
+/// directory meanwhile.
+pub struct Audit {
+    reader: Reader,
+}
+
+impl Audit {
+    pub(crate) fn open(dir: &Path) -> Result<Self, Error> {
+        let store = Store::open(dir, 16 * 1024 * 1024, Durability::Process, false)?;
+        Ok(Self {
+            reader: Reader {
+                store: Arc::new(store),
+            },
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.reader.store.dir()
+    }
+
+    pub fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, Error> {
+        self.reader.get(key)
+    }
+
+    pub fn list(&self, filter: &Filter) -> Result<Vec<Record>, Error> {
+        self.reader.list(filter)
+    }
+
+    /// Writes the matching records as JSON Lines; returns how many.
+    pub fn export(&self, filter: &Filter, out: &mut dyn Write) -> Result<usize, Error> {
+        self.reader.export(filter, out)
+    }
+
+    pub fn verify(&self) -> Result<VerifyReport, Error> {
+        self.reader.verify()
+    }
+
+    pub fn timeline(&self, task: &TaskId) -> Result<Vec<TimelineEntry>, Error> {
+        self.reader.timeline(task)
+    }
+
+    pub fn log_entries(&self, from_seq: u64, limit: usize) -> Result<Vec<LogEntry>, Error> {
+        self.reader.log_entries(from_seq, limit)
+    }
+
+    pub fn stream_meta(&self, key: &StreamKey) -> Result<Option<StreamMeta>, Error> {
+        self.reader.stream_meta(key)
+    }
+
+    pub fn stream_events(
+        &self,
+        key: &StreamKey,
+        attempt: u32,
+        after_seq: Option<u64>,
+    ) -> Result<Vec<(u64, Bytes)>, Error> {
+        self.reader.stream_events(key, attempt, after_seq)
+    }
+}

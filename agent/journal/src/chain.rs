@@ -1,0 +1,445 @@
+//! The hash-chained log that makes edits and deletions visible.
+//!
+//! Every group commit that changes records appends one entry
+//! `{seq, at, changes: [{key, kind, digest}], prev, hash}`: `kind` is the record's new
+//! state (or `purge`), `digest` the SHA-256 of the record's stored bytes, and
+//! `hash = SHA-256(prev || seq || at || changes)`. One entry per commit rather than per
+//! change keeps the chain's cost per call near zero under load (the entry is one more
+//! key in a batch that is written anyway). Records point at the entry of their latest
+//! change (`log_seq`). `verify` walks the log and the records and names every broken
+//! link, gap, edited entry, edited record and missing record, with keys and sequence
+//! numbers.
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest as _, Sha256};
+
+use crate::Error;
+use crate::time::Timestamp;
+
+/// The `kind` of a change that records a purge (the key was forgotten by retention).
+pub(crate) const PURGE: &str = "purge";
+
+pub(crate) type Hash = [u8; 32];
+
+pub(crate) fn sha256(bytes: &[u8]) -> Hash {
+    Sha256::digest(bytes).into()
+}
+
+/// One record change inside a log entry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Change {
+    pub key: String,
+    /// The record's new state, or `purge`.
+    pub kind: String,
+    /// Hex SHA-256 of the record's stored bytes.
+    pub digest: String,
+}
+
+/// One entry of the log, as stored (JSON, hex hashes).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogEntry {
+    pub seq: u64,
+    pub at: Timestamp,
+    pub changes: Vec<Change>,
+    pub prev: String,
+    pub hash: String,
+}
+
+impl LogEntry {
+    fn compute_hash(&self) -> Option<Hash> {
+        let prev: Hash = hex::decode(&self.prev).ok()?.try_into().ok()?;
+        let mut changes = Vec::with_capacity(self.changes.len());
+        for c in &self.changes {
+            let digest: Hash = hex::decode(&c.digest).ok()?.try_into().ok()?;
+            changes.push((c.key.as_str(), c.kind.as_str(), digest));
+        }
+        Some(link(&prev, self.seq, self.at, &changes))
+    }
+
+    fn keys(&self) -> Vec<String> {
+        self.changes.iter().map(|c| c.key.clone()).collect()
+    }
+}
+
+fn link(prev: &Hash, seq: u64, at: Timestamp, changes: &[(&str, &str, Hash)]) -> Hash {
+    let len = |n: usize| u32::try_from(n).unwrap_or(u32::MAX).to_be_bytes();
+    let mut h = Sha256::new();
+    h.update(prev);
+    h.update(seq.to_be_bytes());
+    h.update(at.as_micros().to_be_bytes());
+    h.update(len(changes.len()));
+    for (key, kind, digest) in changes {
+        h.update(len(key.len()));
+        h.update(key.as_bytes());
+        h.update(len(kind.len()));
+        h.update(kind.as_bytes());
+        h.update(digest);
+    }
+    h.finalize().into()
+}
+
+/// The end of the chain: the last sequence number and its hash.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Head {
+    pub(crate) seq: u64,
+    pub(crate) hash: Hash,
+}
+
+#[derive(Serialize, Deserialize)]
+struct HeadRepr {
+    seq: u64,
+    hash: String,
+}
+
+impl Head {
+    /// Appends an entry with these changes after this head and moves the head to it.
+    pub(crate) fn append(
+        &mut self,
+        at: Timestamp,
+        changes: &[(String, &'static str, Hash)],
+    ) -> LogEntry {
+        let seq = self.seq + 1;
+        let borrowed: Vec<(&str, &str, Hash)> = changes
+            .iter()
+            .map(|(key, kind, digest)| (key.as_str(), *kind, *digest))
+            .collect();
+        let hash = link(&self.hash, seq, at, &borrowed);
+        let entry = LogEntry {
+            seq,
+            at,
+            changes: changes
+                .iter()
+                .map(|(key, kind, digest)| Change {
+                    key: key.clone(),
+                    kind: (*kind).to_owned(),
+                    digest: hex::encode(digest),
+                })
+                .collect(),
+            prev: hex::encode(self.hash),
+            hash: hex::encode(hash),
+        };
+        *self = Head { seq, hash };
+        entry
+    }
+
+    pub(crate) fn encode(&self) -> Result<Vec<u8>, Error> {
+        serde_json::to_vec(&HeadRepr {
+            seq: self.seq,
+            hash: hex::encode(self.hash),
+        })
+        .map_err(|e| Error::Storage(format!("cannot encode the log head: {e}")))
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Self, Error> {
+        let bad = |detail: String| Error::Decode {
+            what: "the log head".to_owned(),
+            detail,
+        };
+        let repr: HeadRepr = serde_json::from_slice(bytes).map_err(|e| bad(e.to_string()))?;
+        let hash = hex::decode(&repr.hash)
+            .ok()
+            .and_then(|h| Hash::try_from(h).ok())
+            .ok_or_else(|| bad("the hash is not 64 hex digits".to_owned()))?;
+        Ok(Head {
+            seq: repr.seq,
+            hash,
+        })
+    }
+}
+
+/// What `verify` found. Clean when `problems` is empty.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct VerifyReport {
+    pub entries: u64,
+    pub records: u64,
+    pub problems: Vec<Problem>,
+}
+
+impl VerifyReport {
+    pub fn is_clean(&self) -> bool {
+        self.problems.is_empty()
+    }
+}
+
+/// One sign of tampering (or of storage damage).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "problem", rename_all = "snake_case")]
+pub enum Problem {
+    /// The entry's contents no longer match its own hash (or it cannot be read);
+    /// `keys` are the keys it names.
+    EditedEntry { seq: u64, keys: Vec<String> },
+    /// The entry does not link to the hash of the entry before it.
+    BrokenLink { seq: u64, keys: Vec<String> },
+    /// Entries `from..=to` are gone (the records they vouched for show up as edited
+    /// or unlogged).
+    MissingEntries { from: u64, to: u64 },
+    /// The log ends before the head the writer recorded: its last entries are gone.
+    TruncatedLog { head: u64, last: u64 },
+    /// The record's bytes differ from what its latest log entry says.
+    EditedRecord { key: String, seq: u64 },
+    /// The log says the record exists, but it is gone (and was not purged).
+    MissingRecord { key: String, seq: u64 },
+    /// A record that no log entry mentions.
+    UnloggedRecord { key: String },
+}
+
+struct Latest {
+    seq: u64,
+    kind: String,
+    digest: String,
+}
+
+/// Checks the chain. `log` yields `(seq from the storage key, stored bytes)` in order;
+/// `records` yields `(key, stored bytes)`; `head` is the head the writer recorded.
+pub(crate) fn verify(
+    log: impl Iterator<Item = Result<(u64, Vec<u8>), Error>>,
+    records: impl Iterator<Item = Result<(String, Vec<u8>), Error>>,
+    head: Option<Head>,
+) -> Result<VerifyReport, Error> {
+    let mut report = VerifyReport {
+        entries: 0,
+        records: 0,
+        problems: Vec::new(),
+    };
+    let mut latest: HashMap<String, Latest> = HashMap::new();
+    let mut prev_hash = Hash::default();
+    let mut expected = 1u64;
+    for item in log {
+        let (seq, bytes) = item?;
+        report.entries += 1;
+        let Ok(entry) = serde_json::from_slice::<LogEntry>(&bytes) else {
+            report.problems.push(Problem::EditedEntry {
+                seq,
+                keys: Vec::new(),
+            });
+            expected = seq + 1;
+            prev_hash = Hash::default();
+            continue;
+        };
+        let gap = seq != expected;
+        if gap {
+            report.problems.push(Problem::MissingEntries {
+                from: expected,
+                to: seq.saturating_sub(1),
+            });
+        }
+        let computed = entry.compute_hash();
+        if entry.seq != seq || computed.map(hex::encode).as_deref() != Some(entry.hash.as_str()) {
+            report.problems.push(Problem::EditedEntry {
+                seq,
+                keys: entry.keys(),
+            });
+        } else if !gap && entry.prev != hex::encode(prev_hash) {
+            report.problems.push(Problem::BrokenLink {
+                seq,
+                keys: entry.keys(),
+            });
+        }
+        prev_hash = hex::decode(&entry.hash)
+            .ok()
+            .and_then(|h| Hash::try_from(h).ok())
+            .unwrap_or_default();
+        expected = seq + 1;
+        for change in entry.changes {
+            latest.insert(
+                change.key,
+                Latest {
+                    seq,
+                    kind: change.kind,
+                    digest: change.digest,
+                },
+            );
+        }
+    }
+    if let Some(head) = head {
+        let last = expected - 1;
+        if head.seq > last {
+            report.problems.push(Problem::TruncatedLog {
+                head: head.seq,
+                last,
+            });
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    for item in records {
+        let (key, bytes) = item?;
+        report.records += 1;
+        match latest.get(&key) {
+            None => report
+                .problems
+                .push(Problem::UnloggedRecord { key: key.clone() }),
+            Some(l) if l.kind == PURGE || l.digest != hex::encode(sha256(&bytes)) => {
+                report.problems.push(Problem::EditedRecord {
+                    key: key.clone(),
+                    seq: l.seq,
+                });
+            }
+            Some(_) => {}
+        }
+        seen.insert(key);
+    }
+    let mut missing: Vec<(&String, &Latest)> = latest
+        .iter()
+        .filter(|(key, l)| l.kind != PURGE && !seen.contains(*key))
+        .collect();
+    missing.sort_by_key(|(_, l)| l.seq);
+    for (key, l) in missing {
+        report.problems.push(Problem::MissingRecord {
+            key: key.clone(),
+            seq: l.seq,
+        });
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type Log = Vec<(u64, Vec<u8>)>;
+    type Records = Vec<(String, Vec<u8>)>;
+
+    fn chain(n: u64) -> (Log, Records, Head) {
+        let mut head = Head::default();
+        let mut log = Vec::new();
+        let mut records = Vec::new();
+        for i in 0..n {
+            let key = format!("k{i}");
+            let bytes = format!("record {i}").into_bytes();
+            let changes = [(key.clone(), "completed", sha256(&bytes))];
+            let entry = head.append(Timestamp::from_micros(i), &changes);
+            log.push((entry.seq, serde_json::to_vec(&entry).unwrap_or_default()));
+            records.push((key, bytes));
+        }
+        (log, records, head)
+    }
+
+    fn check(
+        log: &[(u64, Vec<u8>)],
+        records: &[(String, Vec<u8>)],
+        head: Head,
+    ) -> Result<VerifyReport, Error> {
+        verify(
+            log.iter().cloned().map(Ok),
+            records.iter().cloned().map(Ok),
+            Some(head),
+        )
+    }
+
+    #[test]
+    fn a_clean_chain_verifies() -> Result<(), Error> {
+        let (log, records, head) = chain(5);
+        let report = check(&log, &records, head)?;
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!((report.entries, report.records), (5, 5));
+        Ok(())
+    }
+
+    #[test]
+    fn an_entry_may_carry_several_changes_of_one_key() -> Result<(), Error> {
+        let mut head = Head::default();
+        let claimed = b"claimed".to_vec();
+        let completed = b"completed".to_vec();
+        let entry = head.append(
+            Timestamp::from_micros(1),
+            &[
+                ("k".to_owned(), "dispatched", sha256(&claimed)),
+                ("k".to_owned(), "completed", sha256(&completed)),
+            ],
+        );
+        let log = vec![(
+            1,
+            serde_json::to_vec(&entry).map_err(|e| Error::Storage(e.to_string()))?,
+        )];
+        let report = check(&log, &[("k".to_owned(), completed)], head)?;
+        assert!(report.is_clean(), "{report:?}");
+        let report = check(&log, &[("k".to_owned(), claimed)], head)?;
+        assert_eq!(
+            report.problems,
+            [Problem::EditedRecord {
+                key: "k".to_owned(),
+                seq: 1
+            }]
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn each_kind_of_tampering_is_named() -> Result<(), Error> {
+        let (log, records, head) = chain(6);
+
+        // An entry edited and re-hashed by the editor: the next link breaks.
+        let mut edited = log.clone();
+        let mut entry: LogEntry =
+            serde_json::from_slice(&edited[2].1).map_err(|e| Error::Storage(e.to_string()))?;
+        entry.changes[0].kind = "failed_before_send".to_owned();
+        entry.hash = entry.compute_hash().map(hex::encode).unwrap_or_default();
+        edited[2].1 = serde_json::to_vec(&entry).map_err(|e| Error::Storage(e.to_string()))?;
+        let report = check(&edited, &records, head)?;
+        assert_eq!(
+            report.problems,
+            [Problem::BrokenLink {
+                seq: 4,
+                keys: vec!["k3".to_owned()]
+            }]
+        );
+
+        // An entry edited without fixing its hash.
+        let mut edited = log.clone();
+        entry.hash = "00".repeat(32);
+        edited[2].1 = serde_json::to_vec(&entry).map_err(|e| Error::Storage(e.to_string()))?;
+        let report = check(&edited, &records, head)?;
+        assert!(
+            report.problems.contains(&Problem::EditedEntry {
+                seq: 3,
+                keys: vec!["k2".to_owned()]
+            }),
+            "{report:?}"
+        );
+
+        // A deleted entry: a gap, and its record is no longer vouched for.
+        let mut deleted = log.clone();
+        deleted.remove(1);
+        let report = check(&deleted, &records, head)?;
+        assert_eq!(
+            report.problems,
+            [
+                Problem::MissingEntries { from: 2, to: 2 },
+                Problem::UnloggedRecord {
+                    key: "k1".to_owned()
+                },
+            ]
+        );
+
+        // The last entry deleted.
+        let report = check(&log[..5], &records, head)?;
+        assert!(
+            report
+                .problems
+                .contains(&Problem::TruncatedLog { head: 6, last: 5 }),
+            "{report:?}"
+        );
+
+        // An edited record and a deleted record.
+        let mut recs = records.clone();
+        recs[0].1 = b"record 0, edited".to_vec();
+        recs.remove(4);
+        let report = check(&log, &recs, head)?;
+        assert_eq!(
+            report.problems,
+            [
+                Problem::EditedRecord {
+                    key: "k0".to_owned(),
+                    seq: 1
+                },
+                Problem::MissingRecord {
+                    key: "k4".to_owned(),
+                    seq: 5
+                },
+            ]
+        );
+        Ok(())
+    }
+}

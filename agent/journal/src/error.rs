@@ -1,0 +1,51 @@
+use std::path::PathBuf;
+
+use outrigger_types::IdempotencyKey;
+
+use crate::record::State;
+
+/// Everything that can go wrong in the journal. The proxy maps [`Error::Unavailable`]
+/// to 503 + Retry-After (fail closed: a side effect is never executed unjournaled).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(
+        "the journal in {dir} is locked by another process (is the sidecar running?); \
+         stop it or read the journal through the admin API"
+    )]
+    Locked { dir: PathBuf },
+    #[error("no journal in {dir}: {detail}")]
+    NotFound { dir: PathBuf, detail: String },
+    #[error("the journal cannot write ({0}); side-effecting calls are refused until it can")]
+    Unavailable(String),
+    #[error(
+        "the journal in {dir} is corrupt ({detail}); move it aside (Journal::quarantine) \
+         and start with a fresh one, then resolve the calls that were in flight"
+    )]
+    Corrupt { dir: PathBuf, detail: String },
+    #[error("journal storage error: {0}")]
+    Storage(String),
+    #[error("{what} could not be decoded: {detail}")]
+    Decode { what: String, detail: String },
+    #[error(
+        "the ticket for {key} (attempt {attempt}) is stale: the call is now {state} at \
+         attempt {current}"
+    )]
+    Stale {
+        key: IdempotencyKey,
+        attempt: u32,
+        state: State,
+        current: u32,
+    },
+    #[error("the journal has no record for key {0}")]
+    UnknownKey(IdempotencyKey),
+    #[error(
+        "{key} is {state}; only in_doubt, reconciling and needs_operator calls can be resolved"
+    )]
+    NotResolvable { key: IdempotencyKey, state: State },
+    #[error("invalid resolution: {0}")]
+    InvalidResolution(String),
+    #[error("stream {key}: {detail}")]
+    Stream { key: String, detail: String },
+    #[error("invalid {what}: {detail}")]
+    Invalid { what: &'static str, detail: String },
+}

@@ -1,0 +1,540 @@
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use outrigger_types::{IdempotencyKey, TaskId};
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::Error;
+use crate::audit::{Audit, Reader, check_namespace};
+use crate::chain::{Head, LogEntry, VerifyReport};
+use crate::options::Options;
+use crate::record::{
+    Begin, Filter, Intent, Record, Resolution, State, StoredResponse, Ticket, TimelineEntry,
+};
+use crate::state::{self, Effect, Event};
+use crate::stats::{Shared, Stats, WriteFault};
+use crate::store::{Store, keys};
+use crate::stream::{StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest, StreamState};
+use crate::time::Timestamp;
+use crate::writer::{Command, Core, ReapReport, Writer, decode_record, decode_stream};
+
+/// The on-disk format this build reads and writes.
+const FORMAT: &[u8] = b"1";
+
+/// What opening the journal found and did: the calls a previous process left in
+/// flight, by the state they were moved to.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct Recovery {
+    /// This process's epoch (one more than the previous process's).
+    pub epoch: u64,
+    pub records: u64,
+    /// Claimed but never dispatched: provably not sent; the next request executes.
+    pub failed_before_send: Vec<IdempotencyKey>,
+    /// Dispatched with no outcome, for tools that may be re-sent or probed.
+    pub in_doubt: Vec<IdempotencyKey>,
+    /// Dispatched with no outcome, for unsafe tools: an operator decides.
+    pub needs_operator: Vec<IdempotencyKey>,
+    /// Model streams that were open: their attempts are abandoned.
+    pub abandoned_streams: Vec<StreamKey>,
+    /// Records that could not be decoded (left untouched; `verify` names them).
+    pub undecodable: Vec<String>,
+}
+
+/// A cloneable handle on the journal. Mutations go to the single [`Writer`] task;
+/// reads go straight to the store.
+#[derive(Clone)]
+pub struct Journal {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    tx: mpsc::Sender<Command>,
+    shared: Arc<Shared>,
+    reader: Reader,
+}
+
+impl Journal {
+    /// Opens (or creates) the journal, starts a new epoch and recovers what the
+    /// previous process left in flight. The caller spawns `writer.run()`.
+    pub fn open(options: Options) -> Result<(Journal, Writer, Recovery), Error> {
+        options.validate()?;
+        let store = Arc::new(Store::open(
+            &options.dir,
+            options.cache_capacity_bytes,
+            options.durability,
+            true,
+        )?);
+        match store.get(keys::FORMAT)? {
+            None => {}
+            Some(format) if format == FORMAT => {}
+            Some(other) => {
+                return Err(Error::Invalid {
+                    what: "journal format",
+                    detail: format!(
+                        "{} holds format {:?}; this build reads format 1",
+                        options.dir.display(),
+                        String::from_utf8_lossy(&other)
+                    ),
+                });
+            }
+        }
+        let previous_epoch = match store.get(keys::EPOCH)? {
+            Some(bytes) => {
+                u64::from_be_bytes(bytes.as_slice().try_into().map_err(|_| Error::Decode {
+                    what: "the journal epoch".to_owned(),
+                    detail: format!("{} bytes, expected 8", bytes.len()),
+                })?)
+            }
+            None => 0,
+        };
+        let epoch = previous_epoch + 1;
+        let head = load_head(&store)?;
+        let shared = Arc::new(Shared::new(epoch, [0; 8]));
+        let mut core = Core::new(
+            Arc::clone(&store),
+            Arc::clone(&shared),
+            options.clone(),
+            head,
+        );
+        let (recovery, counts) = recover(&store, &mut core, epoch)?;
+        for (counter, count) in shared.states.iter().zip(counts) {
+            counter.fetch_add(count, std::sync::atomic::Ordering::Relaxed);
+        }
+        let (tx, rx) = mpsc::channel(options.max_batch.saturating_mul(4).max(256));
+        let journal = Journal {
+            inner: Arc::new(Inner {
+                tx,
+                shared,
+                reader: Reader { store },
+            }),
+        };
+        let writer = Writer {
+            rx,
+            core,
+            max_batch: options.max_batch,
+        };
+        Ok((journal, writer, recovery))
+    }
+
+    /// Opens a stopped sidecar's journal for reading. `Error::Locked` if a process
+    /// holds it (read through the admin API instead), `Error::NotFound` if `dir` holds
+    /// no journal.
+    pub fn open_for_audit(dir: &Path) -> Result<Audit, Error> {
+        Audit::open(dir)
+    }
+
+    /// Moves a corrupt journal aside (`<dir>.corrupt-<unix seconds>`) so that a fresh
+    /// one can start; returns the new name. The calls that were in flight are then
+    /// unknown to the new journal: an operator must review the quarantined one.
+    pub fn quarantine(dir: &Path) -> Result<PathBuf, Error> {
+        let stamp = Timestamp::now().as_micros() / 1_000_000;
+        let mut name = dir.as_os_str().to_owned();
+        name.push(format!(".corrupt-{stamp}"));
+        let target = PathBuf::from(name);
+        std::fs::rename(dir, &target)
+            .map_err(|e| Error::Storage(format!("cannot move {} aside: {e}", dir.display())))?;
+        Ok(target)
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.inner.shared.epoch
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.inner.reader.store.dir()
+    }
+
+    async fn call<T>(
+        &self,
+        command: impl FnOnce(oneshot::Sender<Result<T, Error>>) -> Command,
+    ) -> Result<T, Error> {
+        let (reply, answer) = oneshot::channel();
+        self.inner
+            .tx
+            .send(command(reply))
+            .await
+            .map_err(|_| Error::Unavailable("the journal writer is not running".to_owned()))?;
+        answer
+            .await
+            .map_err(|_| Error::Unavailable("the journal writer stopped".to_owned()))?
+    }
+
+    async fn event(&self, key: &IdempotencyKey, event: Event) -> Result<(Record, Effect), Error> {
+        self.call(|reply| Command::Apply {
+            key: key.clone(),
+            event: Box::new(event),
+            reply,
+        })
+        .await
+    }
+
+    // --- tool calls ---
+
+    /// Decides what to do with a tool request and makes the decision durable.
+    pub async fn begin(&self, intent: Intent) -> Result<Begin, Error> {
+        self.call(|reply| Command::Begin {
+            intent: Box::new(intent),
+            reply,
+        })
+        .await
+    }
+
+    /// An unsafe tool's request is about to leave: the second durable write.
+    pub async fn dispatched(&self, ticket: &Ticket) -> Result<(), Error> {
+        let event = Event::Dispatched {
+            ticket: ticket.clone(),
+        };
+        self.event(ticket.key(), event).await.map(drop)
+    }
+
+    /// Records the tool's answer, durably, before the proxy releases it. Returns the
+    /// state the status put the call in: `Completed` (2xx, definitive 4xx),
+    /// `FailedBeforeSend` (408/409/425/429: not applied), `InDoubt` or
+    /// `NeedsOperator` (5xx).
+    pub async fn complete(
+        &self,
+        ticket: &Ticket,
+        response: StoredResponse,
+    ) -> Result<State, Error> {
+        let event = Event::Responded {
+            ticket: ticket.clone(),
+            response,
+        };
+        self.event(ticket.key(), event)
+            .await
+            .map(|(rec, _)| rec.state)
+    }
+
+    /// The attempt never reached the tool (connect refused, TLS failure, breaker open).
+    pub async fn failed_before_send(&self, ticket: &Ticket, reason: &str) -> Result<(), Error> {
+        let event = Event::FailedBeforeSend {
+            ticket: ticket.clone(),
+            reason: reason.to_owned(),
+        };
+        self.event(ticket.key(), event).await.map(drop)
+    }
+
+    /// The request may have reached the tool and no answer came (timeout, reset).
+    /// Returns `InDoubt`, or `NeedsOperator` for unsafe tools.
+    pub async fn in_doubt(&self, ticket: &Ticket, cause: &str) -> Result<State, Error> {
+        let event = Event::InDoubt {
+            ticket: ticket.clone(),
+            cause: cause.to_owned(),
+        };
+        self.event(ticket.key(), event)
+            .await
+            .map(|(rec, _)| rec.state)
+    }
+
+    /// A probe's answer. `found`: the call took effect with this result, answered as
+    /// `Begin::Replay`. `None`: it did not; the answer is `Begin::Execute` for the
+    /// next attempt (already durable as dispatched).
+    pub async fn reconciled(
+        &self,
+        ticket: &Ticket,
+        found: Option<StoredResponse>,
+    ) -> Result<Begin, Error> {
+        let event = Event::Reconciled {
+            ticket: ticket.clone(),
+            found,
+        };
+        let (record, effect) = self.event(ticket.key(), event).await?;
+        match effect {
+            Effect::Execute { ticket, resend } => Ok(Begin::Execute { ticket, resend }),
+            _ if record.state == State::Completed => Ok(Begin::Replay(record)),
+            other => Err(Error::Invalid {
+                what: "reconciliation",
+                detail: format!("unexpected {other:?} for {}", record.key),
+            }),
+        }
+    }
+
+    /// An operator's resolution of an in-doubt call, journaled with who, when and why.
+    pub async fn resolve(
+        &self,
+        key: &IdempotencyKey,
+        resolution: Resolution,
+        actor: &str,
+        reason: &str,
+    ) -> Result<Record, Error> {
+        let event = Event::Resolve {
+            key: key.clone(),
+            resolution,
+            actor: actor.to_owned(),
+            reason: reason.to_owned(),
+        };
+        self.event(key, event).await.map(|(rec, _)| rec)
+    }
+
+    /// Waits until the key's call is no longer in flight, at most `timeout` (for
+    /// `Prefer: wait=N`). Returns the record as it then is (still in flight if the
+    /// time ran out; `None` if the key is unknown). Reads go through the writer, so a
+    /// settled answer is durable.
+    pub async fn wait_settled(
+        &self,
+        key: &IdempotencyKey,
+        timeout: Duration,
+    ) -> Result<Option<Record>, Error> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut commits = self.inner.shared.commits.subscribe();
+        loop {
+            commits.borrow_and_update();
+            let record = self
+                .call(|reply| Command::Read {
+                    key: key.clone(),
+                    reply,
+                })
+                .await?;
+            match &record {
+                Some(r) if r.state.in_flight() => {}
+                _ => return Ok(record),
+            }
+            match tokio::time::timeout_at(deadline, commits.changed()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => {
+                    return Err(Error::Unavailable("the journal writer stopped".to_owned()));
+                }
+                Err(_) => return Ok(record),
+            }
+        }
+    }
+
+    pub fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, Error> {
+        self.inner.reader.get(key)
+    }
+
+    pub fn list(&self, filter: &Filter) -> Result<Vec<Record>, Error> {
+        self.inner.reader.list(filter)
+    }
+
+    /// Writes the matching records as JSON Lines; returns how many.
+    pub fn export(&self, filter: &Filter, out: &mut dyn Write) -> Result<usize, Error> {
+        self.inner.reader.export(filter, out)
+    }
+
+    pub fn verify(&self) -> Result<VerifyReport, Error> {
+        self.inner.reader.verify()
+    }
+
+    pub fn timeline(&self, task: &TaskId) -> Result<Vec<TimelineEntry>, Error> {
+        self.inner.reader.timeline(task)
+    }
+
+    /// Log entries from `from_seq` on, at most `limit`.
+    pub fn log_entries(&self, from_seq: u64, limit: usize) -> Result<Vec<LogEntry>, Error> {
+        self.inner.reader.log_entries(from_seq, limit)
+    }
+
+    pub fn stats(&self) -> Stats {
+        self.inner
+            .shared
+            .snapshot(self.inner.reader.store.size_on_disk())
+    }
+
+    /// Makes every group commit fail until cleared (tests and drills).
+    pub fn set_write_fault(&self, fault: Option<WriteFault>) {
+        self.inner.shared.set_fault(fault);
+    }
+
+    /// Retention: full records past `retention` become tombstones, tombstones past
+    /// `tombstone_retention` are forgotten, streams past `stream_retention` are
+    /// dropped. The application calls it periodically (again at once if `more`).
+    pub async fn reap(&self, now: SystemTime) -> Result<ReapReport, Error> {
+        self.call(|reply| Command::Reap { now, reply }).await
+    }
+
+    // --- model streams ---
+
+    /// Starts (or finds) the stream for a model call; durable before return.
+    pub async fn stream_begin(
+        &self,
+        key: &StreamKey,
+        request: StreamRequest,
+    ) -> Result<StreamBegin, Error> {
+        self.call(|reply| Command::StreamBegin {
+            key: key.clone(),
+            request: Box::new(request),
+            reply,
+        })
+        .await
+    }
+
+    /// Journals one raw event. `durable = false` (text deltas): returns once applied,
+    /// flushed within `max_batch_delay`. `durable = true` (complete tool-call blocks,
+    /// terminal events): returns once flushed, together with every earlier event.
+    pub async fn stream_append(
+        &self,
+        key: &StreamKey,
+        attempt: u32,
+        seq: u64,
+        event: Bytes,
+        durable: bool,
+    ) -> Result<(), Error> {
+        self.call(|reply| Command::StreamAppend {
+            key: key.clone(),
+            attempt,
+            seq,
+            event,
+            durable,
+            reply,
+        })
+        .await
+    }
+
+    /// Ends an attempt; durable before return.
+    pub async fn stream_end(
+        &self,
+        key: &StreamKey,
+        attempt: u32,
+        end: StreamEnd,
+    ) -> Result<(), Error> {
+        self.call(|reply| Command::StreamEnd {
+            key: key.clone(),
+            attempt,
+            end,
+            reply,
+        })
+        .await
+    }
+
+    pub fn stream_meta(&self, key: &StreamKey) -> Result<Option<StreamMeta>, Error> {
+        self.inner.reader.stream_meta(key)
+    }
+
+    /// The events of one attempt in sequence order, after `after_seq` if given.
+    pub fn stream_events(
+        &self,
+        key: &StreamKey,
+        attempt: u32,
+        after_seq: Option<u64>,
+    ) -> Result<Vec<(u64, Bytes)>, Error> {
+        self.inner.reader.stream_events(key, attempt, after_seq)
+    }
+
+    // --- small persisted state for other components ---
+
+    /// Stores a value; batched like lazy stream events (applied on return, flushed
+    /// within `max_batch_delay`).
+    pub async fn kv_put(&self, namespace: &str, key: &str, value: Vec<u8>) -> Result<(), Error> {
+        self.kv_write(namespace, key, Some(value)).await
+    }
+
+    pub async fn kv_delete(&self, namespace: &str, key: &str) -> Result<(), Error> {
+        self.kv_write(namespace, key, None).await
+    }
+
+    async fn kv_write(
+        &self,
+        namespace: &str,
+        key: &str,
+        value: Option<Vec<u8>>,
+    ) -> Result<(), Error> {
+        check_namespace(namespace)?;
+        self.call(|reply| Command::KvPut {
+            namespace: namespace.to_owned(),
+            key: key.to_owned(),
+            value,
+            reply,
+        })
+        .await
+    }
+
+    pub fn kv_get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, Error> {
+        self.inner.reader.kv_get(namespace, key)
+    }
+
+    pub fn kv_scan(&self, namespace: &str) -> Result<Vec<(String, Vec<u8>)>, Error> {
+        self.inner.reader.kv_scan(namespace)
+    }
+}
+
+/// The chain head the previous process left; if the head key is gone, the last log
+/// entry (verification reports the loss either way).
+fn load_head(store: &Store) -> Result<Head, Error> {
+    if let Some(bytes) = store.get(keys::HEAD)? {
+        return Head::decode(&bytes);
+    }
+    let Some(last) = store.scan_prefix(keys::LOG).next_back() else {
+        return Ok(Head::default());
+    };
+    let (_, bytes) = last?;
+    let entry: LogEntry = serde_json::from_slice(&bytes).map_err(|e| Error::Decode {
+        what: "the last log entry".to_owned(),
+        detail: e.to_string(),
+    })?;
+    let hash = hex::decode(&entry.hash)
+        .ok()
+        .and_then(|h| <[u8; 32]>::try_from(h).ok())
+        .unwrap_or_default();
+    Ok(Head {
+        seq: entry.seq,
+        hash,
+    })
+}
+
+/// Moves what the previous process left in flight to the states a restart implies,
+/// in one durable batch, and counts records per state.
+fn recover(store: &Store, core: &mut Core, epoch: u64) -> Result<(Recovery, [i64; 8]), Error> {
+    let now = SystemTime::now();
+    let stamp = Timestamp::from_system(now);
+    let mut recovery = Recovery {
+        epoch,
+        ..Recovery::default()
+    };
+    let mut counts = [0i64; 8];
+    let mut batch = core.new_batch();
+    for entry in store.scan_prefix(keys::RECORDS) {
+        let (storage_key, bytes) = entry?;
+        let key = String::from_utf8_lossy(&storage_key[keys::RECORDS.len()..]).into_owned();
+        recovery.records += 1;
+        let rec = match decode_record(&key, &bytes) {
+            Ok(rec) => rec,
+            Err(e) => {
+                tracing::warn!(error = %e, "undecodable journal record left as is");
+                recovery.undecodable.push(key);
+                continue;
+            }
+        };
+        counts[rec.state.index()] += 1;
+        let (next, effect) = state::apply(Some(&rec), Event::Restart { epoch }, now)?;
+        if !effect.writes() {
+            continue;
+        }
+        match next.state {
+            State::FailedBeforeSend => recovery.failed_before_send.push(next.key.clone()),
+            State::InDoubt => recovery.in_doubt.push(next.key.clone()),
+            State::NeedsOperator => recovery.needs_operator.push(next.key.clone()),
+            _ => {}
+        }
+        core.write_record(&mut batch, next, Some(&rec))?;
+    }
+    for entry in store.scan_prefix(keys::STREAMS) {
+        let (storage_key, bytes) = entry?;
+        let key = String::from_utf8_lossy(&storage_key[keys::STREAMS.len()..]).into_owned();
+        let mut meta = match decode_stream(&key, &bytes) {
+            Ok(meta) => meta,
+            Err(e) => {
+                tracing::warn!(error = %e, "undecodable stream metadata left as is");
+                continue;
+            }
+        };
+        if meta.state != StreamState::Open {
+            continue;
+        }
+        meta.state = StreamState::Abandoned;
+        meta.end = Some(StreamEnd::Abandoned {
+            reason: "restart: the sidecar stopped while the stream was open".to_owned(),
+        });
+        meta.updated_at = stamp;
+        recovery.abandoned_streams.push(meta.key.clone());
+        core.write_stream(&mut batch, meta)?;
+    }
+    core.put(&mut batch, keys::FORMAT, FORMAT)?;
+    core.put(&mut batch, keys::EPOCH, &epoch.to_be_bytes())?;
+    core.commit_blocking(batch)?;
+    Ok((recovery, counts))
+}

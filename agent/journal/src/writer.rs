@@ -1,0 +1,982 @@
+//! The single writer task: every mutation goes through it, so decisions about a key
+//! are serialized without locks, and all writes that arrive while a flush runs share
+//! the next one (group commit).
+//!
+//! A batch is applied with one atomic `apply_batch`, then flushed; only then are its
+//! waiters answered. Answers that merely read (replay, in flight) wait for the same
+//! flush, because they may have read state written earlier in the batch. If the flush
+//! fails, the batch is rolled back in memory from the before-images it captured, so no
+//! reader ever sees a state that was never made durable, and every waiter gets
+//! `Error::Unavailable` (fail closed).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::SystemTime;
+
+use bytes::Bytes;
+use outrigger_types::IdempotencyKey;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+
+use crate::Error;
+use crate::chain::{self, Head, PURGE};
+use crate::options::Options;
+use crate::record::{Begin, Record, State};
+use crate::state::{self, Effect, Event};
+use crate::stats::{Shared, WriteFault};
+use crate::store::{Store, keys};
+use crate::stream::{StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest, StreamState};
+use crate::time::Timestamp;
+
+/// The most expiry-index entries one `reap` call processes, so that a reap after a long
+/// downtime does not build one enormous batch.
+const REAP_LIMIT: usize = 10_000;
+
+pub(crate) type Reply<T> = oneshot::Sender<Result<T, Error>>;
+
+pub(crate) enum Command {
+    Begin {
+        intent: Box<crate::record::Intent>,
+        reply: Reply<Begin>,
+    },
+    Apply {
+        key: IdempotencyKey,
+        event: Box<Event>,
+        reply: Reply<(Record, Effect)>,
+    },
+    Read {
+        key: IdempotencyKey,
+        reply: Reply<Option<Record>>,
+    },
+    StreamBegin {
+        key: StreamKey,
+        request: Box<StreamRequest>,
+        reply: Reply<StreamBegin>,
+    },
+    StreamAppend {
+        key: StreamKey,
+        attempt: u32,
+        seq: u64,
+        event: Bytes,
+        durable: bool,
+        reply: Reply<()>,
+    },
+    StreamEnd {
+        key: StreamKey,
+        attempt: u32,
+        end: StreamEnd,
+        reply: Reply<()>,
+    },
+    KvPut {
+        namespace: String,
+        key: String,
+        value: Option<Vec<u8>>,
+        reply: Reply<()>,
+    },
+    Reap {
+        now: SystemTime,
+        reply: Reply<ReapReport>,
+    },
+}
+
+/// What one `reap` call did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ReapReport {
+    /// Full records turned into tombstones.
+    pub tombstoned: u64,
+    /// Tombstones forgotten (the key may be used again as new).
+    pub purged: u64,
+    pub streams_dropped: u64,
+    /// Records past retention that are still unsettled (in flight, in doubt, waiting
+    /// for an operator): kept, and looked at again one retention period later.
+    pub deferred: u64,
+    /// Whether more entries are due than one call processes: call again.
+    pub more: bool,
+}
+
+/// An answer that waits for the batch's outcome.
+type Pending = Box<dyn FnOnce(Result<(), &str>) + Send>;
+
+fn pending<T: Send + 'static>(reply: Reply<T>, value: T) -> Pending {
+    Box::new(move |outcome| {
+        // A dropped receiver means the caller stopped waiting; nothing to tell it.
+        let _ = reply.send(match outcome {
+            Ok(()) => Ok(value),
+            Err(reason) => Err(Error::Unavailable(reason.to_owned())),
+        });
+    })
+}
+
+/// One group commit being assembled.
+#[derive(Default)]
+pub(crate) struct Batch {
+    writes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    /// The value each written key had before the batch, for rollback.
+    before: HashMap<Vec<u8>, Option<Vec<u8>>>,
+    records: HashMap<IdempotencyKey, Option<Record>>,
+    streams: HashMap<StreamKey, Option<StreamMeta>>,
+    head_before: Head,
+    /// Record changes, chained as one log entry at commit.
+    changes: Vec<(String, &'static str, chain::Hash)>,
+    /// Keys to look at again later, per expiry kind: one index entry per batch, due
+    /// when the last of them is.
+    expiries: BTreeMap<u8, (Timestamp, Vec<String>)>,
+    state_deltas: [i64; 8],
+    records_written: u64,
+    stream_events: u64,
+    kv_writes: u64,
+    replays: u64,
+    /// Some write in the batch must be durable before its waiter is answered.
+    needs_flush: bool,
+    after_apply: Vec<Pending>,
+    after_flush: Vec<Pending>,
+    commands: usize,
+}
+
+impl Batch {
+    fn new(head: Head) -> Self {
+        Self {
+            head_before: head,
+            ..Self::default()
+        }
+    }
+
+    /// Remembers the current value of `key` (once per batch) so the batch can be undone.
+    fn capture(&mut self, store: &Store, key: &[u8]) -> Result<(), Error> {
+        // `set` records a before-image for every key it writes, so a key already in
+        // `before` was either captured or first written by this batch.
+        if !self.before.contains_key(key) {
+            let old = store.get(key)?;
+            self.before.insert(key.to_vec(), old);
+        }
+        Ok(())
+    }
+
+    fn set(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
+        self.before.entry(key.clone()).or_insert(None);
+        self.writes.insert(key, value);
+    }
+
+    fn put(&mut self, store: &Store, key: Vec<u8>, value: Option<Vec<u8>>) -> Result<(), Error> {
+        self.capture(store, &key)?;
+        self.set(key, value);
+        Ok(())
+    }
+
+    fn expire_later(&mut self, kind: u8, due: Timestamp, key: String) {
+        let (latest, keys) = self
+            .expiries
+            .entry(kind)
+            .or_insert_with(|| (due, Vec::new()));
+        *latest = (*latest).max(due);
+        keys.push(key);
+    }
+
+    fn delta(&mut self, from: Option<State>, to: Option<State>) {
+        if let Some(s) = from {
+            self.state_deltas[s.index()] -= 1;
+        }
+        if let Some(s) = to {
+            self.state_deltas[s.index()] += 1;
+        }
+    }
+}
+
+/// A durable record of a call in flight, with its stored bytes: its outcome usually
+/// follows within milliseconds, and keeping it saves a read and a decode on the
+/// writer's hot path.
+struct Hot {
+    record: Record,
+    bytes: Vec<u8>,
+}
+
+/// What the writer owns.
+pub(crate) struct Core {
+    store: Arc<Store>,
+    shared: Arc<Shared>,
+    options: Options,
+    head: Head,
+    /// When lazy writes were first applied without a flush.
+    dirty_since: Option<Instant>,
+    /// Durable records of calls in flight (updated only after a successful commit).
+    hot: HashMap<IdempotencyKey, Hot>,
+    /// Makes expiry index keys unique within the epoch.
+    expiry_ids: u64,
+}
+
+pub(crate) fn decode_record(key: &str, bytes: &[u8]) -> Result<Record, Error> {
+    serde_json::from_slice(bytes).map_err(|e| Error::Decode {
+        what: format!("record {key}"),
+        detail: e.to_string(),
+    })
+}
+
+pub(crate) fn decode_stream(key: &str, bytes: &[u8]) -> Result<StreamMeta, Error> {
+    serde_json::from_slice(bytes).map_err(|e| Error::Decode {
+        what: format!("stream {key}"),
+        detail: e.to_string(),
+    })
+}
+
+fn encode<T: serde::Serialize>(what: &str, value: &T) -> Result<Vec<u8>, Error> {
+    serde_json::to_vec(value).map_err(|e| Error::Storage(format!("cannot encode {what}: {e}")))
+}
+
+impl Core {
+    pub(crate) fn new(
+        store: Arc<Store>,
+        shared: Arc<Shared>,
+        options: Options,
+        head: Head,
+    ) -> Self {
+        Self {
+            store,
+            shared,
+            options,
+            head,
+            dirty_since: None,
+            hot: HashMap::new(),
+            expiry_ids: 0,
+        }
+    }
+
+    pub(crate) fn new_batch(&self) -> Batch {
+        Batch::new(self.head)
+    }
+
+    fn epoch(&self) -> u64 {
+        self.shared.epoch
+    }
+
+    pub(crate) fn record(
+        &self,
+        batch: &Batch,
+        key: &IdempotencyKey,
+    ) -> Result<Option<Record>, Error> {
+        if let Some(overlay) = batch.records.get(key) {
+            return Ok(overlay.clone());
+        }
+        if let Some(hot) = self.hot.get(key) {
+            return Ok(Some(hot.record.clone()));
+        }
+        self.store
+            .get(&keys::record(key.as_str()))?
+            .map(|bytes| decode_record(key.as_str(), &bytes))
+            .transpose()
+    }
+
+    fn stream(&self, batch: &Batch, key: &StreamKey) -> Result<Option<StreamMeta>, Error> {
+        if let Some(overlay) = batch.streams.get(key) {
+            return Ok(overlay.clone());
+        }
+        self.store
+            .get(&keys::stream(key.as_str()))?
+            .map(|bytes| decode_stream(key.as_str(), &bytes))
+            .transpose()
+    }
+
+    /// Writes a new version of a record and its log entry.
+    pub(crate) fn write_record(
+        &mut self,
+        batch: &mut Batch,
+        mut rec: Record,
+        previous: Option<&Record>,
+    ) -> Result<Record, Error> {
+        let key = rec.key.as_str().to_owned();
+        // The batch's log entry is appended at commit, right after the current head.
+        rec.log_seq = self.head.seq + 1;
+        let bytes = encode("a record", &rec)?;
+        let digest = chain::sha256(&bytes);
+        let record_key = keys::record(&key);
+        if !batch.before.contains_key(&record_key) {
+            match (previous, self.hot.get(&rec.key)) {
+                (None, _) => {
+                    batch.before.insert(record_key.clone(), None);
+                }
+                (Some(_), Some(hot)) => {
+                    batch
+                        .before
+                        .insert(record_key.clone(), Some(hot.bytes.clone()));
+                }
+                (Some(_), None) => batch.capture(&self.store, &record_key)?,
+            }
+        }
+        // Nothing below can fail: the batch never holds half of a record's writes.
+        if previous.is_none() {
+            // The task index key embeds the creation time and the key: it is new.
+            if let Some(task) = &rec.task_id {
+                let index = keys::task(task.as_str(), rec.created_at.as_micros(), &key);
+                batch.set(index, Some(Vec::new()));
+            }
+            let due = rec.created_at.saturating_add(self.options.retention);
+            batch.expire_later(keys::EXPIRE_RECORD, due, key.clone());
+        }
+        batch.set(record_key, Some(bytes));
+        batch.changes.push((key, rec.state.as_str(), digest));
+        batch.delta(previous.map(|p| p.state), Some(rec.state));
+        batch.records.insert(rec.key.clone(), Some(rec.clone()));
+        batch.records_written += 1;
+        batch.needs_flush = true;
+        Ok(rec)
+    }
+
+    /// Forgets a tombstone: the record and its index go, a `purge` entry stays in the
+    /// log so that verification knows the deletion was retention, not tampering.
+    fn purge(&mut self, batch: &mut Batch, rec: &Record) -> Result<(), Error> {
+        let key = rec.key.as_str();
+        let mut removed = vec![keys::record(key)];
+        if let Some(task) = &rec.task_id {
+            removed.push(keys::task(task.as_str(), rec.created_at.as_micros(), key));
+        }
+        for k in &removed {
+            batch.capture(&self.store, k)?;
+        }
+        for k in removed {
+            batch.set(k, None);
+        }
+        batch
+            .changes
+            .push((key.to_owned(), PURGE, chain::sha256(b"")));
+        batch.delta(Some(rec.state), None);
+        batch.records.insert(rec.key.clone(), None);
+        batch.needs_flush = true;
+        Ok(())
+    }
+
+    pub(crate) fn handle(&mut self, cmd: Command, batch: &mut Batch) {
+        batch.commands += 1;
+        let now = SystemTime::now();
+        match cmd {
+            Command::Begin { intent, reply } => {
+                let result = self.begin(*intent, now, batch);
+                settle(batch, reply, result, false);
+            }
+            Command::Apply { key, event, reply } => {
+                let result = self.apply(&key, *event, now, batch);
+                settle(batch, reply, result, false);
+            }
+            Command::Read { key, reply } => {
+                let result = self.record(batch, &key);
+                settle(batch, reply, result, false);
+            }
+            Command::StreamBegin {
+                key,
+                request,
+                reply,
+            } => {
+                let result = self.stream_begin(&key, *request, now, batch);
+                settle(batch, reply, result, false);
+            }
+            Command::StreamAppend {
+                key,
+                attempt,
+                seq,
+                event,
+                durable,
+                reply,
+            } => {
+                let result = self.stream_append(&key, attempt, seq, &event, durable, batch);
+                settle(batch, reply, result, !durable);
+            }
+            Command::StreamEnd {
+                key,
+                attempt,
+                end,
+                reply,
+            } => {
+                let result = self.stream_end(&key, attempt, end, now, batch);
+                settle(batch, reply, result, false);
+            }
+            Command::KvPut {
+                namespace,
+                key,
+                value,
+                reply,
+            } => {
+                let result = batch.put(&self.store, keys::kv(&namespace, &key), value);
+                if result.is_ok() {
+                    batch.kv_writes += 1;
+                }
+                settle(batch, reply, result, true);
+            }
+            Command::Reap { now, reply } => {
+                let result = self.reap(now, batch);
+                settle(batch, reply, result, false);
+            }
+        }
+    }
+
+    fn begin(
+        &mut self,
+        intent: crate::record::Intent,
+        now: SystemTime,
+        batch: &mut Batch,
+    ) -> Result<Begin, Error> {
+        let key = intent.key.clone();
+        let current = self.record(batch, &key)?;
+        let event = Event::Begin {
+            intent: Box::new(intent),
+            epoch: self.epoch(),
+        };
+        let (rec, effect) = state::apply(current.as_ref(), event, now)?;
+        let rec = if effect.writes() {
+            self.write_record(batch, rec, current.as_ref())?
+        } else {
+            rec
+        };
+        Ok(match effect {
+            Effect::Execute { ticket, resend } => Begin::Execute { ticket, resend },
+            Effect::Probe { ticket } => Begin::Probe { ticket },
+            Effect::Replay => {
+                batch.replays += 1;
+                Begin::Replay(rec)
+            }
+            Effect::InFlight => Begin::InFlight { record: rec },
+            Effect::Mismatch => Begin::Mismatch { record: rec },
+            Effect::OutcomeUnknown => Begin::OutcomeUnknown { record: rec },
+            Effect::Tombstoned => Begin::Tombstoned { record: rec },
+            Effect::Recorded | Effect::Unchanged => {
+                return Err(Error::Invalid {
+                    what: "state machine answer",
+                    detail: format!("a request for {key} produced no decision"),
+                });
+            }
+        })
+    }
+
+    fn apply(
+        &mut self,
+        key: &IdempotencyKey,
+        event: Event,
+        now: SystemTime,
+        batch: &mut Batch,
+    ) -> Result<(Record, Effect), Error> {
+        let current = self.record(batch, key)?;
+        let (rec, effect) = state::apply(current.as_ref(), event, now)?;
+        let rec = if effect.writes() {
+            self.write_record(batch, rec, current.as_ref())?
+        } else {
+            rec
+        };
+        Ok((rec, effect))
+    }
+
+    fn stream_begin(
+        &mut self,
+        key: &StreamKey,
+        request: StreamRequest,
+        now: SystemTime,
+        batch: &mut Batch,
+    ) -> Result<StreamBegin, Error> {
+        let now = Timestamp::from_system(now);
+        let current = self.stream(batch, key)?;
+        let meta = match current {
+            Some(meta) if meta.request.fingerprint != request.fingerprint => {
+                return Ok(StreamBegin::Mismatch { meta });
+            }
+            Some(meta) if matches!(meta.state, StreamState::Open | StreamState::Completed) => {
+                return Ok(StreamBegin::Existing {
+                    meta: self.with_last_seq(meta)?,
+                });
+            }
+            Some(mut meta) => {
+                meta.attempt += 1;
+                meta.state = StreamState::Open;
+                meta.end = None;
+                meta.epoch = self.epoch();
+                meta.updated_at = now;
+                meta.request = request;
+                meta
+            }
+            None => {
+                let due = now.saturating_add(self.options.stream_retention);
+                batch.expire_later(keys::DROP_STREAM, due, key.as_str().to_owned());
+                StreamMeta {
+                    v: crate::record::RECORD_VERSION,
+                    key: key.clone(),
+                    request,
+                    attempt: 1,
+                    state: StreamState::Open,
+                    epoch: self.epoch(),
+                    created_at: now,
+                    updated_at: now,
+                    end: None,
+                    last_seq: None,
+                }
+            }
+        };
+        let attempt = meta.attempt;
+        self.write_stream(batch, meta)?;
+        Ok(StreamBegin::New { attempt })
+    }
+
+    fn with_last_seq(&self, mut meta: StreamMeta) -> Result<StreamMeta, Error> {
+        meta.last_seq = match self
+            .store
+            .scan_prefix(&keys::attempt_prefix(meta.key.as_str(), meta.attempt))
+            .next_back()
+        {
+            Some(entry) => keys::event_seq(&entry?.0),
+            None => None,
+        };
+        Ok(meta)
+    }
+
+    pub(crate) fn write_stream(
+        &mut self,
+        batch: &mut Batch,
+        mut meta: StreamMeta,
+    ) -> Result<(), Error> {
+        meta.last_seq = None;
+        let bytes = encode("stream metadata", &meta)?;
+        batch.put(&self.store, keys::stream(meta.key.as_str()), Some(bytes))?;
+        batch.streams.insert(meta.key.clone(), Some(meta));
+        batch.needs_flush = true;
+        Ok(())
+    }
+
+    fn open_stream(
+        &self,
+        batch: &Batch,
+        key: &StreamKey,
+        attempt: u32,
+    ) -> Result<StreamMeta, Error> {
+        let meta = self.stream(batch, key)?.ok_or_else(|| Error::Stream {
+            key: key.to_string(),
+            detail: "unknown stream; call stream_begin first".to_owned(),
+        })?;
+        if meta.attempt != attempt {
+            return Err(Error::Stream {
+                key: key.to_string(),
+                detail: format!(
+                    "attempt {attempt} is not current (attempt {} is)",
+                    meta.attempt
+                ),
+            });
+        }
+        Ok(meta)
+    }
+
+    fn stream_append(
+        &mut self,
+        key: &StreamKey,
+        attempt: u32,
+        seq: u64,
+        event: &Bytes,
+        durable: bool,
+        batch: &mut Batch,
+    ) -> Result<(), Error> {
+        let meta = self.open_stream(batch, key, attempt)?;
+        if meta.state != StreamState::Open {
+            return Err(Error::Stream {
+                key: key.to_string(),
+                detail: format!("attempt {attempt} has ended ({:?})", meta.state),
+            });
+        }
+        batch.put(
+            &self.store,
+            keys::event(key.as_str(), attempt, seq),
+            Some(event.to_vec()),
+        )?;
+        batch.stream_events += 1;
+        if durable {
+            batch.needs_flush = true;
+        }
+        Ok(())
+    }
+
+    fn stream_end(
+        &mut self,
+        key: &StreamKey,
+        attempt: u32,
+        end: StreamEnd,
+        now: SystemTime,
+        batch: &mut Batch,
+    ) -> Result<(), Error> {
+        let mut meta = self.open_stream(batch, key, attempt)?;
+        if meta.state != StreamState::Open {
+            if meta.end.as_ref() == Some(&end) {
+                return Ok(());
+            }
+            return Err(Error::Stream {
+                key: key.to_string(),
+                detail: format!("attempt {attempt} has already ended ({:?})", meta.state),
+            });
+        }
+        meta.state = end.state();
+        meta.end = Some(end);
+        meta.updated_at = Timestamp::from_system(now);
+        self.write_stream(batch, meta)
+    }
+
+    fn reap(&mut self, now: SystemTime, batch: &mut Batch) -> Result<ReapReport, Error> {
+        let now = Timestamp::from_system(now);
+        let mut report = ReapReport::default();
+        let mut looked_at = 0usize;
+        for entry in self
+            .store
+            .range(keys::EXPIRY, &keys::expiry_end(now.as_micros()))
+        {
+            if looked_at >= REAP_LIMIT {
+                report.more = true;
+                break;
+            }
+            let (index, value) = entry?;
+            let due_keys: Vec<String> = serde_json::from_slice(&value).unwrap_or_default();
+            looked_at += due_keys.len().max(1);
+            match keys::parse_expiry(&index) {
+                Some((_, keys::EXPIRE_RECORD)) => {
+                    for key in &due_keys {
+                        self.expire_record(key, now, batch, &mut report)?;
+                    }
+                }
+                Some((_, keys::PURGE_TOMBSTONE)) => {
+                    for key in &due_keys {
+                        let Ok(id) = IdempotencyKey::new(key.as_str()) else {
+                            continue;
+                        };
+                        let rec = self.record(batch, &id)?;
+                        if let Some(rec) = rec.filter(|r| r.state == State::Tombstone) {
+                            self.purge(batch, &rec)?;
+                            report.purged += 1;
+                        }
+                    }
+                }
+                Some((_, keys::DROP_STREAM)) => {
+                    for key in &due_keys {
+                        if let Ok(id) = StreamKey::new(key.as_str()) {
+                            self.drop_stream(id, now, batch, &mut report)?;
+                        }
+                    }
+                }
+                // Unknown kinds are dropped with their entry: nothing reads them.
+                Some(_) | None => {}
+            }
+            batch.put(&self.store, index, None)?;
+        }
+        batch.needs_flush = true;
+        Ok(report)
+    }
+
+    fn drop_stream(
+        &mut self,
+        id: StreamKey,
+        now: Timestamp,
+        batch: &mut Batch,
+        report: &mut ReapReport,
+    ) -> Result<(), Error> {
+        let key = id.as_str().to_owned();
+        match self.stream(batch, &id)? {
+            Some(meta) if meta.state == StreamState::Open => {
+                let again = now.saturating_add(self.options.stream_retention);
+                batch.expire_later(keys::DROP_STREAM, again, key);
+                report.deferred += 1;
+            }
+            Some(_) => {
+                let events: Vec<Vec<u8>> = self
+                    .store
+                    .scan_prefix(&keys::events_prefix(&key))
+                    .map(|e| e.map(|(k, _)| k))
+                    .collect::<Result<_, _>>()?;
+                for event in events {
+                    batch.put(&self.store, event, None)?;
+                }
+                batch.put(&self.store, keys::stream(&key), None)?;
+                batch.streams.insert(id, None);
+                report.streams_dropped += 1;
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    fn expire_record(
+        &mut self,
+        key: &str,
+        now: Timestamp,
+        batch: &mut Batch,
+        report: &mut ReapReport,
+    ) -> Result<(), Error> {
+        let Ok(id) = IdempotencyKey::new(key) else {
+            return Ok(());
+        };
+        let Some(current) = self.record(batch, &id)? else {
+            return Ok(());
+        };
+        if current.created_at.saturating_add(self.options.retention) > now {
+            // The key was purged and used again; the new record has its own entry.
+            return Ok(());
+        }
+        let (rec, effect) = state::apply(Some(&current), Event::Expire, now.to_system())?;
+        if effect.writes() {
+            self.write_record(batch, rec, Some(&current))?;
+            let due = now.saturating_add(self.options.tombstone_retention);
+            batch.expire_later(keys::PURGE_TOMBSTONE, due, key.to_owned());
+            report.tombstoned += 1;
+        } else if current.state != State::Tombstone {
+            let again = now.saturating_add(self.options.retention);
+            batch.expire_later(keys::EXPIRE_RECORD, again, key.to_owned());
+            report.deferred += 1;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn put(&self, batch: &mut Batch, key: &[u8], value: &[u8]) -> Result<(), Error> {
+        batch.put(&self.store, key.to_vec(), Some(value.to_vec()))
+    }
+
+    /// Applies the batch and makes it durable, blocking (used at open).
+    pub(crate) fn commit_blocking(&mut self, mut batch: Batch) -> Result<(), Error> {
+        self.stage(&mut batch)?;
+        self.store.apply(
+            batch
+                .writes
+                .iter()
+                .map(|(k, v)| (k.as_slice(), v.as_deref())),
+        )?;
+        self.store.flush()?;
+        self.shared.flushes.fetch_add(1, Ordering::Relaxed);
+        self.count(&batch);
+        Ok(())
+    }
+
+    /// Adds the batch's log entry, the new chain head and its expiry index entries
+    /// to its writes.
+    fn stage(&mut self, batch: &mut Batch) -> Result<(), Error> {
+        let at = Timestamp::now();
+        if !batch.changes.is_empty() {
+            let mut head = self.head;
+            let entry = head.append(at, &batch.changes);
+            let entry_bytes = encode("a log entry", &entry)?;
+            let head_bytes = head.encode()?;
+            batch.capture(&self.store, keys::HEAD)?;
+            batch.set(keys::log(entry.seq), Some(entry_bytes));
+            batch.set(keys::HEAD.to_vec(), Some(head_bytes));
+            self.head = head;
+        }
+        let expiries = std::mem::take(&mut batch.expiries);
+        for (kind, (due, due_keys)) in expiries {
+            self.expiry_ids += 1;
+            let id = format!("{}-{}", self.shared.epoch, self.expiry_ids);
+            let value = encode("an expiry index entry", &due_keys)?;
+            batch.set(keys::expiry(due.as_micros(), kind, &id), Some(value));
+        }
+        Ok(())
+    }
+
+    fn count(&self, batch: &Batch) {
+        let s = &self.shared;
+        if !batch.writes.is_empty() {
+            s.batches.fetch_add(1, Ordering::Relaxed);
+        }
+        s.records_written
+            .fetch_add(batch.records_written, Ordering::Relaxed);
+        s.stream_events
+            .fetch_add(batch.stream_events, Ordering::Relaxed);
+        s.kv_writes.fetch_add(batch.kv_writes, Ordering::Relaxed);
+        s.replays.fetch_add(batch.replays, Ordering::Relaxed);
+        for (counter, delta) in s.states.iter().zip(batch.state_deltas) {
+            counter.fetch_add(delta, Ordering::Relaxed);
+        }
+    }
+
+    /// Flushes on the writer's own thread. Every waiter of the batch waits for this
+    /// flush anyway, and handing it to a blocking-pool thread costs two thread wakeups
+    /// per commit, which at low concurrency is most of the latency. The writer is the
+    /// only task that blocks like this, and for at most one flush at a time.
+    async fn flush(&self) -> Result<(), String> {
+        if self.shared.fault() == Some(WriteFault::FailFlush) {
+            return Err("injected write fault: the flush failed".to_owned());
+        }
+        match self.store.flush() {
+            Ok(()) => {
+                self.shared.flushes.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Applies, flushes and answers one batch.
+    pub(crate) async fn commit(&mut self, mut batch: Batch) {
+        if batch.writes.is_empty() {
+            self.count(&batch);
+            for answer in batch
+                .after_apply
+                .drain(..)
+                .chain(batch.after_flush.drain(..))
+            {
+                answer(Ok(()));
+            }
+            return;
+        }
+        let applied = match self.stage(&mut batch) {
+            Err(e) => Err(e.to_string()),
+            Ok(()) if self.shared.fault() == Some(WriteFault::FailApply) => {
+                Err("injected write fault: the batch was refused".to_owned())
+            }
+            Ok(()) => self
+                .store
+                .apply(
+                    batch
+                        .writes
+                        .iter()
+                        .map(|(k, v)| (k.as_slice(), v.as_deref())),
+                )
+                .map_err(|e| e.to_string()),
+        };
+        if let Err(reason) = applied {
+            self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
+            self.head = batch.head_before;
+            tracing::error!(%reason, "journal batch not applied; failing its waiters");
+            fail(batch, &reason);
+            return;
+        }
+        for answer in batch.after_apply.drain(..) {
+            answer(Ok(()));
+        }
+        let flushed = if batch.needs_flush {
+            self.flush().await
+        } else {
+            self.dirty_since.get_or_insert_with(Instant::now);
+            Ok(())
+        };
+        match flushed {
+            Ok(()) => {
+                if batch.needs_flush {
+                    self.dirty_since = None;
+                }
+                self.remember_in_flight(&mut batch);
+                self.count(&batch);
+                for answer in batch.after_flush.drain(..) {
+                    answer(Ok(()));
+                }
+                if batch.records_written > 0 {
+                    self.shared.commits.send_modify(|n| *n = n.wrapping_add(1));
+                }
+            }
+            Err(reason) => {
+                self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
+                self.head = batch.head_before;
+                let undo = std::mem::take(&mut batch.before);
+                if let Err(e) = self
+                    .store
+                    .apply(undo.iter().map(|(k, v)| (k.as_slice(), v.as_deref())))
+                {
+                    tracing::error!(error = %e, "rolling back an unflushed journal batch failed");
+                }
+                tracing::error!(%reason, "journal flush failed; failing its waiters");
+                fail(batch, &reason);
+            }
+        }
+    }
+
+    fn remember_in_flight(&mut self, batch: &mut Batch) {
+        for (key, record) in batch.records.drain() {
+            match record {
+                Some(record) if record.state.in_flight() => {
+                    let bytes = batch
+                        .writes
+                        .get(&keys::record(key.as_str()))
+                        .and_then(Clone::clone);
+                    match bytes {
+                        Some(bytes) => {
+                            self.hot.insert(key, Hot { record, bytes });
+                        }
+                        None => {
+                            self.hot.remove(&key);
+                        }
+                    }
+                }
+                _ => {
+                    self.hot.remove(&key);
+                }
+            }
+        }
+    }
+
+    pub(crate) fn flush_due(&self) -> Option<Instant> {
+        self.dirty_since
+            .map(|since| since + self.options.max_batch_delay)
+    }
+
+    /// Flushes lazy writes whose delay ran out.
+    pub(crate) async fn flush_lazy(&mut self) {
+        match self.flush().await {
+            Ok(()) => self.dirty_since = None,
+            Err(reason) => {
+                self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
+                // Try again one delay later; the lazy writes stay applied.
+                self.dirty_since = Some(Instant::now());
+                tracing::warn!(%reason, "flushing lazy journal writes failed");
+            }
+        }
+    }
+}
+
+fn settle<T: Send + 'static>(
+    batch: &mut Batch,
+    reply: Reply<T>,
+    result: Result<T, Error>,
+    lazy: bool,
+) {
+    match result {
+        Ok(value) if lazy => batch.after_apply.push(pending(reply, value)),
+        Ok(value) => batch.after_flush.push(pending(reply, value)),
+        // Refusals depend on nothing unflushed being kept; answer at once.
+        Err(e) => {
+            let _ = reply.send(Err(e));
+        }
+    }
+}
+
+fn fail(mut batch: Batch, reason: &str) {
+    for answer in batch
+        .after_apply
+        .drain(..)
+        .chain(batch.after_flush.drain(..))
+    {
+        answer(Err(reason));
+    }
+}
+
+/// The single writer task. The application spawns [`Writer::run`] on a multi-threaded
+/// tokio runtime (it blocks its worker thread for the length of each flush, which
+/// every waiter of the batch waits for anyway); it ends, after a final flush, when
+/// every [`crate::Journal`] handle is dropped.
+pub struct Writer {
+    pub(crate) rx: mpsc::Receiver<Command>,
+    pub(crate) core: Core,
+    pub(crate) max_batch: usize,
+}
+
+impl Writer {
+    pub async fn run(mut self) {
+        loop {
+            let first = match self.core.flush_due() {
+                Some(due) => tokio::select! {
+                    cmd = self.rx.recv() => cmd,
+                    () = tokio::time::sleep_until(due) => {
+                        self.core.flush_lazy().await;
+                        continue;
+                    }
+                },
+                None => self.rx.recv().await,
+            };
+            let Some(first) = first else { break };
+            let mut batch = self.core.new_batch();
+            self.core.handle(first, &mut batch);
+            while batch.commands < self.max_batch {
+                match self.rx.try_recv() {
+                    Ok(cmd) => self.core.handle(cmd, &mut batch),
+                    Err(_) => break,
+                }
+            }
+            self.core.commit(batch).await;
+        }
+        if self.core.dirty_since.is_some() {
+            self.core.flush_lazy().await;
+        }
+    }
+}

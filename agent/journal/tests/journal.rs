@@ -1,0 +1,808 @@
+//! The journal through its public API, on real sled in temporary directories.
+
+use std::error::Error as StdError;
+use std::path::Path;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+use outrigger_journal::{
+    Begin, Body, Error, Filter, Headers, Intent, Journal, KeySource, Options, RedactedRequest,
+    Resolution, State, StoredResponse, StreamBegin, StreamEnd, StreamKey, StreamRequest,
+    StreamState, WriteFault,
+};
+use outrigger_types::{Fingerprint, IdempotencyKey, PolicyVersion, RequestId, TaskId, ToolClass};
+use tokio::task::JoinHandle;
+
+type TestResult = Result<(), Box<dyn StdError>>;
+
+struct Running {
+    journal: Journal,
+    writer: JoinHandle<()>,
+}
+
+impl Running {
+    fn open(options: Options) -> Result<(Self, outrigger_journal::Recovery), Error> {
+        let (journal, writer, recovery) = Journal::open(options)?;
+        let writer = tokio::spawn(writer.run());
+        Ok((Self { journal, writer }, recovery))
+    }
+
+    /// Drops every handle and waits for the writer's final flush, as a stopping
+    /// sidecar does; the directory can then be opened again.
+    async fn stop(self) -> TestResult {
+        drop(self.journal);
+        self.writer.await?;
+        Ok(())
+    }
+}
+
+fn key(k: &str) -> IdempotencyKey {
+    IdempotencyKey::new(k).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn intent(k: &str, class: ToolClass) -> Intent {
+    Intent {
+        key: key(k),
+        fingerprint: Fingerprint([1; 32]),
+        tool: "crm".to_owned(),
+        class,
+        method: "POST".to_owned(),
+        target: "http://127.0.0.1:9/contacts".to_owned(),
+        task_id: TaskId::new("task-a").ok(),
+        request_id: RequestId::from_generated(format!("req-{k}")),
+        downstream_key: format!("down-{k}"),
+        request: RedactedRequest::new(
+            Headers::redacted([
+                ("Authorization".to_owned(), "Bearer sk-secret".to_owned()),
+                ("content-type".to_owned(), "application/json".to_owned()),
+            ]),
+            Body::from("{\"name\":\"Ada\"}"),
+        ),
+        policy_versions: vec![PolicyVersion::new("retry", "0123456789abcdef99")],
+        model_revision: Some("m-2026-01".to_owned()),
+        derived_from: KeySource::Header,
+    }
+}
+
+fn ok(status: u16) -> StoredResponse {
+    StoredResponse::new(
+        status,
+        Headers::redacted([("set-cookie".to_owned(), "s=1".to_owned())]),
+        Body::from("{\"id\":42}"),
+    )
+}
+
+async fn execute(
+    journal: &Journal,
+    intent: Intent,
+) -> Result<outrigger_journal::Ticket, Box<dyn StdError>> {
+    match journal.begin(intent).await? {
+        Begin::Execute { ticket, .. } => Ok(ticket),
+        other => Err(format!("expected Execute, got {other:?}").into()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_key_twenty_requests_one_execution() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let journal = run.journal.clone();
+        tasks.push(tokio::spawn(async move {
+            journal.begin(intent("same", ToolClass::Keyed)).await
+        }));
+    }
+    let mut tickets = Vec::new();
+    let mut in_flight = 0;
+    for task in tasks {
+        match task.await?? {
+            Begin::Execute { ticket, resend } => {
+                assert!(!resend);
+                tickets.push(ticket);
+            }
+            Begin::InFlight { record } => {
+                assert_eq!(record.state, State::Dispatched);
+                in_flight += 1;
+            }
+            other => return Err(format!("unexpected {other:?}").into()),
+        }
+    }
+    assert_eq!((tickets.len(), in_flight), (1, 19));
+    assert_eq!(
+        run.journal.complete(&tickets[0], ok(201)).await?,
+        State::Completed
+    );
+
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let journal = run.journal.clone();
+        tasks.push(tokio::spawn(async move {
+            journal.begin(intent("same", ToolClass::Keyed)).await
+        }));
+    }
+    for task in tasks {
+        let Begin::Replay(record) = task.await?? else {
+            return Err("after completion every request replays".into());
+        };
+        let response = record.response.ok_or("no stored response")?;
+        assert_eq!(response.status, 201);
+        assert_eq!(response.body, Body::from("{\"id\":42}"));
+        assert_eq!(response.headers.get("set-cookie"), None);
+    }
+    assert_eq!(run.journal.stats().replays, 20);
+    run.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_calls_share_flushes() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let before = run.journal.stats();
+    let mut tasks = Vec::new();
+    for i in 0..64 {
+        let journal = run.journal.clone();
+        tasks.push(tokio::spawn(async move {
+            let ticket = execute(&journal, intent(&format!("gc-{i}"), ToolClass::Keyed))
+                .await
+                .map_err(|e| e.to_string())?;
+            journal
+                .complete(&ticket, ok(200))
+                .await
+                .map_err(|e| e.to_string())
+        }));
+    }
+    for task in tasks {
+        assert_eq!(task.await??, State::Completed);
+    }
+    let stats = run.journal.stats();
+    let records = stats.records_written - before.records_written;
+    let flushes = stats.flushes - before.flushes;
+    assert_eq!(records, 128);
+    assert!(flushes < records, "{flushes} flushes for {records} records");
+    assert_eq!(stats.states.completed, 64);
+    assert_eq!(stats.flush_errors, 0);
+    // Shared commits chain several changes per log entry; the chain still verifies.
+    let report = run.journal.verify()?;
+    assert!(report.is_clean(), "{report:?}");
+    assert!(
+        report.entries < records,
+        "{} entries for {records} changes",
+        report.entries
+    );
+    run.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_that_cannot_write_fails_closed() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    for fault in [WriteFault::FailFlush, WriteFault::FailApply] {
+        run.journal.set_write_fault(Some(fault));
+        let refused = run.journal.begin(intent("f-1", ToolClass::Keyed)).await;
+        assert!(
+            matches!(refused, Err(Error::Unavailable(_))),
+            "{fault:?}: {refused:?}"
+        );
+        assert_eq!(run.journal.get(&key("f-1"))?, None, "{fault:?}");
+        let dispatched = Filter {
+            state: Some(State::Dispatched),
+            ..Filter::default()
+        };
+        assert!(run.journal.list(&dispatched)?.is_empty(), "{fault:?}");
+        assert_eq!(run.journal.stats().states.dispatched, 0);
+    }
+    assert_eq!(run.journal.stats().flush_errors, 2);
+
+    // Outcomes fail closed too: the caller must not release a response.
+    run.journal.set_write_fault(None);
+    let ticket = execute(&run.journal, intent("f-1", ToolClass::Keyed)).await?;
+    run.journal.set_write_fault(Some(WriteFault::FailFlush));
+    let refused = run.journal.complete(&ticket, ok(200)).await;
+    assert!(matches!(refused, Err(Error::Unavailable(_))), "{refused:?}");
+    assert_eq!(
+        run.journal.get(&key("f-1"))?.map(|r| r.state),
+        Some(State::Dispatched)
+    );
+
+    run.journal.set_write_fault(None);
+    assert_eq!(
+        run.journal.complete(&ticket, ok(200)).await?,
+        State::Completed
+    );
+    assert!(run.journal.verify()?.is_clean());
+    run.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_settles_what_was_in_flight() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let stream = StreamKey::new("stream-1")?;
+    let first_epoch;
+    {
+        let (run, recovery) = Running::open(Options::new(dir.path()))?;
+        first_epoch = recovery.epoch;
+        execute(&run.journal, intent("keyed", ToolClass::Keyed)).await?;
+        execute(&run.journal, intent("probe", ToolClass::Probe)).await?;
+        let unsafe_sent = execute(&run.journal, intent("unsafe-sent", ToolClass::Unsafe)).await?;
+        run.journal.dispatched(&unsafe_sent).await?;
+        execute(&run.journal, intent("unsafe-claimed", ToolClass::Unsafe)).await?;
+        let done = execute(&run.journal, intent("done", ToolClass::Unsafe)).await?;
+        run.journal.dispatched(&done).await?;
+        run.journal.complete(&done, ok(200)).await?;
+        let begun = run.journal.stream_begin(&stream, stream_request(1)).await?;
+        assert_eq!(begun, StreamBegin::New { attempt: 1 });
+        run.stop().await?;
+    }
+
+    let (run, recovery) = Running::open(Options::new(dir.path()))?;
+    assert_eq!(recovery.epoch, first_epoch + 1);
+    assert_eq!(recovery.records, 5);
+    assert_eq!(recovery.in_doubt, [key("keyed"), key("probe")]);
+    assert_eq!(recovery.needs_operator, [key("unsafe-sent")]);
+    assert_eq!(recovery.failed_before_send, [key("unsafe-claimed")]);
+    assert_eq!(recovery.abandoned_streams, std::slice::from_ref(&stream));
+
+    let state = |k: &str| -> Result<Option<State>, Error> {
+        Ok(run.journal.get(&key(k))?.map(|r| r.state))
+    };
+    assert_eq!(state("keyed")?, Some(State::InDoubt));
+    assert_eq!(state("unsafe-sent")?, Some(State::NeedsOperator));
+    assert_eq!(state("unsafe-claimed")?, Some(State::FailedBeforeSend));
+    assert_eq!(state("done")?, Some(State::Completed));
+    let stats = run.journal.stats();
+    assert_eq!((stats.states.in_doubt, stats.states.needs_operator), (2, 1));
+    assert_eq!(
+        (stats.states.failed_before_send, stats.states.completed),
+        (1, 1)
+    );
+
+    // What each class does with the next request for the same key.
+    match run.journal.begin(intent("keyed", ToolClass::Keyed)).await? {
+        Begin::Execute { ticket, resend } => {
+            assert!(resend);
+            assert_eq!(ticket.attempt(), 2);
+            assert_eq!(ticket.epoch(), recovery.epoch);
+        }
+        other => return Err(format!("keyed: {other:?}").into()),
+    }
+    assert!(matches!(
+        run.journal.begin(intent("probe", ToolClass::Probe)).await?,
+        Begin::Probe { .. }
+    ));
+    let Begin::OutcomeUnknown { record } = run
+        .journal
+        .begin(intent("unsafe-sent", ToolClass::Unsafe))
+        .await?
+    else {
+        return Err("an unsafe in-doubt call must not execute".into());
+    };
+    assert_eq!(record.state, State::NeedsOperator);
+    assert!(record.history.iter().any(|t| t.note.contains("restart")));
+    match run
+        .journal
+        .begin(intent("unsafe-claimed", ToolClass::Unsafe))
+        .await?
+    {
+        Begin::Execute { resend, .. } => assert!(!resend),
+        other => return Err(format!("unsafe-claimed: {other:?}").into()),
+    }
+    assert!(matches!(
+        run.journal.begin(intent("done", ToolClass::Unsafe)).await?,
+        Begin::Replay(_)
+    ));
+
+    let meta = run.journal.stream_meta(&stream)?.ok_or("stream lost")?;
+    assert_eq!(meta.state, StreamState::Abandoned);
+    assert!(run.journal.verify()?.is_clean());
+    run.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_resolve_calls_of_unknown_outcome() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let ticket = execute(&run.journal, intent("wire", ToolClass::Unsafe)).await?;
+    run.journal.dispatched(&ticket).await?;
+    assert_eq!(
+        run.journal.in_doubt(&ticket, "timeout after 30 s").await?,
+        State::NeedsOperator
+    );
+
+    let refused = run
+        .journal
+        .resolve(
+            &key("wire"),
+            Resolution::MarkSucceeded(ok(500)),
+            "alice",
+            "bank says ok",
+        )
+        .await;
+    assert!(
+        matches!(refused, Err(Error::InvalidResolution(_))),
+        "{refused:?}"
+    );
+
+    let record = run
+        .journal
+        .resolve(
+            &key("wire"),
+            Resolution::MarkSucceeded(ok(200)),
+            "alice",
+            "bank statement shows it",
+        )
+        .await?;
+    assert_eq!(record.state, State::Completed);
+    let resolution = record.resolutions.last().ok_or("no resolution journaled")?;
+    assert_eq!(
+        (
+            resolution.actor.as_str(),
+            resolution.action.as_str(),
+            resolution.from_state
+        ),
+        ("alice", "mark_succeeded", State::NeedsOperator)
+    );
+    assert!(matches!(
+        run.journal.begin(intent("wire", ToolClass::Unsafe)).await?,
+        Begin::Replay(_)
+    ));
+
+    // Retry: the next request executes again (claimed; dispatched right before its send).
+    let ticket = execute(&run.journal, intent("wire-2", ToolClass::Unsafe)).await?;
+    run.journal.dispatched(&ticket).await?;
+    run.journal.in_doubt(&ticket, "reset").await?;
+    run.journal
+        .resolve(
+            &key("wire-2"),
+            Resolution::Retry,
+            "bob",
+            "the bank never received it",
+        )
+        .await?;
+    let retry = execute(&run.journal, intent("wire-2", ToolClass::Unsafe)).await?;
+    assert_eq!(retry.attempt(), 2);
+    let stale = run.journal.complete(&ticket, ok(200)).await;
+    assert!(matches!(stale, Err(Error::Stale { .. })), "{stale:?}");
+    assert!(run.journal.verify()?.is_clean());
+    run.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probe_tools_are_reconciled_before_a_resend() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let ticket = execute(&run.journal, intent("p", ToolClass::Probe)).await?;
+    assert_eq!(
+        run.journal.complete(&ticket, ok(502)).await?,
+        State::InDoubt
+    );
+    let Begin::Probe { ticket } = run.journal.begin(intent("p", ToolClass::Probe)).await? else {
+        return Err("an in-doubt probe call must be probed".into());
+    };
+    // Meanwhile the key is taken.
+    assert!(matches!(
+        run.journal.begin(intent("p", ToolClass::Probe)).await?,
+        Begin::InFlight { .. }
+    ));
+    let Begin::Execute { ticket, resend } = run.journal.reconciled(&ticket, None).await? else {
+        return Err("a probe that found nothing re-sends".into());
+    };
+    assert!(resend);
+    assert_eq!(ticket.attempt(), 2);
+    assert_eq!(
+        run.journal.complete(&ticket, ok(200)).await?,
+        State::Completed
+    );
+
+    let ticket = execute(&run.journal, intent("p2", ToolClass::Probe)).await?;
+    run.journal.in_doubt(&ticket, "timeout").await?;
+    let Begin::Probe { ticket } = run.journal.begin(intent("p2", ToolClass::Probe)).await? else {
+        return Err("an in-doubt probe call must be probed".into());
+    };
+    let Begin::Replay(record) = run.journal.reconciled(&ticket, Some(ok(201))).await? else {
+        return Err("a probe that found the outcome replays it".into());
+    };
+    assert_eq!(
+        (record.state, record.final_status),
+        (State::Completed, Some(201))
+    );
+    run.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_a_call_in_flight() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let ticket = execute(&run.journal, intent("w", ToolClass::Keyed)).await?;
+    let journal = run.journal.clone();
+    let waiter = tokio::spawn(async move {
+        journal
+            .wait_settled(&key("w"), Duration::from_secs(30))
+            .await
+    });
+    run.journal.complete(&ticket, ok(200)).await?;
+    let settled = waiter.await??.ok_or("record vanished")?;
+    assert_eq!(settled.state, State::Completed);
+
+    execute(&run.journal, intent("w2", ToolClass::Keyed)).await?;
+    let still = run
+        .journal
+        .wait_settled(&key("w2"), Duration::from_millis(20))
+        .await?
+        .ok_or("record vanished")?;
+    assert_eq!(still.state, State::Dispatched);
+    assert_eq!(
+        run.journal
+            .wait_settled(&key("nope"), Duration::from_millis(1))
+            .await?,
+        None
+    );
+    run.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatched_requests_change_nothing() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let ticket = execute(&run.journal, intent("m", ToolClass::Keyed)).await?;
+    run.journal.complete(&ticket, ok(200)).await?;
+    let before = run.journal.get(&key("m"))?;
+    let mut other = intent("m", ToolClass::Keyed);
+    other.fingerprint = Fingerprint([2; 32]);
+    assert!(matches!(
+        run.journal.begin(other).await?,
+        Begin::Mismatch { .. }
+    ));
+    assert_eq!(run.journal.get(&key("m"))?, before);
+    run.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_tombstones_then_purges() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let options = Options {
+        retention: Duration::from_secs(3600),
+        tombstone_retention: Duration::from_secs(86_400),
+        stream_retention: Duration::from_secs(600),
+        ..Options::new(dir.path())
+    };
+    let (run, _) = Running::open(options)?;
+    let start = SystemTime::now();
+    let ticket = execute(&run.journal, intent("old", ToolClass::Keyed)).await?;
+    run.journal.complete(&ticket, ok(200)).await?;
+    let parked = execute(&run.journal, intent("parked", ToolClass::Unsafe)).await?;
+    run.journal.dispatched(&parked).await?;
+    run.journal.in_doubt(&parked, "timeout").await?;
+    let stream = StreamKey::new("s-old")?;
+    run.journal.stream_begin(&stream, stream_request(1)).await?;
+    run.journal
+        .stream_append(&stream, 1, 0, Bytes::from_static(b"data: x\n\n"), true)
+        .await?;
+    run.journal
+        .stream_end(
+            &stream,
+            1,
+            StreamEnd::Completed {
+                usage: serde_json::json!({"output_tokens": 1}),
+            },
+        )
+        .await?;
+
+    let nothing_due = run.journal.reap(start).await?;
+    assert_eq!((nothing_due.tombstoned, nothing_due.purged), (0, 0));
+
+    let later = start + Duration::from_secs(2 * 3600);
+    let report = run.journal.reap(later).await?;
+    assert_eq!(
+        (report.tombstoned, report.deferred, report.streams_dropped),
+        (1, 1, 1)
+    );
+    let tomb = run.journal.get(&key("old"))?.ok_or("tombstone missing")?;
+    assert_eq!(
+        (tomb.state, tomb.final_status),
+        (State::Tombstone, Some(200))
+    );
+    assert_eq!(
+        tomb.body_digest,
+        Some(Body::from("{\"id\":42}").digest_hex())
+    );
+    assert!(tomb.request.is_none() && tomb.response.is_none());
+    assert!(matches!(
+        run.journal.begin(intent("old", ToolClass::Keyed)).await?,
+        Begin::Tombstoned { .. }
+    ));
+    assert_eq!(
+        run.journal.get(&key("parked"))?.map(|r| r.state),
+        Some(State::NeedsOperator),
+        "unsettled calls outlive retention"
+    );
+    assert_eq!(run.journal.stream_meta(&stream)?, None);
+    assert!(run.journal.stream_events(&stream, 1, None)?.is_empty());
+    assert!(run.journal.verify()?.is_clean());
+
+    let much_later = later + Duration::from_secs(2 * 86_400);
+    let report = run.journal.reap(much_later).await?;
+    assert_eq!(report.purged, 1);
+    assert_eq!(run.journal.get(&key("old"))?, None);
+    let verify = run.journal.verify()?;
+    assert!(verify.is_clean(), "{verify:?}");
+    assert_eq!(run.journal.stats().states.tombstone, 0);
+    // A purged key is new again (documented Stripe semantics).
+    assert!(matches!(
+        run.journal.begin(intent("old", ToolClass::Keyed)).await?,
+        Begin::Execute { resend: false, .. }
+    ));
+    run.stop().await
+}
+
+fn stream_request(fp: u8) -> StreamRequest {
+    StreamRequest {
+        fingerprint: Fingerprint([fp; 32]),
+        task_id: TaskId::new("task-a").ok(),
+        request_id: RequestId::from_generated("req-s".to_owned()),
+        provider: "anthropic".to_owned(),
+        model: "claude".to_owned(),
+        policy_versions: Vec::new(),
+    }
+}
+
+fn event(i: u64) -> Bytes {
+    Bytes::from(format!(
+        "event: content_block_delta\ndata: {{\"i\":{i}}}\n\n"
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_read_back_in_order_across_a_restart() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let key = StreamKey::new("chat-1")?;
+    {
+        let (run, _) = Running::open(Options::new(dir.path()))?;
+        let j = &run.journal;
+        assert_eq!(
+            j.stream_begin(&key, stream_request(1)).await?,
+            StreamBegin::New { attempt: 1 }
+        );
+        for seq in 0..5 {
+            j.stream_append(&key, 1, seq, event(seq), false).await?;
+        }
+        j.stream_append(&key, 1, 5, event(5), true).await?;
+        for seq in 6..9 {
+            j.stream_append(&key, 1, seq, event(seq), false).await?;
+        }
+        let all = j.stream_events(&key, 1, None)?;
+        assert_eq!(
+            all.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+            (0..9).collect::<Vec<_>>()
+        );
+        assert_eq!(all[3].1, event(3));
+        let tail = j.stream_events(&key, 1, Some(6))?;
+        assert_eq!(tail.iter().map(|(s, _)| *s).collect::<Vec<_>>(), [7, 8]);
+        assert_eq!(j.stream_meta(&key)?.and_then(|m| m.last_seq), Some(8));
+        let wrong = j.stream_append(&key, 2, 9, event(9), false).await;
+        assert!(matches!(wrong, Err(Error::Stream { .. })), "{wrong:?}");
+        assert_eq!(j.stats().stream_events, 9);
+        run.stop().await?;
+    }
+
+    let (run, recovery) = Running::open(Options::new(dir.path()))?;
+    let j = &run.journal;
+    assert_eq!(recovery.abandoned_streams, std::slice::from_ref(&key));
+    let after = j.stream_events(&key, 1, None)?;
+    let seqs: Vec<u64> = after.iter().map(|(s, _)| *s).collect();
+    // The durable event and everything before it survive; lazy ones after it may be
+    // lost only as a suffix, never leaving a hole.
+    assert!(seqs.len() >= 6, "{seqs:?}");
+    assert_eq!(seqs, (0..seqs.len() as u64).collect::<Vec<_>>());
+    for (seq, bytes) in &after {
+        assert_eq!(bytes, &event(*seq));
+    }
+
+    let meta = j.stream_meta(&key)?.ok_or("meta lost")?;
+    assert_eq!(meta.state, StreamState::Abandoned);
+    assert!(matches!(
+        j.stream_begin(&key, stream_request(2)).await?,
+        StreamBegin::Mismatch { .. }
+    ));
+    assert_eq!(
+        j.stream_begin(&key, stream_request(1)).await?,
+        StreamBegin::New { attempt: 2 }
+    );
+    j.stream_append(&key, 2, 0, event(100), true).await?;
+    j.stream_end(
+        &key,
+        2,
+        StreamEnd::Completed {
+            usage: serde_json::json!({}),
+        },
+    )
+    .await?;
+    let StreamBegin::Existing { meta } = j.stream_begin(&key, stream_request(1)).await? else {
+        return Err("a completed stream is replayed".into());
+    };
+    assert_eq!(
+        (meta.attempt, meta.state, meta.last_seq),
+        (2, StreamState::Completed, Some(0))
+    );
+    assert_eq!(j.stream_events(&key, 2, None)?, [(0, event(100))]);
+    assert_eq!(
+        j.stream_events(&key, 1, None)?.len(),
+        after.len(),
+        "attempts are kept apart"
+    );
+    run.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_values_persist() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    {
+        let (run, _) = Running::open(Options::new(dir.path()))?;
+        run.journal.kv_put("tasks", "t1", b"one".to_vec()).await?;
+        run.journal.kv_put("tasks", "t2", b"two".to_vec()).await?;
+        run.journal
+            .kv_put("tasks2", "t1", b"other".to_vec())
+            .await?;
+        run.journal.kv_delete("tasks", "t2").await?;
+        assert_eq!(run.journal.kv_get("tasks", "t1")?, Some(b"one".to_vec()));
+        assert!(run.journal.kv_put("", "x", Vec::new()).await.is_err());
+        run.stop().await?;
+    }
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    assert_eq!(
+        run.journal.kv_scan("tasks")?,
+        [("t1".to_owned(), b"one".to_vec())]
+    );
+    assert_eq!(run.journal.kv_scan("tasks2")?.len(), 1);
+    run.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audit_lists_exports_and_tells_a_task_story() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    {
+        let (run, _) = Running::open(Options::new(dir.path()))?;
+        for (k, status) in [("a1", 200), ("a2", 404), ("a3", 503)] {
+            let ticket = execute(&run.journal, intent(k, ToolClass::Keyed)).await?;
+            run.journal.complete(&ticket, ok(status)).await?;
+        }
+        let mut other = intent("b1", ToolClass::Keyed);
+        other.task_id = Some(TaskId::new("task-b")?);
+        other.tool = "mail".to_owned();
+        other.request = RedactedRequest::new(Headers::default(), Body::from(vec![0xff, 0xfe]));
+        execute(&run.journal, other).await?;
+
+        // A running sidecar's journal cannot be opened offline.
+        assert!(matches!(
+            Journal::open_for_audit(dir.path()),
+            Err(Error::Locked { .. })
+        ));
+        assert!(matches!(
+            Journal::open(Options::new(dir.path())),
+            Err(Error::Locked { .. })
+        ));
+        run.stop().await?;
+    }
+    let audit = Journal::open_for_audit(dir.path())?;
+    let task_a = TaskId::new("task-a")?;
+    let by_task = Filter {
+        task: Some(task_a.clone()),
+        ..Filter::default()
+    };
+    let listed: Vec<String> = audit
+        .list(&by_task)?
+        .iter()
+        .map(|r| r.key.to_string())
+        .collect();
+    assert_eq!(listed, ["a1", "a2", "a3"]);
+    let in_doubt = Filter {
+        state: Some(State::InDoubt),
+        ..Filter::default()
+    };
+    assert_eq!(audit.list(&in_doubt)?.len(), 1, "a3 (503)");
+    let dispatched = Filter {
+        state: Some(State::Dispatched),
+        ..Filter::default()
+    };
+    // Auditing shows what the stopped sidecar left; recovery runs when it starts.
+    assert_eq!(audit.list(&dispatched)?.len(), 1, "b1");
+    let mail = Filter {
+        tool: Some("mail".to_owned()),
+        ..Filter::default()
+    };
+    assert_eq!(audit.list(&mail)?.len(), 1);
+    let future = Filter {
+        since: Some(SystemTime::now() + Duration::from_secs(60)),
+        ..Filter::default()
+    };
+    assert!(audit.list(&future)?.is_empty());
+
+    let mut out = Vec::new();
+    assert_eq!(audit.export(&Filter::default(), &mut out)?, 4);
+    let text = String::from_utf8(out)?;
+    assert_eq!(text.lines().count(), 4);
+    assert!(
+        !text.contains("sk-secret"),
+        "a credential reached the export"
+    );
+    for line in text.lines() {
+        let value: serde_json::Value = serde_json::from_str(line)?;
+        assert_eq!(value["v"], 1);
+        assert!(value["history"].as_array().is_some_and(|h| !h.is_empty()));
+    }
+    assert!(
+        text.contains("{\"base64\":\"//4=\"}"),
+        "binary bodies are marked"
+    );
+    assert!(
+        text.contains("\"created_at\":\"20"),
+        "timestamps are RFC 3339"
+    );
+
+    let timeline = audit.timeline(&task_a)?;
+    let states: Vec<State> = timeline.iter().map(|e| e.state).collect();
+    assert_eq!(states, [State::Completed, State::Completed, State::InDoubt]);
+    assert!(
+        timeline
+            .windows(2)
+            .all(|w| w[0].started_at <= w[1].started_at)
+    );
+    assert_eq!(timeline[1].final_status, Some(404));
+    assert!(audit.verify()?.is_clean());
+
+    let entries = audit.log_entries(1, 100)?;
+    let keys: Vec<&str> = entries
+        .iter()
+        .flat_map(|e| e.changes.iter().map(|c| c.key.as_str()))
+        .collect();
+    assert_eq!(keys, ["a1", "a1", "a2", "a2", "a3", "a3", "b1"]);
+    assert!(
+        entries
+            .windows(2)
+            .all(|w| w[1].prev == w[0].hash && w[1].seq == w[0].seq + 1)
+    );
+    assert_eq!(
+        audit
+            .log_entries(3, 2)?
+            .iter()
+            .map(|e| e.seq)
+            .collect::<Vec<_>>(),
+        [3, 4]
+    );
+    drop(audit);
+
+    let moved = Journal::quarantine(dir.path())?;
+    assert!(
+        !dir.path().exists() && moved.join("db").is_file(),
+        "{}",
+        moved.display()
+    );
+    std::fs::remove_dir_all(&moved)?;
+    Ok(())
+}
+
+#[test]
+fn opening_nothing_is_a_clear_error() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let missing = dir.path().join("nope");
+    let Err(Error::NotFound { detail, .. }) = Journal::open_for_audit(&missing) else {
+        return Err("a missing directory must be NotFound".into());
+    };
+    assert!(detail.contains("does not exist"), "{detail}");
+    let Err(Error::NotFound { detail, .. }) = Journal::open_for_audit(dir.path()) else {
+        return Err("an empty directory must be NotFound".into());
+    };
+    assert!(detail.contains("no journal files"), "{detail}");
+    assert!(
+        Journal::open(Options {
+            max_batch: 0,
+            ..Options::new(dir.path())
+        })
+        .is_err()
+    );
+    assert!(
+        !Path::new(&missing).exists(),
+        "auditing must not create a journal"
+    );
+    Ok(())
+}

@@ -1,0 +1,10 @@
+//! The generated host bindings for `wit/policy.wit`. Private to this crate: the rest
+//! of the sidecar speaks `outrigger_types`, and `convert` maps between the two.
+
+wasmtime::component::bindgen!({
+    world: "policy",
+    path: "../../wit",
+});
+
+pub use exports::outrigger::policy::{budget, fallback, retry};
+pub use outrigger::policy::{host, types};

@@ -1,0 +1,854 @@
+//! The engine room: one wasmtime `Engine` and `Linker` per process, the on-disk cache
+//! of compiled components, and [`Loaded`] — a compiled, pre-instantiated component
+//! with its pool of warm instances.
+//!
+//! A decision runs on a warm instance taken from the pool (instantiating one when the
+//! pool is empty), under an epoch deadline and a per-instance memory cap. An instance
+//! goes back to the pool only after a call that returned normally: a trap leaves
+//! wasm state undefined, so a trapped instance is dropped.
+
+use std::collections::BTreeMap;
+use std::hash::Hasher;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use rand::{Rng, RngCore, SeedableRng};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use wasmtime::component::{Component, HasSelf, InstancePre, Linker, ResourceTable};
+use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store};
+use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
+
+use crate::bindings::{self, budget, fallback, host, retry, types};
+use crate::{Error, convert};
+
+/// How often the [`Ticker`] advances the epoch; a deadline is a whole number of ticks.
+pub const TICK: Duration = Duration::from_millis(1);
+
+/// The longest log line a policy may write; the rest is cut.
+const MAX_LOG_LINE: usize = 1_000;
+
+/// A policy hook (a WIT interface a component may export).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Hook {
+    Retry,
+    Fallback,
+    Budget,
+}
+
+impl Hook {
+    pub const ALL: [Hook; 3] = [Hook::Retry, Hook::Fallback, Hook::Budget];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Retry => "retry",
+            Self::Fallback => "fallback",
+            Self::Budget => "budget",
+        }
+    }
+
+    /// The WIT interface name without its version (`outrigger:policy/retry`).
+    pub fn interface(self) -> &'static str {
+        match self {
+            Self::Retry => "outrigger:policy/retry",
+            Self::Fallback => "outrigger:policy/fallback",
+            Self::Budget => "outrigger:policy/budget",
+        }
+    }
+
+    /// The fully qualified export name this host looks for.
+    pub fn export_name(self) -> String {
+        format!("{}@{}", self.interface(), crate::WIT_PACKAGE_VERSION)
+    }
+
+    pub(crate) fn index(self) -> usize {
+        match self {
+            Self::Retry => 0,
+            Self::Fallback => 1,
+            Self::Budget => 2,
+        }
+    }
+}
+
+impl std::fmt::Display for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Engine-wide settings.
+#[derive(Debug, Clone)]
+pub struct RuntimeOptions {
+    /// Where compiled components are cached; `None` compiles on every load.
+    pub cache_dir: Option<PathBuf>,
+    /// Wall-clock budget of one decision (and of one instantiation).
+    pub deadline: Duration,
+    /// Linear memory one instance may use, over all its memories.
+    pub memory_limit_bytes: usize,
+    /// Seeds the `random` import per call, so one input always gets one decision.
+    pub seed: Option<u64>,
+    /// Idle instances kept per loaded component.
+    pub warm_instances: usize,
+}
+
+impl Default for RuntimeOptions {
+    fn default() -> Self {
+        Self {
+            cache_dir: None,
+            deadline: Duration::from_millis(20),
+            memory_limit_bytes: 64 << 20,
+            seed: None,
+            warm_instances: 4,
+        }
+    }
+}
+
+/// Why a call into a policy did not produce an accepted decision.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Fault {
+    #[error("trapped: {0}")]
+    Trap(String),
+    #[error("ran past its {0:?} deadline")]
+    Timeout(Duration),
+    #[error("exceeded its memory limit of {0} bytes")]
+    MemoryLimit(usize),
+    #[error("could not be instantiated: {0}")]
+    Instantiate(String),
+    #[error("does not implement the {0} hook")]
+    MissingHook(Hook),
+    #[error("returned an invalid decision: {0}")]
+    Invalid(String),
+}
+
+impl Fault {
+    /// A short stable name, for metric labels.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Trap(_) => "trap",
+            Self::Timeout(_) => "timeout",
+            Self::MemoryLimit(_) => "memory",
+            Self::Instantiate(_) => "instantiate",
+            Self::MissingHook(_) => "missing_hook",
+            Self::Invalid(_) => "invalid",
+        }
+    }
+}
+
+/// One process's policy engine. Cheap to clone.
+#[derive(Clone)]
+pub struct Runtime {
+    inner: Arc<RuntimeInner>,
+}
+
+struct RuntimeInner {
+    engine: Engine,
+    linker: Linker<State>,
+    options: RuntimeOptions,
+    /// Hex digest of the engine's compatibility hash: part of every cache key, so an
+    /// artifact compiled by another wasmtime or another configuration is never loaded.
+    compat: String,
+    origin: Instant,
+    pooling: bool,
+    ticking: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("options", &self.inner.options)
+            .field("pooling", &self.inner.pooling)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Runtime {
+    pub fn new(options: RuntimeOptions) -> Result<Self, Error> {
+        if options.deadline.is_zero() {
+            return Err(Error::Options("deadline must be above zero".into()));
+        }
+        let (engine, pooling) = match Engine::new(&config(&options, true)) {
+            Ok(engine) => (engine, true),
+            Err(pooled) => {
+                // The pooling allocator reserves virtual memory up front; where that
+                // is refused (a tight `ulimit -v`), allocate on demand instead.
+                tracing::warn!(error = %pooled, "pooling allocator unavailable; allocating instances on demand");
+                let engine = Engine::new(&config(&options, false))
+                    .map_err(|e| Error::Engine(e.to_string()))?;
+                (engine, false)
+            }
+        };
+        let mut linker = Linker::new(&engine);
+        // Guests built with a language's standard library (Rust std, Python, JS)
+        // import WASI; they link, but the context grants nothing (see `State::new`).
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
+            .map_err(|e| Error::Engine(e.to_string()))?;
+        bindings::Policy::add_to_linker::<State, HasSelf<State>>(&mut linker, |state| state)
+            .map_err(|e| Error::Engine(e.to_string()))?;
+        let compat = {
+            let mut hasher = Sha256Hasher(Sha256::new());
+            std::hash::Hash::hash(&engine.precompile_compatibility_hash(), &mut hasher);
+            hex(&hasher.0.finalize()[..8])
+        };
+        if let Some(dir) = &options.cache_dir {
+            std::fs::create_dir_all(dir).map_err(|e| Error::Cache {
+                path: dir.clone(),
+                message: e.to_string(),
+            })?;
+        }
+        Ok(Self {
+            inner: Arc::new(RuntimeInner {
+                engine,
+                linker,
+                options,
+                compat,
+                origin: Instant::now(),
+                pooling,
+                ticking: Arc::new(AtomicBool::new(false)),
+            }),
+        })
+    }
+
+    pub fn options(&self) -> &RuntimeOptions {
+        &self.inner.options
+    }
+
+    /// Whether instances come from the pooling allocator (false where the machine
+    /// refused its address-space reservation).
+    pub fn pooling(&self) -> bool {
+        self.inner.pooling
+    }
+
+    /// Whether a [`Ticker`] has advanced the epoch at least once. Without one,
+    /// deadlines are not enforced.
+    pub fn ticking(&self) -> bool {
+        self.inner.ticking.load(Ordering::Relaxed)
+    }
+
+    /// The thread body that advances the epoch every [`TICK`]; the binary runs it.
+    pub fn ticker(&self) -> Ticker {
+        Ticker {
+            engine: self.inner.engine.clone(),
+            runtime: Arc::downgrade(&self.inner),
+            ticking: Arc::clone(&self.inner.ticking),
+        }
+    }
+
+    /// Compiles (or loads from the cache) and pre-instantiates a component, and
+    /// detects which hooks it exports. Blocking; run it off the async threads.
+    /// `label` names it in logs (the policy version, usually).
+    pub fn load(
+        &self,
+        bytes: &[u8],
+        params: BTreeMap<String, String>,
+        label: &str,
+    ) -> Result<Loaded, Error> {
+        let started = Instant::now();
+        let content_hash = hex(&Sha256::digest(bytes));
+        let (component, from_cache) = self.component(bytes, &content_hash)?;
+        let engine = &self.inner.engine;
+        let exports: Vec<String> = component
+            .component_type()
+            .exports(engine)
+            .map(|(name, _)| name.to_string())
+            .collect();
+        let pre = self
+            .inner
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| Error::Link(format!("{e:#}")))?;
+        let mut hooks = Vec::new();
+        let retry = match pre
+            .component()
+            .get_export_index(None, Hook::Retry.export_name())
+        {
+            Some(_) => {
+                hooks.push(Hook::Retry);
+                Some(retry::GuestIndices::new(&pre).map_err(|e| Error::Link(format!("{e:#}")))?)
+            }
+            None => None,
+        };
+        let fallback = match pre
+            .component()
+            .get_export_index(None, Hook::Fallback.export_name())
+        {
+            Some(_) => {
+                hooks.push(Hook::Fallback);
+                Some(fallback::GuestIndices::new(&pre).map_err(|e| Error::Link(format!("{e:#}")))?)
+            }
+            None => None,
+        };
+        let budget = match pre
+            .component()
+            .get_export_index(None, Hook::Budget.export_name())
+        {
+            Some(_) => {
+                hooks.push(Hook::Budget);
+                Some(budget::GuestIndices::new(&pre).map_err(|e| Error::Link(format!("{e:#}")))?)
+            }
+            None => None,
+        };
+        Ok(Loaded {
+            inner: Arc::new(LoadedInner {
+                runtime: self.clone(),
+                pre,
+                indices: Indices {
+                    retry,
+                    fallback,
+                    budget,
+                },
+                hooks,
+                exports,
+                content_hash,
+                params: Arc::new(params),
+                label: Arc::from(label),
+                from_cache,
+                load_time: started.elapsed(),
+                size: bytes.len(),
+                warm: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// The compiled component, from the cache when a compatible artifact is there.
+    fn component(&self, bytes: &[u8], content_hash: &str) -> Result<(Component, bool), Error> {
+        let engine = &self.inner.engine;
+        let Some(dir) = &self.inner.options.cache_dir else {
+            return Ok((compile(engine, bytes)?, false));
+        };
+        let path = dir.join(format!("{content_hash}-{}.cwasm", self.inner.compat));
+        if path.is_file() {
+            match deserialize(engine, &path) {
+                Ok(component) => return Ok((component, true)),
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "cached component unusable; recompiling");
+                }
+            }
+        }
+        let component = compile(engine, bytes)?;
+        match component.serialize() {
+            Ok(artifact) => {
+                if let Err(e) = write_atomically(&path, &artifact) {
+                    tracing::warn!(path = %path.display(), error = %e, "could not cache the compiled component");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not serialize the compiled component"),
+        }
+        Ok((component, false))
+    }
+}
+
+fn config(options: &RuntimeOptions, pooling: bool) -> Config {
+    let mut config = Config::new();
+    config.epoch_interruption(true);
+    // Reserve exactly the cap per memory: the pool's slots stay small, and a memory
+    // can never outgrow the cap, whatever the limiter says.
+    let reservation = u64::try_from(options.memory_limit_bytes).unwrap_or(u64::MAX);
+    config.memory_reservation(reservation);
+    config.memory_reservation_for_growth(0);
+    if pooling {
+        let mut pool = PoolingAllocationConfig::new();
+        pool.total_component_instances(256)
+            .total_core_instances(1_024)
+            .total_memories(256)
+            .total_tables(512)
+            .total_stacks(256)
+            .max_memory_size(options.memory_limit_bytes)
+            // Python and JS components need more than the 1 MiB defaults.
+            .max_component_instance_size(4 << 20)
+            .max_core_instance_size(4 << 20)
+            .max_core_instances_per_component(64)
+            .max_memories_per_component(16)
+            .max_tables_per_component(32)
+            .max_unused_warm_slots(64);
+        config.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+    }
+    config
+}
+
+fn compile(engine: &Engine, bytes: &[u8]) -> Result<Component, Error> {
+    if !bytes.starts_with(b"\0asm") {
+        return Err(Error::NotWasm);
+    }
+    if bytes.get(4..8) == Some(&[0x01, 0x00, 0x00, 0x00]) {
+        return Err(Error::NotAComponent);
+    }
+    Component::new(engine, bytes).map_err(|e| Error::Compile(format!("{e:#}")))
+}
+
+#[expect(
+    unsafe_code,
+    reason = "deserializing a compiled artifact is unsafe: wasmtime trusts its contents"
+)]
+fn deserialize(engine: &Engine, path: &Path) -> Result<Component, String> {
+    // SAFETY: the file is in the sidecar's own cache directory and was written by
+    // `Component::serialize` of this process or an earlier one (temp file + rename,
+    // never rewritten in place). Its name carries the engine's compatibility hash,
+    // and wasmtime additionally checks version and configuration, returning an error
+    // rather than loading a mismatched artifact.
+    unsafe { Component::deserialize_file(engine, path) }.map_err(|e| format!("{e:#}"))
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+}
+
+/// Feeds `Hash` output into SHA-256, so the engine's compatibility hash becomes a
+/// stable file-name component (std's `DefaultHasher` may change between releases).
+struct Sha256Hasher(Sha256);
+
+impl Hasher for Sha256Hasher {
+    fn finish(&self) -> u64 {
+        let digest = self.0.clone().finalize();
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&digest[..8]);
+        u64::from_le_bytes(first)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        self.0.update(bytes);
+    }
+}
+
+/// Advances the engine's epoch every [`TICK`] so that deadlines fire.
+pub struct Ticker {
+    engine: Engine,
+    runtime: Weak<RuntimeInner>,
+    ticking: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Ticker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticker").finish_non_exhaustive()
+    }
+}
+
+impl Ticker {
+    /// Loops until the runtime (every `Registry`/`Runtime` clone) is dropped. Run it
+    /// on a dedicated thread.
+    pub fn run(self) {
+        while self.runtime.strong_count() > 0 {
+            std::thread::sleep(TICK);
+            self.engine.increment_epoch();
+            self.ticking.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A compiled, pre-instantiated component and its warm instances. Cheap to clone;
+/// every clone shares the pool.
+#[derive(Clone)]
+pub struct Loaded {
+    inner: Arc<LoadedInner>,
+}
+
+struct LoadedInner {
+    runtime: Runtime,
+    pre: InstancePre<State>,
+    indices: Indices,
+    hooks: Vec<Hook>,
+    exports: Vec<String>,
+    content_hash: String,
+    params: Arc<BTreeMap<String, String>>,
+    label: Arc<str>,
+    from_cache: bool,
+    load_time: Duration,
+    size: usize,
+    warm: Mutex<Vec<Warm>>,
+}
+
+struct Indices {
+    retry: Option<retry::GuestIndices>,
+    fallback: Option<fallback::GuestIndices>,
+    budget: Option<budget::GuestIndices>,
+}
+
+/// The hook handles of one warm instance, lent to a call next to its store.
+struct Guests<'a> {
+    retry: Option<&'a retry::Guest>,
+    fallback: Option<&'a fallback::Guest>,
+    budget: Option<&'a budget::Guest>,
+}
+
+struct Warm {
+    store: Store<State>,
+    retry: Option<retry::Guest>,
+    fallback: Option<fallback::Guest>,
+    budget: Option<budget::Guest>,
+}
+
+impl std::fmt::Debug for Loaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loaded")
+            .field("label", &self.inner.label)
+            .field("hooks", &self.inner.hooks)
+            .field("content_hash", &self.inner.content_hash)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Loaded {
+    /// The hooks this component exports, in `Hook::ALL` order.
+    pub fn hooks(&self) -> &[Hook] {
+        &self.inner.hooks
+    }
+
+    pub fn implements(&self, hook: Hook) -> bool {
+        self.inner.hooks.contains(&hook)
+    }
+
+    /// Every export name of the component (for `policy check`).
+    pub fn exports(&self) -> &[String] {
+        &self.inner.exports
+    }
+
+    /// SHA-256 of the component's bytes, hex.
+    pub fn content_hash(&self) -> &str {
+        &self.inner.content_hash
+    }
+
+    pub fn params(&self) -> &BTreeMap<String, String> {
+        &self.inner.params
+    }
+
+    /// Whether the compiled code came from the on-disk cache.
+    pub fn from_cache(&self) -> bool {
+        self.inner.from_cache
+    }
+
+    /// Time to compile or deserialize and pre-instantiate.
+    pub fn load_time(&self) -> Duration {
+        self.inner.load_time
+    }
+
+    /// Size of the component in bytes.
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// Instances idle in the pool now.
+    pub fn warm_instances(&self) -> usize {
+        self.inner
+            .warm
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// Asks the retry hook, unvalidated.
+    pub fn retry(
+        &self,
+        ctx: &outrigger_types::CallContext,
+        failure: &outrigger_types::Failure,
+    ) -> Result<outrigger_types::RetryDecision, Fault> {
+        let (ctx, failure) = (convert::call_context(ctx), convert::failure(failure));
+        self.call(Hook::Retry, |store, guests| match guests.retry {
+            Some(guest) => Ok(guest.call_decide(store, &ctx, failure)),
+            None => Err(Fault::MissingHook(Hook::Retry)),
+        })
+        .map(convert::retry_decision)
+    }
+
+    /// Asks the fallback hook, unvalidated.
+    pub fn fallback(
+        &self,
+        request: &outrigger_types::FallbackRequest,
+    ) -> Result<Vec<String>, Fault> {
+        let request = convert::fallback_request(request);
+        self.call(Hook::Fallback, |store, guests| match guests.fallback {
+            Some(guest) => Ok(guest.call_order(store, &request)),
+            None => Err(Fault::MissingHook(Hook::Fallback)),
+        })
+    }
+
+    /// Asks the budget hook, unvalidated.
+    pub fn budget(
+        &self,
+        request: &outrigger_types::BudgetRequest,
+    ) -> Result<outrigger_types::BudgetDecision, Fault> {
+        let request = convert::budget_request(request);
+        self.call(Hook::Budget, |store, guests| match guests.budget {
+            Some(guest) => Ok(guest.call_admit(store, &request)),
+            None => Err(Fault::MissingHook(Hook::Budget)),
+        })
+        .map(convert::budget_decision)
+    }
+
+    fn call<R>(
+        &self,
+        hook: Hook,
+        f: impl FnOnce(&mut Store<State>, Guests<'_>) -> Result<wasmtime::Result<R>, Fault>,
+    ) -> Result<R, Fault> {
+        if !self.implements(hook) {
+            return Err(Fault::MissingHook(hook));
+        }
+        let inner = &self.inner;
+        let taken = inner
+            .warm
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        let mut warm = match taken {
+            Some(warm) => warm,
+            None => self.instantiate()?,
+        };
+        let options = &inner.runtime.inner.options;
+        warm.store.data_mut().begin_call(options.seed);
+        warm.store
+            .set_epoch_deadline(deadline_ticks(options.deadline));
+        let result = {
+            let Warm {
+                store,
+                retry,
+                fallback,
+                budget,
+            } = &mut warm;
+            let guests = Guests {
+                retry: retry.as_ref(),
+                fallback: fallback.as_ref(),
+                budget: budget.as_ref(),
+            };
+            f(store, guests)
+        };
+        match result {
+            Ok(Ok(value)) => {
+                let mut pool = inner.warm.lock().unwrap_or_else(PoisonError::into_inner);
+                if pool.len() < options.warm_instances {
+                    pool.push(warm);
+                }
+                Ok(value)
+            }
+            Ok(Err(error)) => Err(classify(&warm.store, &error, options)),
+            Err(fault) => Err(fault),
+        }
+    }
+
+    fn instantiate(&self) -> Result<Warm, Fault> {
+        let inner = &self.inner;
+        let options = &inner.runtime.inner.options;
+        let mut store = Store::new(
+            &inner.runtime.inner.engine,
+            State::new(
+                Arc::clone(&inner.params),
+                Arc::clone(&inner.label),
+                inner.runtime.inner.origin,
+                options.memory_limit_bytes,
+            ),
+        );
+        store.limiter(|state| &mut state.limiter);
+        store.set_epoch_deadline(deadline_ticks(options.deadline));
+        let instance =
+            inner
+                .pre
+                .instantiate(&mut store)
+                .map_err(|e| match classify(&store, &e, options) {
+                    Fault::Trap(message) => Fault::Instantiate(message),
+                    other => other,
+                })?;
+        let load = |e: wasmtime::Error| Fault::Instantiate(format!("{e:#}"));
+        let retry = match &inner.indices.retry {
+            Some(ix) => Some(ix.load(&mut store, &instance).map_err(load)?),
+            None => None,
+        };
+        let fallback = match &inner.indices.fallback {
+            Some(ix) => Some(ix.load(&mut store, &instance).map_err(load)?),
+            None => None,
+        };
+        let budget = match &inner.indices.budget {
+            Some(ix) => Some(ix.load(&mut store, &instance).map_err(load)?),
+            None => None,
+        };
+        Ok(Warm {
+            store,
+            retry,
+            fallback,
+            budget,
+        })
+    }
+}
+
+fn deadline_ticks(deadline: Duration) -> u64 {
+    let tick = TICK.as_nanos().max(1);
+    u64::try_from(deadline.as_nanos().div_ceil(tick))
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+fn classify(store: &Store<State>, error: &wasmtime::Error, options: &RuntimeOptions) -> Fault {
+    if store.data().limiter.exceeded {
+        return Fault::MemoryLimit(options.memory_limit_bytes);
+    }
+    if error.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) {
+        return Fault::Timeout(options.deadline);
+    }
+    Fault::Trap(format!("{error:#}"))
+}
+
+/// Caps the linear memory of one instance over all its memories (wasmtime's own
+/// `StoreLimits` caps each memory separately, and a component may have several)
+/// and remembers a refusal, so the fault is reported as a memory blow-up rather
+/// than as the trap the guest's allocator turns it into.
+struct Limiter {
+    cap: usize,
+    committed: usize,
+    exceeded: bool,
+}
+
+impl wasmtime::ResourceLimiter for Limiter {
+    fn memory_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        let growth = desired.saturating_sub(current);
+        match self.committed.checked_add(growth) {
+            Some(total) if total <= self.cap => {
+                self.committed = total;
+                Ok(true)
+            }
+            _ => {
+                self.exceeded = true;
+                Ok(false)
+            }
+        }
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= 1 << 20)
+    }
+
+    fn instances(&self) -> usize {
+        64
+    }
+
+    fn tables(&self) -> usize {
+        64
+    }
+
+    fn memories(&self) -> usize {
+        16
+    }
+}
+
+/// What one store (one instance) carries: an empty WASI context, the memory
+/// limiter, and what the `host` imports answer from.
+pub(crate) struct State {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    limiter: Limiter,
+    params: Arc<BTreeMap<String, String>>,
+    label: Arc<str>,
+    origin: Instant,
+    seed: Option<u64>,
+    rng: Option<rand::rngs::StdRng>,
+}
+
+impl State {
+    fn new(
+        params: Arc<BTreeMap<String, String>>,
+        label: Arc<str>,
+        origin: Instant,
+        memory_cap: usize,
+    ) -> Self {
+        // No preopened directories, environment, arguments, network or name lookup:
+        // guests that import WASI instantiate but can reach nothing.
+        let wasi = WasiCtx::builder()
+            .allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false)
+            .build();
+        Self {
+            wasi,
+            table: ResourceTable::new(),
+            limiter: Limiter {
+                cap: memory_cap,
+                committed: 0,
+                exceeded: false,
+            },
+            params,
+            label,
+            origin,
+            seed: None,
+            rng: None,
+        }
+    }
+
+    /// Resets the per-call random source: seeded, the same call draws the same
+    /// numbers whatever the instance served before.
+    fn begin_call(&mut self, seed: Option<u64>) {
+        self.seed = seed;
+        self.rng = None;
+    }
+}
+
+impl WasiView for State {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl types::Host for State {}
+
+impl host::Host for State {
+    fn log(&mut self, level: host::Level, message: String) {
+        let mut line = message;
+        if line.len() > MAX_LOG_LINE {
+            let mut cut = MAX_LOG_LINE;
+            while !line.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            line.truncate(cut);
+            line.push('…');
+        }
+        let policy = &*self.label;
+        match level {
+            host::Level::Debug => tracing::debug!(policy, "{line}"),
+            host::Level::Info => tracing::info!(policy, "{line}"),
+            host::Level::Warn => tracing::warn!(policy, "{line}"),
+            host::Level::Error => tracing::error!(policy, "{line}"),
+        }
+    }
+
+    fn monotonic_now(&mut self) -> u64 {
+        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    fn random(&mut self) -> u64 {
+        match self.seed {
+            Some(seed) => self
+                .rng
+                .get_or_insert_with(|| rand::rngs::StdRng::seed_from_u64(seed))
+                .next_u64(),
+            None => rand::rng().random(),
+        }
+    }
+
+    fn param(&mut self, name: String) -> Option<String> {
+        self.params.get(&name).cloned()
+    }
+}

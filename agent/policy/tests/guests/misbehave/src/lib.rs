@@ -1,0 +1,96 @@
+//! A policy that misbehaves on request, for the policy host's tests. It implements
+//! all three hooks (so it also shows that one component can), and picks its
+//! behaviour from its `mode` parameter, or else from the request id:
+//!
+//! - `trap`: panics (a wasm trap);
+//! - `loop`: never returns (the deadline must stop it);
+//! - `hog`: allocates until memory runs out (the memory cap must stop it);
+//! - `slow:<ms>`: busy-waits that long on the host's clock, then answers normally;
+//! - `invalid`: answers something the host must refuse;
+//! - `jitter`: retries after a random delay below one second;
+//! - anything else: answers normally — retry after `delay_ms` (param, default 1),
+//!   the candidates in reverse order, admit.
+
+use std::hint::black_box;
+
+use outrigger_policy_sdk::{
+    BudgetDecision, BudgetPolicy, BudgetRequest, CallContext, Failure, FallbackPolicy,
+    FallbackRequest, RetryDecision, RetryPolicy, host,
+};
+
+/// The misbehaving policy.
+pub struct Misbehave;
+
+enum Mode {
+    Normal,
+    Invalid,
+    Jitter,
+}
+
+fn act(request_id: &str) -> Mode {
+    let mode = host::param("mode").unwrap_or_else(|| request_id.to_string());
+    match mode.as_str() {
+        "trap" => panic!("deliberate trap"),
+        "loop" => loop {
+            black_box(&mode);
+        },
+        "hog" => {
+            let mut hoard: Vec<Vec<u8>> = Vec::new();
+            loop {
+                hoard.push(black_box(vec![1u8; 1 << 20]));
+            }
+        }
+        "invalid" => Mode::Invalid,
+        "jitter" => Mode::Jitter,
+        other => {
+            if let Some(ms) = other
+                .strip_prefix("slow:")
+                .and_then(|ms| ms.parse::<u64>().ok())
+            {
+                let start = host::now();
+                while (host::now() - start).as_millis() < u128::from(ms) {
+                    black_box(ms);
+                }
+            }
+            Mode::Normal
+        }
+    }
+}
+
+impl RetryPolicy for Misbehave {
+    fn decide(ctx: CallContext, _failure: Failure) -> RetryDecision {
+        match act(&ctx.request_id) {
+            Mode::Invalid => RetryDecision::RetryAfter(u64::MAX),
+            Mode::Jitter => RetryDecision::RetryAfter(host::random_up_to(999)),
+            Mode::Normal => RetryDecision::RetryAfter(host::param_or("delay_ms", 1)),
+        }
+    }
+}
+
+impl FallbackPolicy for Misbehave {
+    fn order(request: FallbackRequest) -> Vec<String> {
+        match act(&request.request_id) {
+            Mode::Invalid => vec!["not-a-candidate".into()],
+            Mode::Jitter | Mode::Normal => {
+                let mut names: Vec<String> = Vec::new();
+                for candidate in request.candidates.into_iter().rev() {
+                    if !names.contains(&candidate.name) {
+                        names.push(candidate.name);
+                    }
+                }
+                names
+            }
+        }
+    }
+}
+
+impl BudgetPolicy for Misbehave {
+    fn admit(request: BudgetRequest) -> BudgetDecision {
+        match act(&request.request_id) {
+            Mode::Invalid => BudgetDecision::downgrade("a-model-nobody-offered"),
+            Mode::Jitter | Mode::Normal => BudgetDecision::Admit,
+        }
+    }
+}
+
+outrigger_policy_sdk::export_policy!(Misbehave);

@@ -1,0 +1,781 @@
+//! The policy host against real components: the built-ins from `outrigger-builtins`
+//! and the misbehaving guest in `tests/guests/misbehave`, built here for wasm32-wasip2
+//! the same way the build script builds the plugins.
+
+#![expect(
+    clippy::expect_used,
+    reason = "a test fails loudly on a broken fixture"
+)]
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use outrigger_policy::{
+    Binding, BuiltinComponent, Hook, OnError, Options, Registry, ReloadOutcome, Source,
+};
+use outrigger_types::{
+    AttemptRecord, BudgetDecision, BudgetRequest, CallContext, CallKind, Candidate, CircuitState,
+    DecisionSource, DowngradeOption, Failure, FallbackRequest, GpuState, Limits, PolicyVersion,
+    RetryBudget, RetryDecision, ToolClass, Usage,
+};
+
+fn builtins() -> Vec<BuiltinComponent> {
+    outrigger_builtins::ALL
+        .iter()
+        .map(|b| BuiltinComponent {
+            name: b.name,
+            bytes: b.bytes,
+        })
+        .collect()
+}
+
+fn builtin_version(hook: Hook) -> PolicyVersion {
+    let builtin = outrigger_builtins::by_name(hook.as_str()).expect("built-in exists");
+    PolicyVersion::new(hook.as_str(), builtin.sha256)
+}
+
+/// The misbehaving guest, built once per test run.
+fn misbehave() -> &'static [u8] {
+    static BYTES: OnceLock<Vec<u8>> = OnceLock::new();
+    BYTES.get_or_init(|| {
+        let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        // tests run from <target>/<profile>/deps/; build next to the plugins.
+        let exe = std::env::current_exe().expect("test executable path");
+        let target_dir = exe
+            .ancestors()
+            .nth(3)
+            .map(|t| t.join("wasm-plugins"))
+            .expect("target dir");
+        let mut cargo = Command::new(env!("CARGO"));
+        cargo
+            .arg("build")
+            .arg("--manifest-path")
+            .arg(workspace.join("Cargo.toml"))
+            .args(["--target", "wasm32-wasip2", "--profile", "plugin"])
+            .args(["-p", "outrigger-test-guest-misbehave"])
+            .arg("--target-dir")
+            .arg(&target_dir);
+        for var in [
+            "RUSTFLAGS",
+            "CARGO_ENCODED_RUSTFLAGS",
+            "RUSTC_WORKSPACE_WRAPPER",
+            "RUSTC_WRAPPER",
+            "CARGO_TARGET_DIR",
+        ] {
+            cargo.env_remove(var);
+        }
+        let output = cargo.output().expect("run cargo");
+        assert!(
+            output.status.success(),
+            "building the test guest failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        std::fs::read(target_dir.join("wasm32-wasip2/plugin/outrigger_test_guest_misbehave.wasm"))
+            .expect("read the test guest")
+    })
+}
+
+fn version_of(bytes: &[u8], hook: Hook) -> PolicyVersion {
+    use sha2::Digest;
+    let hash: String = sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    PolicyVersion::new(hook.as_str(), &hash)
+}
+
+struct Fixture {
+    registry: Registry,
+    dir: tempfile::TempDir,
+}
+
+impl Fixture {
+    fn new(bindings: Vec<Binding>, tweak: impl FnOnce(&mut Options)) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut options = Options {
+            dir: Some(dir.path().join("policies")),
+            cache_dir: Some(dir.path().join("cache")),
+            bindings,
+            deadline: Duration::from_millis(300),
+            seed: Some(7),
+            ..Options::default()
+        };
+        std::fs::create_dir_all(dir.path().join("policies")).expect("policy dir");
+        tweak(&mut options);
+        let registry = Registry::new(options, builtins()).expect("registry");
+        let ticker = registry.ticker();
+        std::thread::spawn(move || ticker.run());
+        Self { registry, dir }
+    }
+
+    fn policy_path(&self, stem: &str) -> PathBuf {
+        self.dir
+            .path()
+            .join("policies")
+            .join(format!("{stem}.wasm"))
+    }
+
+    /// Replaces a policy file the way an operator should: temp file + rename.
+    fn install(&self, stem: &str, bytes: &[u8]) {
+        let tmp = self
+            .dir
+            .path()
+            .join("policies")
+            .join(format!(".{stem}.tmp"));
+        std::fs::write(&tmp, bytes).expect("write");
+        std::fs::rename(&tmp, self.policy_path(stem)).expect("rename");
+    }
+}
+
+fn named(hook: Hook, stem: &str) -> Binding {
+    Binding {
+        hook,
+        source: Source::Named(stem.into()),
+        params: BTreeMap::new(),
+        on_error: OnError::FailOpen,
+    }
+}
+
+fn ctx(request_id: &str, attempt: u32) -> CallContext {
+    CallContext {
+        task_id: Some("task-1".into()),
+        request_id: request_id.into(),
+        kind: CallKind::Model,
+        target: "openai".into(),
+        model: Some("gpt-4o".into()),
+        tool_class: None,
+        attempt,
+        elapsed: Duration::from_millis(40),
+        dispatched: true,
+        history: Vec::new(),
+        retry_budget: RetryBudget::default(),
+        fallbacks: vec!["openai".into(), "anthropic".into()],
+    }
+}
+
+fn candidate(name: &str) -> Candidate {
+    Candidate {
+        name: name.into(),
+        provider: "p".into(),
+        model: format!("{name}-model"),
+        supports_tools: true,
+        supports_streaming: true,
+        context_window: 0,
+        modalities: Vec::new(),
+        circuit: CircuitState::Closed,
+        local: false,
+        gpu: None,
+        cost_per_mtok_in: 0,
+        cost_per_mtok_out: 0,
+    }
+}
+
+fn fallback_request(request_id: &str, candidates: Vec<Candidate>) -> FallbackRequest {
+    FallbackRequest {
+        task_id: None,
+        request_id: request_id.into(),
+        model: "m".into(),
+        needs_tools: false,
+        streaming: false,
+        estimated_tokens: 0,
+        modalities: Vec::new(),
+        candidates,
+    }
+}
+
+fn budget_request(request_id: &str, usage: Usage, limits: Limits) -> BudgetRequest {
+    BudgetRequest {
+        task_id: Some("task-1".into()),
+        request_id: request_id.into(),
+        model: "big".into(),
+        estimated_tokens_in: 100,
+        estimated_tokens_out: 0,
+        estimated_cost_micros: 100,
+        usage,
+        limits,
+        downgrades: vec![
+            DowngradeOption {
+                model: "medium".into(),
+                cost_per_mtok_in: 5,
+                cost_per_mtok_out: 5,
+            },
+            DowngradeOption {
+                model: "small".into(),
+                cost_per_mtok_in: 1,
+                cost_per_mtok_out: 1,
+            },
+        ],
+    }
+}
+
+#[test]
+fn builtin_retry_decisions() {
+    let f = Fixture::new(Vec::new(), |_| {});
+    let r = &f.registry;
+    let rate_limited = Failure::RateLimited {
+        retry_after: Some(Duration::from_secs(2)),
+    };
+    let d = r.retry(&ctx("r1", 1), &rate_limited);
+    assert_eq!(
+        d.value,
+        RetryDecision::RetryAfter(Duration::from_millis(2000))
+    );
+    assert_eq!(d.source, DecisionSource::Policy);
+    assert_eq!(d.version, builtin_version(Hook::Retry));
+
+    let give_up = |d: &RetryDecision| matches!(d, RetryDecision::GiveUp(_));
+    assert!(give_up(
+        &r.retry(&ctx("r2", 1), &Failure::ContentFiltered).value
+    ));
+    assert!(give_up(
+        &r.retry(&ctx("r3", 1), &Failure::ToolParseError).value
+    ));
+    assert_eq!(
+        r.retry(&ctx("r4", 1), &Failure::ContextOverflow).value,
+        RetryDecision::FallBack("anthropic".into())
+    );
+    let mut tried = ctx("r5", 4);
+    tried.history.push(AttemptRecord {
+        target: "anthropic".into(),
+        failure: Failure::Timeout,
+        elapsed: Duration::from_millis(1),
+    });
+    assert!(give_up(
+        &r.retry(&tried, &Failure::ServerError { status: 503 }).value
+    ));
+
+    let unsafe_tool = CallContext {
+        kind: CallKind::Tool,
+        tool_class: Some(ToolClass::Unsafe),
+        ..ctx("r6", 1)
+    };
+    assert!(give_up(&r.retry(&unsafe_tool, &Failure::Timeout).value));
+    let before_send = CallContext {
+        dispatched: false,
+        ..unsafe_tool
+    };
+    assert!(matches!(
+        r.retry(&before_send, &Failure::Connect { sent: false }).value,
+        RetryDecision::RetryAfter(d) if d <= Duration::from_millis(200)
+    ));
+
+    let no_budget = CallContext {
+        retry_budget: RetryBudget {
+            available: false,
+            ..RetryBudget::default()
+        },
+        fallbacks: Vec::new(),
+        ..ctx("r7", 1)
+    };
+    assert!(give_up(
+        &r.retry(&no_budget, &Failure::ServerError { status: 502 })
+            .value
+    ));
+
+    for attempt in [1, 2, 3] {
+        match r.retry(&ctx("r8", attempt), &Failure::Timeout).value {
+            RetryDecision::RetryAfter(d) => {
+                assert!(
+                    d <= Duration::from_millis(200 << (attempt - 1)),
+                    "{attempt}: {d:?}"
+                )
+            }
+            other => panic!("attempt {attempt}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn builtin_fallback_and_budget_decisions() {
+    let f = Fixture::new(Vec::new(), |_| {});
+    let r = &f.registry;
+    let open = Candidate {
+        circuit: CircuitState::Open,
+        ..candidate("open")
+    };
+    let half = Candidate {
+        circuit: CircuitState::HalfOpen,
+        ..candidate("half")
+    };
+    let sick = Candidate {
+        local: true,
+        gpu: Some(GpuState::Unhealthy),
+        ..candidate("sick-gpu")
+    };
+    let no_tools = Candidate {
+        supports_tools: false,
+        ..candidate("no-tools")
+    };
+    let request = FallbackRequest {
+        needs_tools: true,
+        ..fallback_request(
+            "f1",
+            vec![half, candidate("a"), open, sick, no_tools, candidate("b")],
+        )
+    };
+    let d = r.fallback(&request);
+    assert_eq!(d.value, ["a", "b", "half"]);
+    assert_eq!(d.version, builtin_version(Hook::Fallback));
+
+    let limits = Limits {
+        tokens_total: Some(1_000),
+        ..Limits::default()
+    };
+    let used = |tokens_in| Usage {
+        tokens_in,
+        ..Usage::default()
+    };
+    assert_eq!(
+        r.budget(&budget_request("b1", used(100), limits)).value,
+        BudgetDecision::Admit
+    );
+    assert_eq!(
+        r.budget(&budget_request("b2", used(750), limits)).value,
+        BudgetDecision::Downgrade("small".into())
+    );
+    match r.budget(&budget_request("b3", used(950), limits)).value {
+        BudgetDecision::Reject(reason) => assert!(reason.contains("tokens_total"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        r.budget(&budget_request("b4", used(0), Limits::default()))
+            .value,
+        BudgetDecision::Admit
+    );
+}
+
+#[test]
+fn seeded_randomness_makes_decisions_repeatable() {
+    let first = Fixture::new(vec![named(Hook::Retry, "jitter")], |o| o.seed = Some(42));
+    first.install("jitter", misbehave());
+    assert!(first.registry.reload().is_ok());
+    let second = Fixture::new(Vec::new(), |o| o.seed = Some(42));
+    let jitter = ctx("jitter", 1);
+    let a: Vec<_> = (0..5)
+        .map(|_| first.registry.retry(&jitter, &Failure::Timeout).value)
+        .collect();
+    assert!(
+        a.windows(2).all(|w| w[0] == w[1]),
+        "same seed, same draw: {a:?}"
+    );
+    // The built-in retry with the same seed: repeatable too.
+    let b1 = second.registry.retry(&ctx("x", 3), &Failure::Timeout).value;
+    let b2 = second.registry.retry(&ctx("x", 3), &Failure::Timeout).value;
+    assert_eq!(b1, b2);
+}
+
+#[test]
+fn bad_versions_never_replace_a_good_one() {
+    let f = Fixture::new(vec![named(Hook::Retry, "p")], |o| {
+        o.deadline = Duration::from_millis(100);
+        o.memory_limit_bytes = 16 << 20;
+    });
+    f.install("p", misbehave());
+    let good = version_of(misbehave(), Hook::Retry);
+    assert!(matches!(
+        f.registry.reload().outcome(Hook::Retry),
+        Some(ReloadOutcome::Loaded { version, .. }) if *version == good
+    ));
+
+    let empty_component = [0x00, 0x61, 0x73, 0x6d, 0x0d, 0x00, 0x01, 0x00];
+    let core_module = [0x00, 0x61, 0x73, 0x6d, 0x01, 0x00, 0x00, 0x00];
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("not wasm", b"hello".to_vec(), "not a WebAssembly binary"),
+        ("core module", core_module.to_vec(), "not a component"),
+        ("wrong world", empty_component.to_vec(), "no policy hook"),
+        (
+            "other hook",
+            outrigger_builtins::BUDGET.to_vec(),
+            "implements budget but not the retry hook",
+        ),
+    ];
+    for (name, bytes, expected) in cases {
+        f.install("p", &bytes);
+        let report = f.registry.reload();
+        match report.outcome(Hook::Retry) {
+            Some(ReloadOutcome::Failed { error, serving }) => {
+                assert!(error.contains(expected), "{name}: {error}");
+                assert_eq!(serving.as_ref(), Some(&good), "{name}");
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+        let status = f.registry.binding_status(Hook::Retry).expect("status");
+        assert_eq!(status.version.as_ref(), Some(&good), "{name}");
+        assert!(status.last_error.is_some(), "{name}");
+        assert_eq!(
+            f.registry.retry(&ctx("ok", 1), &Failure::Timeout).version,
+            good,
+            "{name}"
+        );
+    }
+
+    // Components that trap, loop or blow their memory on every call fail the smoke
+    // test and are never published either.
+    f.install("p", misbehave());
+    for (mode, expected) in [
+        ("trap", "trapped"),
+        ("loop", "deadline"),
+        ("hog", "memory limit"),
+        ("invalid", "invalid decision"),
+    ] {
+        let mut binding = named(Hook::Retry, "p");
+        binding.params.insert("mode".into(), mode.into());
+        let report = f.registry.reconfigure(vec![binding]).expect("reconfigure");
+        match report.outcome(Hook::Retry) {
+            Some(ReloadOutcome::Failed { error, .. }) => {
+                assert!(error.contains(expected), "{mode}: {error}")
+            }
+            other => panic!("{mode}: {other:?}"),
+        }
+        let status = f.registry.binding_status(Hook::Retry).expect("status");
+        assert!(
+            status.params.is_empty(),
+            "{mode}: the good version keeps serving"
+        );
+    }
+    let status = f.registry.binding_status(Hook::Retry).expect("status");
+    // Eight refusals, plus the start-up load before the file existed.
+    assert_eq!(status.load_errors, 9);
+}
+
+#[test]
+fn faults_at_call_time_are_contained_and_counted() {
+    let f = Fixture::new(
+        vec![
+            named(Hook::Retry, "p"),
+            named(Hook::Fallback, "p"),
+            named(Hook::Budget, "p"),
+        ],
+        |o| {
+            o.deadline = Duration::from_millis(100);
+            o.memory_limit_bytes = 16 << 20;
+        },
+    );
+    f.install("p", misbehave());
+    assert!(f.registry.reload().is_ok());
+    let ours = version_of(misbehave(), Hook::Retry);
+
+    let normal = f.registry.retry(&ctx("fine", 1), &Failure::Timeout);
+    assert_eq!(
+        (normal.source, &normal.version),
+        (DecisionSource::Policy, &ours)
+    );
+
+    for mode in ["trap", "loop", "hog", "invalid"] {
+        let d = f.registry.retry(&ctx(mode, 1), &Failure::Timeout);
+        assert_eq!(d.source, DecisionSource::Contained, "{mode}");
+        assert_eq!(
+            d.version,
+            builtin_version(Hook::Retry),
+            "{mode}: the built-in decides"
+        );
+        // The instance that failed is gone; the next call gets a fresh one.
+        let after = f.registry.retry(&ctx("fine", 1), &Failure::Timeout);
+        assert_eq!(after.source, DecisionSource::Policy, "{mode}");
+    }
+    let s = f.registry.binding_status(Hook::Retry).expect("status");
+    assert_eq!(
+        (
+            s.traps,
+            s.timeouts,
+            s.memory_exceeded,
+            s.invalid_decisions,
+            s.contained
+        ),
+        (1, 1, 1, 1, 4)
+    );
+    assert_eq!(s.calls, 9);
+
+    let order = f.registry.fallback(&fallback_request(
+        "invalid",
+        vec![candidate("a"), candidate("b")],
+    ));
+    assert_eq!(order.source, DecisionSource::Contained);
+    assert_eq!(order.value, ["a", "b"]);
+    let budget = f.registry.budget(&budget_request(
+        "invalid",
+        Usage::default(),
+        Limits::default(),
+    ));
+    assert_eq!(budget.source, DecisionSource::Contained);
+    assert_eq!(budget.value, BudgetDecision::Admit);
+}
+
+#[test]
+fn the_previous_version_decides_before_the_builtin() {
+    let f = Fixture::new(vec![named(Hook::Retry, "p")], |_| {});
+    f.install("p", outrigger_builtins::RETRY);
+    assert!(f.registry.reload().is_ok());
+    f.install("p", misbehave());
+    assert!(f.registry.reload().is_ok());
+    let s = f.registry.binding_status(Hook::Retry).expect("status");
+    assert_eq!(s.previous_version, Some(builtin_version(Hook::Retry)));
+
+    let mut params = BTreeMap::new();
+    params.insert("delay_ms".to_string(), "5".to_string());
+    let mut custom = named(Hook::Retry, "p");
+    custom.params = params;
+    // Same bytes, new parameters: a new publication whose previous is the misbehave
+    // guest without parameters.
+    f.registry.reconfigure(vec![custom]).expect("reconfigure");
+    let d = f.registry.retry(&ctx("fine", 1), &Failure::Timeout);
+    assert_eq!(d.value, RetryDecision::RetryAfter(Duration::from_millis(5)));
+    let trapped = f.registry.retry(&ctx("trap", 1), &Failure::Timeout);
+    // The previous version is the same guest and traps too; the built-in decides.
+    assert_eq!(trapped.version, builtin_version(Hook::Retry));
+    assert_eq!(trapped.source, DecisionSource::Contained);
+}
+
+#[test]
+fn fail_closed_gives_the_strict_decision() {
+    let closed = |hook| Binding {
+        on_error: OnError::FailClosed,
+        ..named(hook, "p")
+    };
+    let f = Fixture::new(
+        vec![
+            closed(Hook::Retry),
+            closed(Hook::Fallback),
+            closed(Hook::Budget),
+        ],
+        |_| {},
+    );
+    f.install("p", misbehave());
+    assert!(f.registry.reload().is_ok());
+    let ours = version_of(misbehave(), Hook::Retry);
+    let d = f.registry.retry(&ctx("trap", 1), &Failure::Timeout);
+    assert_eq!(d.source, DecisionSource::Contained);
+    assert_eq!(d.version, ours);
+    match d.value {
+        RetryDecision::GiveUp(reason) => {
+            assert!(
+                reason.contains("failing closed") && reason.contains("trapped"),
+                "{reason}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    let b = f.registry.budget(&budget_request(
+        "invalid",
+        Usage::default(),
+        Limits::default(),
+    ));
+    assert!(matches!(b.value, BudgetDecision::Reject(reason) if reason.contains("failing closed")));
+    let o = f.registry.fallback(&fallback_request(
+        "trap",
+        vec![candidate("x"), candidate("y")],
+    ));
+    assert_eq!(o.value, ["x", "y"]);
+    assert_eq!(
+        f.registry
+            .binding_status(Hook::Retry)
+            .map(|s| s.failed_closed),
+        Some(1)
+    );
+}
+
+#[test]
+fn a_binding_that_cannot_load_at_startup_is_served_by_the_builtin() {
+    let f = Fixture::new(vec![named(Hook::Retry, "missing")], |_| {});
+    let s = f.registry.binding_status(Hook::Retry).expect("status");
+    assert_eq!(s.version, None);
+    assert!(
+        s.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("missing.wasm"))
+    );
+    let d = f.registry.retry(&ctx("r", 1), &Failure::ContentFiltered);
+    assert_eq!(
+        (d.source, d.version),
+        (DecisionSource::Contained, builtin_version(Hook::Retry))
+    );
+    // Once the file appears, a reload picks it up.
+    f.install("missing", misbehave());
+    assert!(f.registry.reload().is_ok());
+    assert_eq!(
+        f.registry.retry(&ctx("r", 1), &Failure::Timeout).source,
+        DecisionSource::Policy
+    );
+}
+
+#[test]
+fn hot_swap_under_load_loses_no_call() {
+    let f = Fixture::new(vec![named(Hook::Retry, "p")], |o| {
+        o.deadline = Duration::from_secs(2);
+    });
+    let versions = [
+        (outrigger_builtins::RETRY, builtin_version(Hook::Retry)),
+        (misbehave(), version_of(misbehave(), Hook::Retry)),
+    ];
+    f.install("p", versions[0].0);
+    assert!(f.registry.reload().is_ok());
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let calls = Arc::new(AtomicU64::new(0));
+    let workers: Vec<_> = (0..8)
+        .map(|i| {
+            let (registry, stop, calls) = (f.registry.clone(), stop.clone(), calls.clone());
+            let known: Vec<PolicyVersion> = versions.iter().map(|v| v.1.clone()).collect();
+            std::thread::spawn(move || {
+                let mut mine = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let d = registry.retry(&ctx(&format!("w{i}"), 1), &Failure::Timeout);
+                    assert_eq!(d.source, DecisionSource::Policy, "{d:?}");
+                    assert!(known.contains(&d.version), "{d:?}");
+                    assert!(matches!(d.value, RetryDecision::RetryAfter(_)), "{d:?}");
+                    mine += 1;
+                }
+                calls.fetch_add(mine, Ordering::Relaxed);
+                mine
+            })
+        })
+        .collect();
+    for round in 1..=10 {
+        let (bytes, version) = &versions[round % 2];
+        f.install("p", bytes);
+        let report = f.registry.reload();
+        assert!(report.is_ok(), "{report:?}");
+        assert_eq!(
+            f.registry
+                .retry(&ctx("after", 1), &Failure::Timeout)
+                .version,
+            *version,
+            "round {round}: calls after a swap see the new version"
+        );
+    }
+    stop.store(true, Ordering::Relaxed);
+    let per_worker: Vec<u64> = workers
+        .into_iter()
+        .map(|w| w.join().expect("worker panicked"))
+        .collect();
+    assert!(per_worker.iter().all(|n| *n > 0), "{per_worker:?}");
+    let s = f.registry.binding_status(Hook::Retry).expect("status");
+    assert_eq!(
+        s.calls,
+        calls.load(Ordering::Relaxed) + 10,
+        "every call answered"
+    );
+    assert_eq!(
+        (s.traps, s.timeouts, s.contained, s.in_flight),
+        (0, 0, 0, 0)
+    );
+}
+
+#[test]
+fn an_in_flight_call_finishes_on_the_version_it_started_on() {
+    let f = Fixture::new(vec![named(Hook::Retry, "p")], |o| {
+        o.deadline = Duration::from_secs(10);
+    });
+    f.install("p", misbehave());
+    assert!(f.registry.reload().is_ok());
+    let old = version_of(misbehave(), Hook::Retry);
+    let registry = f.registry.clone();
+    let slow = std::thread::spawn(move || {
+        let d = registry.retry(&ctx("slow:1500", 1), &Failure::Timeout);
+        (d, Instant::now())
+    });
+    let waiting = Instant::now();
+    while f.registry.binding_status(Hook::Retry).map(|s| s.in_flight) != Some(1) {
+        assert!(
+            waiting.elapsed() < Duration::from_secs(10),
+            "the slow call never started"
+        );
+        std::thread::yield_now();
+    }
+    f.install("p", outrigger_builtins::RETRY);
+    assert!(f.registry.reload().is_ok());
+    let swapped = Instant::now();
+    assert_eq!(
+        f.registry
+            .retry(&ctx("new", 1), &Failure::ContentFiltered)
+            .version,
+        builtin_version(Hook::Retry)
+    );
+    let (decided, finished) = slow.join().expect("slow call");
+    assert!(
+        finished > swapped,
+        "the slow call was still running at the swap"
+    );
+    assert_eq!(decided.version, old);
+    assert_eq!(decided.source, DecisionSource::Policy);
+    assert_eq!(
+        decided.value,
+        RetryDecision::RetryAfter(Duration::from_millis(1))
+    );
+}
+
+#[test]
+fn a_second_registry_loads_from_the_cache_without_compiling() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let options = || Options {
+        cache_dir: Some(dir.path().to_path_buf()),
+        ..Options::default()
+    };
+    let first = Registry::new(options(), builtins()).expect("first");
+    let cold = first.status();
+    assert!(
+        cold.iter().all(|s| s.loaded_from_cache == Some(false)),
+        "{cold:?}"
+    );
+    drop(first);
+    let second = Registry::new(options(), builtins()).expect("second");
+    let warm = second.status();
+    assert!(
+        warm.iter().all(|s| s.loaded_from_cache == Some(true)),
+        "{warm:?}"
+    );
+    let total =
+        |s: &[outrigger_policy::BindingStatus]| s.iter().filter_map(|b| b.load_ms).sum::<f64>();
+    assert!(
+        total(&warm) < total(&cold),
+        "cache {} ms vs compile {} ms",
+        total(&warm),
+        total(&cold)
+    );
+
+    // A corrupt artifact is recompiled, not trusted. (Rewritten in place only after
+    // every registry that maps it is gone: the host itself only ever renames.)
+    drop(second);
+    for entry in std::fs::read_dir(dir.path()).expect("cache dir").flatten() {
+        std::fs::write(entry.path(), b"garbage").expect("corrupt");
+    }
+    let third = Registry::new(options(), builtins()).expect("third");
+    assert!(
+        third
+            .status()
+            .iter()
+            .all(|s| s.loaded_from_cache == Some(false) && s.version.is_some())
+    );
+}
+
+#[test]
+fn configuration_errors_are_reported_together() {
+    let err = Registry::new(
+        Options {
+            bindings: vec![
+                Binding::builtin(Hook::Retry),
+                Binding::builtin(Hook::Retry),
+                named(Hook::Budget, "x"),
+                Binding {
+                    source: Source::Builtin("nope".into()),
+                    ..Binding::builtin(Hook::Fallback)
+                },
+            ],
+            ..Options::default()
+        },
+        builtins(),
+    )
+    .expect_err("invalid options");
+    let message = err.to_string();
+    for part in [
+        "bound more than once",
+        "no policy directory",
+        "no built-in policy named \"nope\"",
+    ] {
+        assert!(message.contains(part), "{message}");
+    }
+}

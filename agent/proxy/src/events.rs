@@ -1,0 +1,369 @@
+//! What a provider's stream events mean: text, tool-call blocks opening, growing and
+//! completing, usage, errors and the terminal event — for both dialects.
+//!
+//! A tool call is complete only when the provider says so: Anthropic closes a
+//! `tool_use` block with `content_block_stop`; OpenAI chat completions close all
+//! tool calls of a choice with `finish_reason: "tool_calls"`. A stream that stops
+//! before that holds only partial tool calls, which must never reach the agent.
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+
+use crate::keys::IssuedCall;
+use crate::options::Dialect;
+use crate::sse;
+
+/// What one event does to the turn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Kind {
+    /// Text (or other content the agent may see as it arrives).
+    Text,
+    /// Part of a tool-call (or thinking) block that is not complete yet.
+    ToolPart,
+    /// Completes the tool-call blocks named (by block index).
+    ToolComplete(Vec<u64>),
+    /// The provider reported an error inside the stream.
+    Error,
+    /// The final event of a complete turn (`[DONE]`, `message_stop`).
+    Terminal,
+    /// Metadata (start, usage, stop reason, keep-alives).
+    Other,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Partial {
+    id: String,
+    name: String,
+    arguments: String,
+    complete: bool,
+    thinking: bool,
+}
+
+/// Token usage as the provider reported it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReportedUsage {
+    pub input: u64,
+    pub output: u64,
+}
+
+/// Follows one streamed turn event by event.
+#[derive(Debug)]
+pub struct Turn {
+    dialect: Dialect,
+    /// Open and completed blocks by index (OpenAI: tool-call index).
+    blocks: BTreeMap<u64, Partial>,
+    pub usage: Option<ReportedUsage>,
+    pub finish_reason: Option<String>,
+    pub response_model: Option<String>,
+    pub response_id: Option<String>,
+    pub terminal: bool,
+    pub errored: bool,
+}
+
+impl Turn {
+    pub fn new(dialect: Dialect) -> Self {
+        Self {
+            dialect,
+            blocks: BTreeMap::new(),
+            usage: None,
+            finish_reason: None,
+            response_model: None,
+            response_id: None,
+            terminal: false,
+            errored: false,
+        }
+    }
+
+    /// Classifies one raw event block and updates the turn.
+    pub fn observe(&mut self, raw: &[u8]) -> Kind {
+        let ev = sse::parse(raw);
+        let Some(data) = ev.data else {
+            return Kind::Other;
+        };
+        match self.dialect {
+            Dialect::OpenAi => self.openai(&data),
+            Dialect::Anthropic => self.anthropic(ev.event.as_deref(), &data),
+        }
+    }
+
+    fn openai(&mut self, data: &str) -> Kind {
+        if data.trim() == "[DONE]" {
+            self.terminal = true;
+            return Kind::Terminal;
+        }
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            return Kind::Other;
+        };
+        if v.get("error").is_some() {
+            self.errored = true;
+            return Kind::Error;
+        }
+        if let Some(m) = v["model"].as_str() {
+            self.response_model.get_or_insert_with(|| m.to_string());
+        }
+        if let Some(id) = v["id"].as_str() {
+            self.response_id.get_or_insert_with(|| id.to_string());
+        }
+        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+            self.usage = Some(ReportedUsage {
+                input: u["prompt_tokens"].as_u64().unwrap_or(0),
+                output: u["completion_tokens"].as_u64().unwrap_or(0),
+            });
+        }
+        let mut kind = Kind::Other;
+        for choice in v["choices"].as_array().into_iter().flatten() {
+            let c = choice["index"].as_u64().unwrap_or(0);
+            let delta = &choice["delta"];
+            if let Some(calls) = delta["tool_calls"].as_array() {
+                for tc in calls {
+                    // One block per (choice, tool-call index).
+                    let i = c * 1_000 + tc["index"].as_u64().unwrap_or(0);
+                    let b = self.blocks.entry(i).or_default();
+                    if let Some(id) = tc["id"].as_str() {
+                        b.id = id.to_string();
+                    }
+                    if let Some(name) = tc["function"]["name"].as_str() {
+                        b.name.push_str(name);
+                    }
+                    if let Some(a) = tc["function"]["arguments"].as_str() {
+                        b.arguments.push_str(a);
+                    }
+                }
+                kind = Kind::ToolPart;
+            } else if (delta["content"].is_string() || delta["refusal"].is_string())
+                && kind == Kind::Other
+            {
+                kind = Kind::Text;
+            }
+            if let Some(reason) = choice["finish_reason"].as_str() {
+                self.finish_reason = Some(reason.to_string());
+                let closed: Vec<u64> = self
+                    .blocks
+                    .iter_mut()
+                    .filter(|(i, b)| **i / 1_000 == c && !b.complete)
+                    .map(|(i, b)| {
+                        b.complete = reason == "tool_calls";
+                        *i
+                    })
+                    .collect();
+                if reason == "tool_calls" && !closed.is_empty() {
+                    kind = Kind::ToolComplete(closed);
+                }
+            }
+        }
+        kind
+    }
+
+    fn anthropic(&mut self, event: Option<&str>, data: &str) -> Kind {
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            return Kind::Other;
+        };
+        let ty = event
+            .map(str::to_owned)
+            .or_else(|| v["type"].as_str().map(str::to_owned))
+            .unwrap_or_default();
+        match ty.as_str() {
+            "message_start" => {
+                let m = &v["message"];
+                self.response_model = m["model"].as_str().map(str::to_owned);
+                self.response_id = m["id"].as_str().map(str::to_owned);
+                self.usage = Some(ReportedUsage {
+                    input: m["usage"]["input_tokens"].as_u64().unwrap_or(0),
+                    output: m["usage"]["output_tokens"].as_u64().unwrap_or(0),
+                });
+                Kind::Other
+            }
+            "content_block_start" => {
+                let i = v["index"].as_u64().unwrap_or(0);
+                let block = &v["content_block"];
+                match block["type"].as_str() {
+                    Some("tool_use" | "server_tool_use") => {
+                        self.blocks.insert(
+                            i,
+                            Partial {
+                                id: block["id"].as_str().unwrap_or_default().to_string(),
+                                name: block["name"].as_str().unwrap_or_default().to_string(),
+                                ..Partial::default()
+                            },
+                        );
+                        Kind::ToolPart
+                    }
+                    Some("thinking" | "redacted_thinking") => {
+                        self.blocks.insert(
+                            i,
+                            Partial {
+                                thinking: true,
+                                ..Partial::default()
+                            },
+                        );
+                        Kind::ToolPart
+                    }
+                    _ => Kind::Text,
+                }
+            }
+            "content_block_delta" => {
+                let i = v["index"].as_u64().unwrap_or(0);
+                match self.blocks.get_mut(&i) {
+                    Some(b) if !b.complete => {
+                        if let Some(p) = v["delta"]["partial_json"].as_str() {
+                            b.arguments.push_str(p);
+                        }
+                        Kind::ToolPart
+                    }
+                    _ => Kind::Text,
+                }
+            }
+            "content_block_stop" => {
+                let i = v["index"].as_u64().unwrap_or(0);
+                match self.blocks.get_mut(&i) {
+                    Some(b) => {
+                        b.complete = true;
+                        Kind::ToolComplete(vec![i])
+                    }
+                    None => Kind::Text,
+                }
+            }
+            "message_delta" => {
+                if let Some(r) = v["delta"]["stop_reason"].as_str() {
+                    self.finish_reason = Some(r.to_string());
+                }
+                if let Some(out) = v["usage"]["output_tokens"].as_u64() {
+                    let u = self.usage.get_or_insert_with(ReportedUsage::default);
+                    u.output = out;
+                }
+                Kind::Other
+            }
+            "message_stop" => {
+                self.terminal = true;
+                Kind::Terminal
+            }
+            "error" => {
+                self.errored = true;
+                Kind::Error
+            }
+            _ => Kind::Other,
+        }
+    }
+
+    /// Whether a tool-call (or thinking) block is open right now.
+    pub fn inside_tool_call(&self) -> bool {
+        self.blocks.values().any(|b| !b.complete)
+    }
+
+    /// The tool calls the provider completed, in block order.
+    pub fn completed_calls(&self) -> Vec<IssuedCall> {
+        self.blocks
+            .values()
+            .filter(|b| b.complete && !b.thinking && !b.id.is_empty())
+            .map(|b| {
+                let args: Value = if b.arguments.trim().is_empty() {
+                    Value::Object(serde_json::Map::new())
+                } else {
+                    serde_json::from_str(&b.arguments).unwrap_or(Value::String(b.arguments.clone()))
+                };
+                IssuedCall::new(&b.id, &b.name, &args)
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn ev(data: &Value) -> Vec<u8> {
+        format!("data: {data}\n\n").into_bytes()
+    }
+
+    fn named(name: &str, data: &Value) -> Vec<u8> {
+        format!("event: {name}\ndata: {data}\n\n").into_bytes()
+    }
+
+    #[test]
+    fn openai_tool_calls_complete_at_finish_reason() {
+        let mut t = Turn::new(Dialect::OpenAi);
+        assert_eq!(
+            t.observe(&ev(
+                &json!({"choices": [{"index": 0, "delta": {"content": "hi"}}]})
+            )),
+            Kind::Text
+        );
+        assert_eq!(
+            t.observe(&ev(&json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+                {"index": 0, "id": "call_1", "function": {"name": "pay", "arguments": "{\"a\":"}}]}}]}))),
+            Kind::ToolPart
+        );
+        assert!(t.inside_tool_call());
+        t.observe(&ev(
+            &json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "function": {"arguments": "1}"}}]}}]}),
+        ));
+        assert!(t.completed_calls().is_empty());
+        assert_eq!(
+            t.observe(&ev(
+                &json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+            )),
+            Kind::ToolComplete(vec![0])
+        );
+        assert!(!t.inside_tool_call());
+        let calls = t.completed_calls();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].id, "call_1");
+        assert_eq!(
+            calls[0].arguments,
+            crate::keys::fingerprint(&json!({"a": 1}))
+        );
+        t.observe(&ev(
+            &json!({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}}),
+        ));
+        assert_eq!(
+            t.usage,
+            Some(ReportedUsage {
+                input: 3,
+                output: 4
+            })
+        );
+        assert_eq!(t.observe(b"data: [DONE]\n\n"), Kind::Terminal);
+    }
+
+    #[test]
+    fn anthropic_blocks_complete_at_block_stop() {
+        let mut t = Turn::new(Dialect::Anthropic);
+        t.observe(&named("message_start", &json!({"type": "message_start", "message": {"id": "msg_1", "model": "c", "usage": {"input_tokens": 5, "output_tokens": 1}}})));
+        assert_eq!(t.observe(&named("content_block_start", &json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}))), Kind::Text);
+        assert_eq!(t.observe(&named("content_block_delta", &json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x"}}))), Kind::Text);
+        assert_eq!(
+            t.observe(&named(
+                "content_block_stop",
+                &json!({"type": "content_block_stop", "index": 0})
+            )),
+            Kind::Text
+        );
+        assert_eq!(t.observe(&named("content_block_start", &json!({"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "toolu_1", "name": "mail", "input": {}}}))), Kind::ToolPart);
+        assert_eq!(t.observe(&named("content_block_delta", &json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{\"to\":\"amy\"}"}}))), Kind::ToolPart);
+        assert!(t.inside_tool_call());
+        assert_eq!(
+            t.observe(&named(
+                "content_block_stop",
+                &json!({"type": "content_block_stop", "index": 1})
+            )),
+            Kind::ToolComplete(vec![1])
+        );
+        t.observe(&named("message_delta", &json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}})));
+        assert_eq!(
+            t.observe(&named("message_stop", &json!({"type": "message_stop"}))),
+            Kind::Terminal
+        );
+        assert_eq!(
+            t.usage,
+            Some(ReportedUsage {
+                input: 5,
+                output: 9
+            })
+        );
+        assert_eq!(t.completed_calls()[0].id, "toolu_1");
+        assert_eq!(t.finish_reason.as_deref(), Some("tool_use"));
+    }
+}

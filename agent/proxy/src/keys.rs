@@ -1,0 +1,267 @@
+//! Idempotency keys and fingerprints for tool calls, and the correlation of tool
+//! calls with the tool calls a model issued, which lets the sidecar derive a key the
+//! agent never sent.
+//!
+//! **Key derivation** (the README repeats this): when a call carries no key but a
+//! task id and a tool-call id — from the `Outrigger-Tool-Call-Id` header, or found
+//! by matching the call to a tool call in the task's latest model responses — the
+//! key is `tc-` followed by the first 40 hex digits of
+//! `SHA-256("outrigger/v1" 0x00 task_id 0x00 tool 0x00 tool_call_id)`. A restarted
+//! agent replayed the same model response (same `tool_call_id`s) therefore derives
+//! the same keys, and its repeated tool calls dedupe against the journal.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Mutex;
+
+use outrigger_types::{Fingerprint, IdempotencyKey, TaskId};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+/// The journal key for an agent-supplied key, scoped to the tool (two tools may
+/// see the same agent key without colliding). Long keys are hashed to fit.
+pub fn scoped(tool: &str, key: &IdempotencyKey) -> IdempotencyKey {
+    let joined = format!("{tool}/{key}");
+    match IdempotencyKey::new(joined) {
+        Ok(k) => k,
+        Err(_) => {
+            let digest = hex(&Sha256::digest(format!("{tool}\0{key}").as_bytes()));
+            IdempotencyKey::new(format!("{tool}/sha256:{digest}")).unwrap_or_else(|_| key.clone())
+        }
+    }
+}
+
+/// The key derived from a task and a model-issued tool-call id (see the module docs).
+pub fn derived(task: &TaskId, tool: &str, tool_call_id: &str) -> IdempotencyKey {
+    let mut h = Sha256::new();
+    for (i, part) in ["outrigger/v1", task.as_str(), tool, tool_call_id]
+        .iter()
+        .enumerate()
+    {
+        if i > 0 {
+            h.update([0u8]);
+        }
+        h.update(part.as_bytes());
+    }
+    IdempotencyKey::derived(&hex(&h.finalize()))
+}
+
+/// SHA-256 over the RFC 8785 canonical form of `value` (falls back to serde_json's
+/// form, which is already canonical for integers and strings, if JCS refuses it).
+pub fn fingerprint(value: &Value) -> Fingerprint {
+    let canonical = serde_jcs::to_vec(value).unwrap_or_else(|_| value.to_string().into_bytes());
+    Fingerprint(Sha256::digest(&canonical).into())
+}
+
+/// The fingerprint of an HTTP tool call: method, tool, path and query, content
+/// type and the body (canonicalised when it is JSON). Other headers are volatile
+/// (tracing ids, dates, user agents) and left out.
+pub fn http_fingerprint(
+    method: &str,
+    tool: &str,
+    path: &str,
+    content_type: Option<&str>,
+    body: &[u8],
+) -> Fingerprint {
+    let body = match serde_json::from_slice::<Value>(body) {
+        Ok(v) => json!({"json": v}),
+        Err(_) => json!({"sha256": hex(&Sha256::digest(body))}),
+    };
+    fingerprint(&json!({
+        "method": method, "tool": tool, "path": path,
+        "content_type": content_type.unwrap_or(""), "body": body,
+    }))
+}
+
+/// The fingerprint of an MCP `tools/call`: server, tool name and arguments (not the
+/// JSON-RPC id: a retry carries a new one).
+pub fn mcp_fingerprint(server: &str, name: &str, arguments: &Value) -> Fingerprint {
+    fingerprint(
+        &json!({"method": "tools/call", "server": server, "name": name, "arguments": arguments}),
+    )
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(char::from(DIGITS[usize::from(b >> 4)]));
+        s.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    }
+    s
+}
+
+/// A tool call a model issued.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IssuedCall {
+    pub id: String,
+    pub name: String,
+    /// Fingerprint of the canonical arguments.
+    pub arguments: Fingerprint,
+}
+
+impl IssuedCall {
+    /// Builds one from the arguments as the model wrote them (OpenAI sends a JSON
+    /// string, Anthropic an object).
+    pub fn new(id: &str, name: &str, arguments: &Value) -> Self {
+        let parsed = match arguments {
+            Value::String(s) => serde_json::from_str(s).unwrap_or_else(|_| arguments.clone()),
+            other => other.clone(),
+        };
+        Self {
+            id: id.to_string(),
+            name: name.to_string(),
+            arguments: fingerprint(&parsed),
+        }
+    }
+}
+
+/// The tool calls models issued per task, newest response last (bounded).
+#[derive(Debug, Default)]
+pub struct Correlator {
+    tasks: Mutex<HashMap<TaskId, VecDeque<IssuedCall>>>,
+}
+
+const PER_TASK: usize = 256;
+const TASKS: usize = 4096;
+
+impl Correlator {
+    /// Remembers the tool calls of one model response.
+    pub fn record(&self, task: &TaskId, calls: Vec<IssuedCall>) {
+        if calls.is_empty() {
+            return;
+        }
+        let Ok(mut tasks) = self.tasks.lock() else {
+            return;
+        };
+        if tasks.len() >= TASKS && !tasks.contains_key(task) {
+            // Forget an arbitrary task rather than grow without bound.
+            if let Some(k) = tasks.keys().next().cloned() {
+                tasks.remove(&k);
+            }
+        }
+        let q = tasks.entry(task.clone()).or_default();
+        for c in calls {
+            if !q.iter().any(|e| e.id == c.id) {
+                q.push_back(c);
+            }
+        }
+        while q.len() > PER_TASK {
+            q.pop_front();
+        }
+    }
+
+    /// The id of the tool call in `task` whose arguments match (and, when given,
+    /// whose name matches): the newest response first, its calls in order.
+    pub fn find(
+        &self,
+        task: &TaskId,
+        name: Option<&str>,
+        arguments: &Fingerprint,
+    ) -> Option<String> {
+        let tasks = self.tasks.lock().ok()?;
+        tasks
+            .get(task)?
+            .iter()
+            .rev()
+            .find(|c| &c.arguments == arguments && name.is_none_or(|n| n == c.name))
+            .map(|c| c.id.clone())
+    }
+}
+
+/// Tool calls in a complete (non-streamed) model response body.
+pub fn calls_in_response(body: &Value) -> Vec<IssuedCall> {
+    let mut out = Vec::new();
+    // OpenAI: choices[].message.tool_calls[]
+    for choice in body["choices"].as_array().into_iter().flatten() {
+        for tc in choice["message"]["tool_calls"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            if let (Some(id), Some(name)) = (tc["id"].as_str(), tc["function"]["name"].as_str()) {
+                out.push(IssuedCall::new(id, name, &tc["function"]["arguments"]));
+            }
+        }
+    }
+    // Anthropic: content[] of type tool_use
+    for block in body["content"].as_array().into_iter().flatten() {
+        if block["type"] == "tool_use"
+            && let (Some(id), Some(name)) = (block["id"].as_str(), block["name"].as_str())
+        {
+            out.push(IssuedCall::new(id, name, &block["input"]));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_keys_are_stable_and_distinct() {
+        let t = TaskId::new("task-1").unwrap();
+        let a = derived(&t, "payments", "call_1");
+        assert_eq!(a, derived(&t, "payments", "call_1"));
+        assert_ne!(a, derived(&t, "payments", "call_2"));
+        assert_ne!(a, derived(&t, "refunds", "call_1"));
+        assert!(a.as_str().starts_with("tc-") && a.as_str().len() == 43);
+    }
+
+    #[test]
+    fn scoped_keys_fit_the_limit() {
+        let k = IdempotencyKey::new("x".repeat(255)).unwrap();
+        let s = scoped("payments", &k);
+        assert!(s.as_str().starts_with("payments/sha256:"));
+        assert_eq!(
+            scoped("p", &IdempotencyKey::new("abc").unwrap()).as_str(),
+            "p/abc"
+        );
+    }
+
+    #[test]
+    fn fingerprints_ignore_key_order_and_whitespace() {
+        let a = http_fingerprint(
+            "POST",
+            "t",
+            "/x",
+            Some("application/json"),
+            br#"{"a":1,"b":[1,2]}"#,
+        );
+        let b = http_fingerprint(
+            "POST",
+            "t",
+            "/x",
+            Some("application/json"),
+            b"{ \"b\": [1, 2], \"a\": 1 }",
+        );
+        let c = http_fingerprint(
+            "POST",
+            "t",
+            "/x",
+            Some("application/json"),
+            br#"{"a":2,"b":[1,2]}"#,
+        );
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn correlation_matches_arguments_in_either_dialect() {
+        let c = Correlator::default();
+        let t = TaskId::new("t").unwrap();
+        let openai = serde_json::json!({"choices": [{"message": {"tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "pay", "arguments": "{\"amount\": 5, \"to\": \"bob\"}"}}]}}]});
+        let anthropic = serde_json::json!({"content": [{"type": "text", "text": "x"},
+            {"type": "tool_use", "id": "toolu_2", "name": "mail", "input": {"to": "amy"}}]});
+        c.record(&t, calls_in_response(&openai));
+        c.record(&t, calls_in_response(&anthropic));
+        let args = fingerprint(&serde_json::json!({"to": "bob", "amount": 5}));
+        assert_eq!(c.find(&t, None, &args).as_deref(), Some("call_1"));
+        assert_eq!(c.find(&t, Some("pay"), &args).as_deref(), Some("call_1"));
+        assert_eq!(c.find(&t, Some("other"), &args), None);
+        let mail = fingerprint(&serde_json::json!({"to": "amy"}));
+        assert_eq!(c.find(&t, Some("mail"), &mail).as_deref(), Some("toolu_2"));
+        assert_eq!(c.find(&TaskId::new("u").unwrap(), None, &mail), None);
+    }
+}

@@ -1,0 +1,461 @@
+//! MCP over Streamable HTTP: `POST|GET|DELETE /mcp/{server}` proxied to the server's
+//! endpoint. `initialize`, `tools/list`, notifications, batches and the GET stream
+//! pass through untouched (JSON or SSE); a `tools/call` request is journaled like an
+//! HTTP tool call.
+//!
+//! A journaled `tools/call` stores the JSON-RPC `result` (or `error`) without its
+//! id, because a retry arrives with a new JSON-RPC id; a replay re-wraps it with the
+//! id of the request being answered. The idempotency key comes from the
+//! `Idempotency-Key` header, `params._meta["outrigger/idempotency-key"]`, or is
+//! derived from the task and the model's tool-call id (matched by tool name and
+//! arguments). The downstream key is forwarded in both the header and `_meta`.
+//! Refusals are JSON-RPC errors (`-32010` in progress, `-32011` key reused,
+//! `-32012` expired, `-32013` journal unavailable, `-32602` missing key) or, for an
+//! outcome the model should reason about, a `CallToolResult` with `isError: true`.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use outrigger_journal::{
+    self as journal, Headers, Intent, Record, RedactedRequest, StoredResponse,
+};
+use outrigger_types::IdempotencyKey;
+use serde_json::{Value, json};
+
+use crate::body::{self, Body};
+use crate::error::Error;
+use crate::journaled::{self, Protocol};
+use crate::options::{Tool, ToolKind};
+use crate::tools::{self, KeyChoice};
+use crate::{RequestContext, Shared, headers, keys, sse};
+
+/// The `params._meta` field that carries an idempotency key.
+pub const META_KEY: &str = "outrigger/idempotency-key";
+
+pub async fn call(
+    shared: &Shared,
+    req: Request<Incoming>,
+    ctx: &RequestContext,
+    target: &mut String,
+) -> Result<Response<Body>, Error> {
+    let name = req
+        .uri()
+        .path()
+        .strip_prefix("/mcp/")
+        .unwrap_or_default()
+        .to_string();
+    let server = shared
+        .options
+        .tool(&name)
+        .filter(|t| t.kind == ToolKind::Mcp)
+        .ok_or_else(|| Error::UnknownTool {
+            tool: name.clone(),
+            known: shared
+                .options
+                .tools
+                .iter()
+                .filter(|t| t.kind == ToolKind::Mcp)
+                .map(|t| t.name.clone())
+                .collect(),
+        })?;
+    *target = server.name.clone();
+    let method = req.method().clone();
+    if !matches!(method, Method::POST | Method::GET | Method::DELETE) {
+        return Err(Error::MethodNotAllowed {
+            method: method.to_string(),
+            allowed: "POST, GET, DELETE",
+        });
+    }
+    let (parts, body) = req.into_parts();
+    let bytes = body::read_limited(body, shared.options.limits.max_body_bytes).await?;
+    let message: Option<Value> = if method == Method::POST {
+        Some(serde_json::from_slice(&bytes).map_err(|e| Error::MalformedJson(e.to_string()))?)
+    } else {
+        None
+    };
+    let is_tool_call = message
+        .as_ref()
+        .is_some_and(|m| m["method"] == "tools/call" && m.get("id").is_some());
+    let Some(message) = message.filter(|_| is_tool_call) else {
+        return pass_through(shared, server, method, &parts.headers, bytes).await;
+    };
+
+    let id = message["id"].clone();
+    let tool_name = message["params"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let arguments = message["params"]["arguments"].clone();
+    let meta_key = match message["params"]["_meta"][META_KEY].as_str() {
+        None => None,
+        Some(k) => match IdempotencyKey::new(k) {
+            Ok(k) => Some(k),
+            Err(e) => {
+                return Ok(rpc_error(
+                    &id,
+                    -32602,
+                    &format!("params._meta[\"{META_KEY}\"]: {e}"),
+                    None,
+                ));
+            }
+        },
+    };
+    let choice = match tools::choose_key(
+        shared,
+        &parts.headers,
+        ctx,
+        server,
+        Some((meta_key, &tool_name, &arguments)),
+        &bytes,
+    ) {
+        Ok(c) => c,
+        Err(Error::BadHeader { detail, .. }) => {
+            return Ok(rpc_error(
+                &id,
+                -32602,
+                &format!("Idempotency-Key: {detail}"),
+                None,
+            ));
+        }
+        Err(e) => return Err(e),
+    };
+    let KeyChoice::Found {
+        journal_key,
+        downstream,
+        source,
+    } = choice
+    else {
+        if server.key_required {
+            return Ok(rpc_error(
+                &id,
+                -32602,
+                &format!(
+                    "MCP server {} requires an idempotency key for tools/call: set params._meta[\"{META_KEY}\"] \
+                     or the Idempotency-Key header",
+                    server.name
+                ),
+                None,
+            ));
+        }
+        shared.metrics.unprotected_tool_call(&server.name);
+        tracing::warn!(server = %server.name, tool = %tool_name, "MCP tools/call without an idempotency key passed through unprotected");
+        return pass_through(shared, server, method, &parts.headers, bytes).await;
+    };
+    let Some(journal) = shared.journal.as_ref() else {
+        return Ok(journal_unavailable(&id, "the journal is not open"));
+    };
+    let intent = Intent {
+        key: journal_key,
+        fingerprint: keys::mcp_fingerprint(&server.name, &tool_name, &arguments),
+        tool: server.name.clone(),
+        class: server.class,
+        method: format!("tools/call {tool_name}"),
+        target: server.base_url.to_string(),
+        task_id: ctx.task_id.clone(),
+        request_id: ctx.request_id.clone(),
+        downstream_key: downstream,
+        request: RedactedRequest::new(tools::redacted_headers(&parts.headers), bytes.clone()),
+        policy_versions: Vec::new(),
+        model_revision: None,
+        derived_from: source,
+    };
+    let proto = McpCall {
+        server,
+        agent: &parts.headers,
+        message: &message,
+        id: &id,
+    };
+    let wait = journaled::prefer_wait(&parts.headers);
+    match journaled::run(shared, journal, server, intent, wait, &proto).await {
+        Ok(resp) => Ok(resp),
+        Err(Error::Journal(journal::Error::Unavailable(detail))) => {
+            Ok(journal_unavailable(&id, &detail))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+async fn pass_through(
+    shared: &Shared,
+    server: &Tool,
+    method: Method,
+    agent: &HeaderMap,
+    bytes: Bytes,
+) -> Result<Response<Body>, Error> {
+    let req = build(server, method, agent, bytes);
+    let resp = shared
+        .upstream
+        .send(req, server.timeout)
+        .await
+        .map_err(|source| Error::Upstream {
+            target: server.name.clone(),
+            source,
+        })?;
+    let (mut p, b) = resp.into_parts();
+    headers::strip_hop_by_hop(&mut p.headers);
+    Ok(Response::from_parts(p, body::stream(b)))
+}
+
+fn build(server: &Tool, method: Method, agent: &HeaderMap, bytes: Bytes) -> Request<Full<Bytes>> {
+    let mut req = Request::new(Full::new(bytes));
+    *req.method_mut() = method;
+    *req.uri_mut() = server.base_url.clone();
+    *req.headers_mut() = headers::end_to_end(agent);
+    req
+}
+
+struct McpCall<'a> {
+    server: &'a Tool,
+    agent: &'a HeaderMap,
+    message: &'a Value,
+    id: &'a Value,
+}
+
+impl Protocol for McpCall<'_> {
+    fn build(&self, downstream: &str) -> Result<Request<Full<Bytes>>, Error> {
+        let mut message = self.message.clone();
+        if !message["params"]["_meta"].is_object() {
+            message["params"]["_meta"] = json!({});
+        }
+        message["params"]["_meta"][META_KEY] = json!(downstream);
+        let mut req = build(
+            self.server,
+            Method::POST,
+            self.agent,
+            Bytes::from(message.to_string()),
+        );
+        if let Ok(v) = HeaderValue::from_str(downstream) {
+            req.headers_mut().insert(headers::IDEMPOTENCY_KEY, v);
+        }
+        req.headers_mut().remove(header::CONTENT_LENGTH);
+        Ok(req)
+    }
+
+    fn answer(
+        &self,
+        status: StatusCode,
+        h: &HeaderMap,
+        body: Bytes,
+    ) -> (StoredResponse, Response<Body>) {
+        let outcome = if status.is_success() {
+            find_response(h, &body, self.id)
+        } else {
+            None
+        };
+        match outcome {
+            Some(outcome) => {
+                let stored =
+                    StoredResponse::new(200, json_headers(), Bytes::from(outcome.to_string()));
+                (stored, rpc_response(self.id, &outcome, false))
+            }
+            None => {
+                // Not a JSON-RPC answer: keep the HTTP status so the journal can tell a
+                // definitive refusal from an ambiguous 5xx.
+                let stored =
+                    StoredResponse::new(status.as_u16(), tools::redacted_headers(h), body.clone());
+                let mut resp = Response::new(body::full(body));
+                *resp.status_mut() = status;
+                (stored, resp)
+            }
+        }
+    }
+
+    fn replay(&self, record: &Record) -> Response<Body> {
+        let outcome = record
+            .response
+            .as_ref()
+            .filter(|r| r.status == 200)
+            .and_then(|r| serde_json::from_slice::<Value>(r.body.bytes()).ok());
+        match outcome {
+            Some(outcome) => rpc_response(self.id, &outcome, true),
+            None => {
+                let (status, body) = record
+                    .response
+                    .as_ref()
+                    .map(|r| (r.status, r.body.bytes().clone()))
+                    .unwrap_or((500, Bytes::new()));
+                let mut resp = Response::new(body::full(body));
+                *resp.status_mut() =
+                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                resp.headers_mut()
+                    .insert(headers::REPLAYED, HeaderValue::from_static("true"));
+                resp
+            }
+        }
+    }
+
+    fn in_flight(&self, record: &Record) -> Response<Body> {
+        rpc_error(
+            self.id,
+            -32010,
+            &format!(
+                "request in progress: key {} is {}",
+                record.key,
+                record.state.as_str()
+            ),
+            Some(json!({"retryAfterMs": 1000, "key": record.key.as_str()})),
+        )
+    }
+
+    fn mismatch(&self, record: &Record) -> Response<Body> {
+        rpc_error(
+            self.id,
+            -32011,
+            &format!(
+                "idempotency key {} was first used with different arguments; use a new key",
+                record.key
+            ),
+            Some(json!({"key": record.key.as_str()})),
+        )
+    }
+
+    fn outcome_unknown(&self, record: &Record) -> Response<Body> {
+        unknown_result(self.id, &record.key, record.state.as_str(), record.attempt)
+    }
+
+    fn tombstoned(&self, record: &Record) -> Response<Body> {
+        rpc_error(
+            self.id,
+            -32012,
+            &format!(
+                "the stored result for key {} has expired; use a new key",
+                record.key
+            ),
+            Some(json!({"key": record.key.as_str(), "finalStatus": record.final_status})),
+        )
+    }
+
+    fn in_doubt(&self, key: &IdempotencyKey, cause: &str, state: &str) -> Response<Body> {
+        tracing::warn!(%key, %cause, "MCP tools/call in doubt");
+        unknown_result(self.id, key, state, 0)
+    }
+}
+
+/// A `CallToolResult` the model can read: the call may have happened.
+fn unknown_result(id: &Value, key: &IdempotencyKey, state: &str, attempt: u32) -> Response<Body> {
+    let text = format!(
+        "The previous attempt of this tool call may have executed, and its outcome is unknown \
+         (state={state}). Do not retry it blindly: check whether it took effect first. \
+         An operator can resolve it at {}.",
+        tools::resolve_url(key)
+    );
+    rpc_response(
+        id,
+        &json!({"result": {
+            "content": [{"type": "text", "text": text}],
+            "structuredContent": {"state": state, "key": key.as_str(), "attempt": attempt,
+                                  "resolveUrl": tools::resolve_url(key)},
+            "isError": true,
+        }}),
+        false,
+    )
+}
+
+/// The JSON-RPC response for `id` in a JSON or SSE answer, as `{"result": …}` or
+/// `{"error": …}`.
+fn find_response(h: &HeaderMap, body: &[u8], id: &Value) -> Option<Value> {
+    let pick = |msg: &Value| -> Option<Value> {
+        if msg.get("id") != Some(id) {
+            return None;
+        }
+        if let Some(r) = msg.get("result") {
+            Some(json!({"result": r}))
+        } else {
+            msg.get("error").map(|e| json!({"error": e}))
+        }
+    };
+    let pick_any = |v: Value| -> Option<Value> {
+        match v {
+            Value::Array(items) => items.iter().find_map(pick),
+            other => pick(&other),
+        }
+    };
+    if headers::is_event_stream(h) {
+        let mut framer = sse::Framer::default();
+        let mut blocks = Vec::new();
+        framer.push(body, &mut blocks).ok()?;
+        framer.finish(&mut blocks);
+        blocks
+            .iter()
+            .filter_map(|b| sse::parse(b).data)
+            .filter_map(|d| serde_json::from_str::<Value>(&d).ok())
+            .find_map(pick_any)
+    } else {
+        serde_json::from_slice::<Value>(body)
+            .ok()
+            .and_then(pick_any)
+    }
+}
+
+fn json_headers() -> Headers {
+    Headers::redacted([("content-type".to_string(), "application/json".to_string())])
+}
+
+/// `{"jsonrpc":"2.0","id":…}` plus the stored `result` or `error`.
+fn rpc_response(id: &Value, outcome: &Value, replayed: bool) -> Response<Body> {
+    let mut doc = json!({"jsonrpc": "2.0", "id": id});
+    if let (Some(obj), Some(src)) = (doc.as_object_mut(), outcome.as_object()) {
+        for (k, v) in src {
+            obj.insert(k.clone(), v.clone());
+        }
+    }
+    let mut resp = Response::new(body::full(doc.to_string()));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if replayed {
+        resp.headers_mut()
+            .insert(headers::REPLAYED, HeaderValue::from_static("true"));
+    }
+    resp
+}
+
+fn rpc_error(id: &Value, code: i64, message: &str, data: Option<Value>) -> Response<Body> {
+    let mut error = json!({"code": code, "message": message});
+    if let Some(d) = data {
+        error["data"] = d;
+    }
+    rpc_response(id, &json!({"error": error}), false)
+}
+
+fn journal_unavailable(id: &Value, detail: &str) -> Response<Body> {
+    let mut resp = rpc_error(
+        id,
+        -32013,
+        &format!("the side-effect journal cannot record this call ({detail}); it was not executed"),
+        Some(json!({"retryAfterMs": 1000})),
+    );
+    *resp.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    resp.headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_response_in_json_and_sse() {
+        let id = json!(7);
+        let mut h = HeaderMap::new();
+        let body = br#"{"jsonrpc":"2.0","id":7,"result":{"isError":false}}"#;
+        assert_eq!(
+            find_response(&h, body, &id),
+            Some(json!({"result": {"isError": false}}))
+        );
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        let body = b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n\
+                     event: message\ndata: {\"jsonrpc\":\"2.0\",\"id\":7,\"error\":{\"code\":-1}}\n\n";
+        assert_eq!(
+            find_response(&h, body, &id),
+            Some(json!({"error": {"code": -1}}))
+        );
+        assert_eq!(find_response(&h, body, &json!(8)), None);
+    }
+}

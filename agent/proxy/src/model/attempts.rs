@@ -1,0 +1,484 @@
+//! The attempt loop of a model call: send to a target, classify a failure, ask the
+//! retry policy, and enforce its answer — wait and retry, fall back to another
+//! target, or give up — within the retry budget, past open circuits and through the
+//! provider's limiter. Nothing reaches the agent until an attempt succeeds or the
+//! policy gives up, so retries and fallbacks are invisible to it; for streams an
+//! attempt only counts as a success once its first event has arrived.
+
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode, header};
+use http_body::Body as HttpBody;
+use http_body_util::{BodyExt, Full};
+use outrigger_types::{
+    AttemptRecord, CallContext, CallKind, Failure, PolicyVersion, RetryDecision,
+};
+
+use crate::body::{self, BoxError};
+use crate::decider::{Decider, MAX_RETRY_DELAY};
+use crate::options::Provider;
+use crate::resilience::breaker::Admission;
+use crate::resilience::{Breakers, Limiters, Permit, RetryBudgets};
+use crate::sse::Framer;
+use crate::upstream;
+
+/// Sends one upstream request (the real client, or a script in tests).
+pub trait Transport: Send + Sync {
+    type Body: HttpBody<Data = Bytes, Error: Into<BoxError>> + Send + Unpin + 'static;
+    fn send(
+        &self,
+        req: Request<Full<Bytes>>,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Response<Self::Body>, upstream::Error>> + Send;
+}
+
+impl Transport for upstream::Upstream {
+    type Body = hyper::body::Incoming;
+    fn send(
+        &self,
+        req: Request<Full<Bytes>>,
+        timeout: Duration,
+    ) -> impl Future<Output = Result<Response<Self::Body>, upstream::Error>> + Send {
+        upstream::Upstream::send(self, req, timeout)
+    }
+}
+
+/// The machinery the loop drives.
+pub struct Mechanics<'a, T> {
+    pub transport: &'a T,
+    pub decider: &'a dyn Decider,
+    pub breakers: &'a Breakers,
+    pub limiters: &'a Limiters,
+    pub budgets: &'a RetryBudgets,
+    pub first_byte_timeout: Duration,
+    pub max_event_bytes: usize,
+}
+
+/// Builds the request for a target (its URL, credentials and model name).
+pub type BuildFn<'a> = dyn Fn(&Provider) -> Result<Request<Full<Bytes>>, crate::Error> + Sync + 'a;
+
+/// One call to make.
+pub struct Plan<'a> {
+    pub task_id: Option<&'a str>,
+    pub request_id: &'a str,
+    pub model: &'a str,
+    pub stream: bool,
+    /// Targets in the order the fallback policy chose; the first is tried first.
+    pub order: Vec<&'a Provider>,
+    /// Builds the request for a target (its URL, credentials and model name).
+    pub build: &'a BuildFn<'a>,
+    pub estimated_tokens: u64,
+}
+
+/// What each attempt and decision was, for the journal, telemetry and the task.
+#[derive(Debug, Default, Clone)]
+pub struct Trail {
+    pub attempts: u32,
+    pub retries: u32,
+    pub fallbacks: u32,
+    pub history: Vec<AttemptRecord>,
+    /// Versions of the policies that decided, in order, without repeats.
+    pub policy_versions: Vec<PolicyVersion>,
+    /// Why the loop stopped retrying, when it did.
+    pub gave_up: Option<String>,
+    pub retry_budget_exhausted: bool,
+}
+
+impl Trail {
+    fn decided_by(&mut self, v: &PolicyVersion) {
+        if !self.policy_versions.contains(v) {
+            self.policy_versions.push(v.clone());
+        }
+    }
+}
+
+/// A successful attempt: the head, any events already read (streams), and the rest
+/// of the body.
+pub struct Success<'a, B> {
+    pub provider: &'a Provider,
+    pub parts: http::response::Parts,
+    pub body: B,
+    /// For streams: the framer holding what was read past the first events.
+    pub framer: Option<Framer>,
+    pub first_events: Vec<Bytes>,
+    pub first_event_at: Option<Instant>,
+    /// The provider limiter's slot, held until the body is done.
+    pub permit: Option<Permit>,
+}
+
+/// How the call ended without success.
+pub enum Ended<'a> {
+    /// The last upstream answer, to pass through faithfully (status, headers, body).
+    Answer {
+        provider: &'a Provider,
+        parts: http::response::Parts,
+        body: Bytes,
+        failure: Option<Failure>,
+    },
+    /// No upstream answer to pass on.
+    Error {
+        /// `None` when no target was tried at all.
+        provider: Option<&'a Provider>,
+        error: crate::Error,
+        failure: Failure,
+    },
+}
+
+enum Outcome<'a, B> {
+    Ok(Success<'a, B>),
+    /// Not retryable: pass the answer through as is (a client error, say).
+    Final(Ended<'a>),
+    Failed(Failure, Ended<'a>),
+}
+
+pub async fn run<'a, T: Transport>(
+    m: &Mechanics<'_, T>,
+    plan: &Plan<'a>,
+    trail: &mut Trail,
+) -> Result<Success<'a, T::Body>, Ended<'a>> {
+    let started = Instant::now();
+    let Some(&first) = plan.order.first() else {
+        return Err(Ended::Error {
+            provider: None,
+            error: crate::Error::NoCandidate {
+                model: plan.model.to_string(),
+            },
+            failure: Failure::Connect { sent: false },
+        });
+    };
+    let mut target = first;
+    let mut remaining: Vec<&Provider> = plan.order.iter().skip(1).copied().collect();
+    m.budgets.record_request(&target.name);
+    loop {
+        trail.attempts += 1;
+        let outcome = attempt(m, plan, target).await;
+        let (failure, ended) = match outcome {
+            Outcome::Ok(s) => {
+                m.breakers.record(&target.name, true, jitter());
+                return Ok(s);
+            }
+            Outcome::Final(ended) => {
+                // A definitive answer from a healthy upstream.
+                m.breakers.record(&target.name, true, jitter());
+                return Err(ended);
+            }
+            Outcome::Failed(f, ended) => (f, ended),
+        };
+        if !matches!(failure, Failure::ContextOverflow | Failure::ContentFiltered) {
+            m.breakers.record(&target.name, false, jitter());
+        }
+        let ctx = CallContext {
+            task_id: plan.task_id.map(str::to_owned),
+            request_id: plan.request_id.to_string(),
+            kind: CallKind::Model,
+            target: target.name.clone(),
+            model: Some(plan.model.to_string()),
+            tool_class: None,
+            attempt: trail.attempts,
+            elapsed: started.elapsed(),
+            dispatched: failure.may_have_dispatched(),
+            history: trail.history.clone(),
+            retry_budget: m.budgets.view(&target.name),
+            fallbacks: remaining.iter().map(|p| p.name.clone()).collect(),
+        };
+        trail.history.push(AttemptRecord {
+            target: target.name.clone(),
+            failure: failure.clone(),
+            elapsed: started.elapsed(),
+        });
+        let decided = m.decider.retry(&ctx, &failure);
+        trail.decided_by(&decided.version);
+        match decided.value {
+            RetryDecision::RetryAfter(delay) => {
+                if !m.budgets.try_retry(&target.name) {
+                    trail.retry_budget_exhausted = true;
+                    trail.gave_up = Some("the retry budget is exhausted".into());
+                    return Err(ended);
+                }
+                trail.retries += 1;
+                tracing::debug!(target = %target.name, attempt = trail.attempts, ?delay, reason = failure.reason(), "retrying");
+                tokio::time::sleep(delay.min(MAX_RETRY_DELAY)).await;
+            }
+            RetryDecision::FallBack(name) => {
+                let Some(i) = remaining.iter().position(|p| p.name == name) else {
+                    trail.gave_up = Some(format!(
+                        "the policy chose {name:?}, which is not a fallback of this call"
+                    ));
+                    return Err(ended);
+                };
+                let next = remaining.remove(i);
+                tracing::debug!(from = %target.name, to = %next.name, reason = failure.reason(), "falling back");
+                trail.fallbacks += 1;
+                target = next;
+                m.budgets.record_request(&target.name);
+            }
+            RetryDecision::GiveUp(reason) => {
+                trail.gave_up = Some(reason);
+                return Err(ended);
+            }
+        }
+    }
+}
+
+fn jitter() -> f64 {
+    rand::random::<f64>()
+}
+
+async fn attempt<'a, T: Transport>(
+    m: &Mechanics<'_, T>,
+    plan: &Plan<'a>,
+    target: &'a Provider,
+) -> Outcome<'a, T::Body> {
+    if let Admission::Rejected { retry_after } = m.breakers.admit(&target.name) {
+        return Outcome::Failed(
+            Failure::Connect { sent: false },
+            Ended::Error {
+                provider: Some(target),
+                error: crate::Error::CircuitOpen {
+                    target: target.name.clone(),
+                    retry_after,
+                },
+                failure: Failure::Connect { sent: false },
+            },
+        );
+    }
+    let limiter = m.limiters.get(&target.name);
+    let permit = match limiter
+        .acquire(plan.task_id.unwrap_or("-"), plan.estimated_tokens)
+        .await
+    {
+        Ok(p) => p,
+        Err(rejected) => {
+            return Outcome::Final(Ended::Error {
+                provider: Some(target),
+                error: crate::Error::Overloaded {
+                    target: target.name.clone(),
+                    detail: rejected.to_string(),
+                },
+                failure: Failure::RateLimited { retry_after: None },
+            });
+        }
+    };
+    let req = match (plan.build)(target) {
+        Ok(r) => r,
+        Err(error) => {
+            return Outcome::Final(Ended::Error {
+                provider: Some(target),
+                error,
+                failure: Failure::Connect { sent: false },
+            });
+        }
+    };
+    let resp = match m.transport.send(req, m.first_byte_timeout).await {
+        Ok(r) => r,
+        Err(e) => {
+            let failure = match &e {
+                upstream::Error::Connect { .. } => Failure::Connect { sent: false },
+                upstream::Error::AfterSend { .. } => Failure::Connect { sent: true },
+                upstream::Error::Timeout { .. } => Failure::Timeout,
+            };
+            return Outcome::Failed(
+                failure.clone(),
+                Ended::Error {
+                    provider: Some(target),
+                    error: crate::Error::Upstream {
+                        target: target.name.clone(),
+                        source: e,
+                    },
+                    failure,
+                },
+            );
+        }
+    };
+    let (parts, body) = resp.into_parts();
+    let status = parts.status;
+    let retry_after = retry_after(&parts.headers);
+    limiter.observe(status.as_u16(), &parts.headers, retry_after);
+
+    if status.is_success() {
+        // The permit lives as long as the response body: a stream occupies its slot.
+        if !plan.stream || !crate::headers::is_event_stream(&parts.headers) {
+            return Outcome::Ok(Success {
+                provider: target,
+                parts,
+                body,
+                framer: None,
+                first_events: Vec::new(),
+                first_event_at: None,
+                permit: Some(permit),
+            });
+        }
+        return first_event(m, target, parts, body, permit).await;
+    }
+    drop(permit);
+
+    // An error answer: small, read whole to classify it.
+    let bytes = tokio::time::timeout(m.first_byte_timeout, body::read_limited(body, 1 << 20))
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .unwrap_or_default();
+    let failure = classify(status, retry_after, &bytes);
+    let ended = Ended::Answer {
+        provider: target,
+        parts,
+        body: bytes,
+        failure: failure.clone(),
+    };
+    match failure {
+        Some(f) => Outcome::Failed(f, ended),
+        None => Outcome::Final(ended),
+    }
+}
+
+/// Waits for the first complete event of a stream: until then a failure is
+/// invisible to the agent and can be retried.
+async fn first_event<'a, B: HttpBody<Data = Bytes, Error: Into<BoxError>> + Unpin>(
+    m: &Mechanics<'_, impl Transport>,
+    target: &'a Provider,
+    parts: http::response::Parts,
+    mut body: B,
+    permit: Permit,
+) -> Outcome<'a, B> {
+    let mut framer = Framer::new(m.max_event_bytes);
+    let mut events = Vec::new();
+    let deadline = tokio::time::Instant::now() + m.first_byte_timeout;
+    loop {
+        let frame = tokio::time::timeout_at(deadline, body.frame()).await;
+        let interrupted = |why: String| {
+            let failure = Failure::StreamInterrupted {
+                events_delivered: 0,
+                inside_tool_call: false,
+            };
+            Outcome::Failed(
+                failure.clone(),
+                Ended::Error {
+                    provider: Some(target),
+                    error: crate::Error::StreamBroke {
+                        target: target.name.clone(),
+                        detail: why,
+                    },
+                    failure,
+                },
+            )
+        };
+        match frame {
+            Err(_) => {
+                return Outcome::Failed(
+                    Failure::Timeout,
+                    Ended::Error {
+                        provider: Some(target),
+                        error: crate::Error::Upstream {
+                            target: target.name.clone(),
+                            source: upstream::Error::Timeout {
+                                authority: target.authority().unwrap_or_default().to_string(),
+                                timeout: m.first_byte_timeout,
+                            },
+                        },
+                        failure: Failure::Timeout,
+                    },
+                );
+            }
+            Ok(None) => return interrupted("the stream ended before its first event".into()),
+            Ok(Some(Err(e))) => {
+                let e: BoxError = e.into();
+                return interrupted(format!("the stream broke before its first event: {e}"));
+            }
+            Ok(Some(Ok(frame))) => {
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                if let Err(e) = framer.push(&data, &mut events) {
+                    return interrupted(e.to_string());
+                }
+                if !events.is_empty() {
+                    return Outcome::Ok(Success {
+                        provider: target,
+                        parts,
+                        body,
+                        framer: Some(framer),
+                        first_events: events,
+                        first_event_at: Some(Instant::now()),
+                        permit: Some(permit),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// What an error answer means for a retry policy; `None` when it is the agent's
+/// own mistake (4xx) and retrying cannot help.
+pub fn classify(status: StatusCode, retry_after: Option<Duration>, body: &[u8]) -> Option<Failure> {
+    let text = String::from_utf8_lossy(body).to_ascii_lowercase();
+    match status.as_u16() {
+        429 => Some(Failure::RateLimited { retry_after }),
+        408 => Some(Failure::Timeout),
+        400 | 413
+            if text.contains("context_length_exceeded")
+                || text.contains("maximum context length")
+                || text.contains("prompt is too long")
+                || text.contains("too many tokens") =>
+        {
+            Some(Failure::ContextOverflow)
+        }
+        400 | 403
+            if text.contains("content_filter")
+                || text.contains("content_policy_violation")
+                || text.contains("content management policy") =>
+        {
+            Some(Failure::ContentFiltered)
+        }
+        s @ 500..=599 => Some(Failure::ServerError { status: s }),
+        _ => None,
+    }
+}
+
+/// `Retry-After` in seconds or as an HTTP date, or OpenAI's `retry-after-ms`.
+pub fn retry_after(h: &HeaderMap) -> Option<Duration> {
+    if let Some(ms) = h
+        .get("retry-after-ms")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<f64>().ok())
+    {
+        return Some(Duration::from_secs_f64(ms.max(0.0) / 1000.0));
+    }
+    let v = h.get(header::RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(secs) = v.parse::<f64>() {
+        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+    }
+    let when = humantime::parse_rfc3339_weak(v)
+        .ok()
+        .or_else(|| httpdate(v))?;
+    Some(
+        when.duration_since(std::time::SystemTime::now())
+            .unwrap_or_default(),
+    )
+}
+
+/// An IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`).
+fn httpdate(v: &str) -> Option<std::time::SystemTime> {
+    let parts: Vec<&str> = v.split_whitespace().collect();
+    if parts.len() != 6 || parts[5] != "GMT" {
+        return None;
+    }
+    let month = [
+        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
+    ]
+    .iter()
+    .position(|m| *m == parts[2])?
+        + 1;
+    let iso = format!(
+        "{}-{:02}-{:02}T{}Z",
+        parts[3],
+        month,
+        parts[1].parse::<u32>().ok()?,
+        parts[4]
+    );
+    humantime::parse_rfc3339_weak(&iso).ok()
+}
+
+#[cfg(test)]
+mod tests;

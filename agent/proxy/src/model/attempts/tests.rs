@@ -1,0 +1,388 @@
+//! The attempt loop on paused time, against a scripted transport and a decider that
+//! behaves like the built-in retry policy (the real `.wasm` is tested in the policy
+//! crate; here only the mechanics are under test).
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use http_body_util::Full;
+use outrigger_types::{
+    BudgetDecision, BudgetRequest, Decided, DecisionSource, FallbackRequest, PolicyVersion,
+};
+
+use super::*;
+use crate::options::{Capabilities, Dialect, ModelPattern};
+use crate::resilience::{breaker, limiter, retry_budget};
+
+/// A scripted answer: status and headers.
+type Reply = (u16, Vec<(&'static str, &'static str)>);
+
+/// Answers from a script; counts what was sent.
+struct Script {
+    replies: Mutex<VecDeque<Reply>>,
+    /// Used when the script runs out.
+    default: u16,
+    sent: AtomicU32,
+    sent_to: Mutex<Vec<String>>,
+}
+
+impl Script {
+    fn new(replies: Vec<Reply>, default: u16) -> Self {
+        Self {
+            replies: Mutex::new(replies.into()),
+            default,
+            sent: AtomicU32::new(0),
+            sent_to: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+impl Transport for Script {
+    type Body = Full<Bytes>;
+    fn send(
+        &self,
+        req: Request<Full<Bytes>>,
+        _timeout: Duration,
+    ) -> impl Future<Output = Result<Response<Full<Bytes>>, upstream::Error>> + Send {
+        self.sent.fetch_add(1, Ordering::SeqCst);
+        self.sent_to.lock().unwrap().push(
+            req.uri()
+                .authority()
+                .map(|a| a.to_string())
+                .unwrap_or_default(),
+        );
+        let (status, headers) = self
+            .replies
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or((self.default, vec![]));
+        async move {
+            let mut resp = Response::new(Full::new(Bytes::from_static(b"{}")));
+            *resp.status_mut() = StatusCode::from_u16(status).unwrap();
+            for (k, v) in headers {
+                resp.headers_mut().insert(k, v.parse().unwrap());
+            }
+            Ok(resp)
+        }
+    }
+}
+
+/// Retries rate limits after their Retry-After, 5xx after 10 ms, up to 4 attempts;
+/// falls back on context overflow.
+struct LikeBuiltin;
+
+fn decided<T>(value: T) -> Decided<T> {
+    Decided {
+        value,
+        version: PolicyVersion::new("retry", "test"),
+        source: DecisionSource::Policy,
+    }
+}
+
+impl Decider for LikeBuiltin {
+    fn retry(&self, ctx: &CallContext, failure: &Failure) -> Decided<RetryDecision> {
+        if ctx.attempt >= 4 || !ctx.retry_budget.available {
+            return decided(RetryDecision::GiveUp("enough".into()));
+        }
+        decided(match failure {
+            Failure::RateLimited {
+                retry_after: Some(d),
+            } => RetryDecision::RetryAfter(*d),
+            Failure::ContextOverflow => match ctx.fallbacks.first() {
+                Some(f) => RetryDecision::FallBack(f.clone()),
+                None => RetryDecision::GiveUp("no long-context fallback".into()),
+            },
+            _ => RetryDecision::RetryAfter(Duration::from_millis(10)),
+        })
+    }
+    fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<String>> {
+        decided(req.candidates.iter().map(|c| c.name.clone()).collect())
+    }
+    fn budget(&self, _: &BudgetRequest) -> Decided<BudgetDecision> {
+        decided(BudgetDecision::Admit)
+    }
+}
+
+fn provider(name: &str, port: u16) -> Provider {
+    Provider {
+        name: name.into(),
+        dialect: Dialect::OpenAi,
+        base_url: format!("http://127.0.0.1:{port}/v1").parse().unwrap(),
+        api_key: None,
+        models: vec![ModelPattern::Any],
+        caps: Capabilities::permissive(),
+    }
+}
+
+struct Rig {
+    breakers: Breakers,
+    limiters: Limiters,
+    budgets: RetryBudgets,
+}
+
+impl Rig {
+    fn new() -> Self {
+        Self {
+            breakers: Breakers::new(breaker::Options::default()),
+            limiters: Limiters::new(limiter::Options::default()),
+            budgets: RetryBudgets::new(retry_budget::Options::default()),
+        }
+    }
+
+    fn mechanics<'a>(&'a self, t: &'a Script, d: &'a dyn Decider) -> Mechanics<'a, Script> {
+        Mechanics {
+            transport: t,
+            decider: d,
+            breakers: &self.breakers,
+            limiters: &self.limiters,
+            budgets: &self.budgets,
+            first_byte_timeout: Duration::from_secs(30),
+            max_event_bytes: 1 << 20,
+        }
+    }
+}
+
+fn build(p: &Provider) -> Result<Request<Full<Bytes>>, crate::Error> {
+    let mut req = Request::new(Full::new(Bytes::from_static(b"{}")));
+    *req.uri_mut() = p
+        .url("/chat/completions")
+        .map_err(|e| crate::Error::BuildRequest(e.to_string()))?;
+    Ok(req)
+}
+
+fn plan<'a>(order: Vec<&'a Provider>) -> Plan<'a> {
+    Plan {
+        task_id: Some("t"),
+        request_id: "r",
+        model: "m",
+        stream: false,
+        order,
+        build: &build,
+        estimated_tokens: 10,
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_429_with_retry_after_2_waits_2_seconds_then_succeeds() {
+    let rig = Rig::new();
+    let script = Script::new(vec![(429, vec![("retry-after", "2")])], 200);
+    let p = provider("a", 1);
+    let started = tokio::time::Instant::now();
+    let mut trail = Trail::default();
+    let result = run(
+        &rig.mechanics(&script, &LikeBuiltin),
+        &plan(vec![&p]),
+        &mut trail,
+    )
+    .await;
+    assert!(result.is_ok());
+    assert_eq!(started.elapsed(), Duration::from_secs(2));
+    assert_eq!((trail.attempts, trail.retries), (2, 1));
+    assert_eq!(
+        trail.history[0].failure,
+        Failure::RateLimited {
+            retry_after: Some(Duration::from_secs(2))
+        }
+    );
+    assert_eq!(
+        trail.policy_versions,
+        vec![PolicyVersion::new("retry", "test")]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn under_total_failure_at_concurrency_50_retries_stay_within_the_budget() {
+    // A breaker that never trips, to see the retry budget alone (with the default
+    // breaker even fewer requests go out: it opens after 5 failures).
+    let rig = Rig {
+        breakers: Breakers::new(breaker::Options {
+            consecutive_failures: u32::MAX,
+            ..breaker::Options::default()
+        }),
+        ..Rig::new()
+    };
+    let script = Script::new(vec![], 503);
+    let p = provider("a", 1);
+    let mech = rig.mechanics(&script, &LikeBuiltin);
+    let calls = (0..50).map(|_| async {
+        let mut trail = Trail::default();
+        let r = run(&mech, &plan(vec![&p]), &mut trail).await;
+        assert!(r.is_err());
+        trail.retries
+    });
+    let retries: u32 = futures_util::future::join_all(calls)
+        .await
+        .into_iter()
+        .sum();
+    // 20 % of 50 requests = 10 retries in the window (the floor is 3).
+    assert_eq!(retries, 10);
+    assert_eq!(
+        script.sent.load(Ordering::SeqCst),
+        60,
+        "50 originals + 10 retries"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_breaker_opens_then_a_probe_half_opens_it() {
+    let rig = Rig::new();
+    let script = Script::new(vec![], 503);
+    let p = provider("a", 1);
+    struct Never;
+    impl Decider for Never {
+        fn retry(&self, _: &CallContext, _: &Failure) -> Decided<RetryDecision> {
+            decided(RetryDecision::GiveUp("no".into()))
+        }
+        fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<String>> {
+            decided(req.candidates.iter().map(|c| c.name.clone()).collect())
+        }
+        fn budget(&self, _: &BudgetRequest) -> Decided<BudgetDecision> {
+            decided(BudgetDecision::Admit)
+        }
+    }
+    let mech = rig.mechanics(&script, &Never);
+    for _ in 0..5 {
+        let _ = run(&mech, &plan(vec![&p]), &mut Trail::default()).await;
+    }
+    assert_eq!(rig.breakers.state("a"), outrigger_types::CircuitState::Open);
+    // While open, nothing is sent: the call fails fast.
+    let before = script.sent.load(Ordering::SeqCst);
+    match run(&mech, &plan(vec![&p]), &mut Trail::default()).await {
+        Err(Ended::Error {
+            error: crate::Error::CircuitOpen { .. },
+            ..
+        }) => {}
+        _ => panic!("expected a fast circuit-open failure"),
+    }
+    assert_eq!(script.sent.load(Ordering::SeqCst), before);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    assert_eq!(
+        rig.breakers.state("a"),
+        outrigger_types::CircuitState::HalfOpen
+    );
+    // The probe succeeds: closed again.
+    script.replies.lock().unwrap().push_back((200, vec![]));
+    assert!(
+        run(&mech, &plan(vec![&p]), &mut Trail::default())
+            .await
+            .is_ok()
+    );
+    assert_eq!(
+        rig.breakers.state("a"),
+        outrigger_types::CircuitState::Closed
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn context_overflow_falls_back_to_the_next_target() {
+    let rig = Rig::new();
+    let script = Script::new(vec![], 200);
+    // The first target answers 400 context_length_exceeded.
+    struct Overflow(Script);
+    impl Transport for Overflow {
+        type Body = Full<Bytes>;
+        fn send(
+            &self,
+            req: Request<Full<Bytes>>,
+            _t: Duration,
+        ) -> impl Future<Output = Result<Response<Full<Bytes>>, upstream::Error>> + Send {
+            let port = req.uri().port_u16();
+            self.0.sent_to.lock().unwrap().push(format!("{port:?}"));
+            async move {
+                let (status, body): (u16, &'static [u8]) = if port == Some(1) {
+                    (400, br#"{"error":{"code":"context_length_exceeded"}}"#)
+                } else {
+                    (200, b"{}")
+                };
+                let mut resp = Response::new(Full::new(Bytes::from_static(body)));
+                *resp.status_mut() = StatusCode::from_u16(status).unwrap();
+                Ok(resp)
+            }
+        }
+    }
+    let t = Overflow(script);
+    let (a, b) = (provider("small", 1), provider("long", 2));
+    let mech = Mechanics {
+        transport: &t,
+        decider: &LikeBuiltin,
+        breakers: &rig.breakers,
+        limiters: &rig.limiters,
+        budgets: &rig.budgets,
+        first_byte_timeout: Duration::from_secs(30),
+        max_event_bytes: 1 << 20,
+    };
+    let mut trail = Trail::default();
+    let ok = run(&mech, &plan(vec![&a, &b]), &mut trail).await;
+    match ok {
+        Ok(s) => assert_eq!(s.provider.name, "long"),
+        Err(_) => panic!("expected the fallback to succeed"),
+    }
+    assert_eq!((trail.attempts, trail.fallbacks, trail.retries), (2, 1, 0));
+    assert_eq!(
+        rig.breakers.state("small"),
+        outrigger_types::CircuitState::Closed,
+        "an overflow is not the target's fault"
+    );
+}
+
+#[test]
+fn failures_are_classified_from_status_and_body() {
+    let cases: &[(u16, &str, Option<Failure>)] = &[
+        (429, "", Some(Failure::RateLimited { retry_after: None })),
+        (503, "", Some(Failure::ServerError { status: 503 })),
+        (
+            529,
+            "overloaded",
+            Some(Failure::ServerError { status: 529 }),
+        ),
+        (408, "", Some(Failure::Timeout)),
+        (
+            400,
+            r#"{"error":{"code":"context_length_exceeded"}}"#,
+            Some(Failure::ContextOverflow),
+        ),
+        (
+            400,
+            r#"{"error":{"message":"prompt is too long: 250000 tokens"}}"#,
+            Some(Failure::ContextOverflow),
+        ),
+        (
+            400,
+            r#"{"error":{"code":"content_policy_violation"}}"#,
+            Some(Failure::ContentFiltered),
+        ),
+        (400, r#"{"error":{"message":"bad field"}}"#, None),
+        (401, "", None),
+        (404, "", None),
+    ];
+    for (status, body, want) in cases {
+        assert_eq!(
+            &classify(
+                StatusCode::from_u16(*status).unwrap(),
+                None,
+                body.as_bytes()
+            ),
+            want,
+            "{status} {body}"
+        );
+    }
+}
+
+#[test]
+fn retry_after_forms() {
+    let mut h = HeaderMap::new();
+    h.insert("retry-after", "2".parse().unwrap());
+    assert_eq!(retry_after(&h), Some(Duration::from_secs(2)));
+    h.insert("retry-after-ms", "1500".parse().unwrap());
+    assert_eq!(retry_after(&h), Some(Duration::from_millis(1500)));
+    let mut h = HeaderMap::new();
+    h.insert(
+        "retry-after",
+        "Sun, 06 Nov 1994 08:49:37 GMT".parse().unwrap(),
+    );
+    assert_eq!(retry_after(&h), Some(Duration::ZERO), "a date in the past");
+    h.insert("retry-after", "soon".parse().unwrap());
+    assert_eq!(retry_after(&h), None);
+}

@@ -1,0 +1,210 @@
+//! The per-task budget ledger: every call reserves its estimate before it is sent
+//! and settles on the usage the provider reports, so the budget a policy sees
+//! includes what concurrent calls may still spend and a task cannot overshoot its
+//! limit by sending many calls at once.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use outrigger_types::Usage;
+
+#[derive(Debug)]
+struct Account {
+    committed: Usage,
+    reserved: Usage,
+    /// When the task was first seen, for its wall-clock budget.
+    since: std::time::Instant,
+}
+
+impl Default for Account {
+    fn default() -> Self {
+        Self {
+            committed: Usage::default(),
+            reserved: Usage::default(),
+            since: std::time::Instant::now(),
+        }
+    }
+}
+
+/// Usage per task.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    accounts: Mutex<HashMap<String, Account>>,
+}
+
+/// A reservation; settle it with what was really used, or drop it to release it
+/// (a call that never ran costs nothing).
+#[derive(Debug)]
+pub struct Reservation {
+    ledger: Arc<Ledger>,
+    task: String,
+    estimate: Usage,
+    settled: bool,
+}
+
+impl Ledger {
+    /// Committed plus reserved usage of `task`.
+    pub fn usage(&self, task: &str) -> Usage {
+        self.accounts
+            .lock()
+            .ok()
+            .and_then(|a| a.get(task).map(|acc| acc.committed.plus(&acc.reserved)))
+            .unwrap_or_default()
+    }
+
+    /// How long the task has been known.
+    pub fn wall_clock(&self, task: &str) -> std::time::Duration {
+        self.accounts
+            .lock()
+            .ok()
+            .and_then(|a| a.get(task).map(|acc| acc.since.elapsed()))
+            .unwrap_or_default()
+    }
+
+    /// Usage that has really happened (without reservations).
+    pub fn committed(&self, task: &str) -> Usage {
+        self.accounts
+            .lock()
+            .ok()
+            .and_then(|a| a.get(task).map(|acc| acc.committed))
+            .unwrap_or_default()
+    }
+
+    /// Reserves `estimate` if `admit` (given the usage including all reservations)
+    /// says so, atomically: two calls deciding at once cannot both slip under the
+    /// limit.
+    pub fn reserve_if<T>(
+        self: &Arc<Self>,
+        task: &str,
+        estimate: Usage,
+        admit: impl FnOnce(&Usage) -> (bool, T),
+    ) -> (Option<Reservation>, T) {
+        let Ok(mut accounts) = self.accounts.lock() else {
+            return (None, admit(&Usage::default()).1);
+        };
+        let acc = accounts.entry(task.to_string()).or_default();
+        let (ok, value) = admit(&acc.committed.plus(&acc.reserved));
+        if !ok {
+            return (None, value);
+        }
+        acc.reserved = acc.reserved.plus(&estimate);
+        (
+            Some(Reservation {
+                ledger: self.clone(),
+                task: task.to_string(),
+                estimate,
+                settled: false,
+            }),
+            value,
+        )
+    }
+
+    /// Adds usage that was not reserved (e.g. a retry's extra attempt).
+    pub fn add(&self, task: &str, usage: &Usage) {
+        if let Ok(mut a) = self.accounts.lock() {
+            let acc = a.entry(task.to_string()).or_default();
+            acc.committed = acc.committed.plus(usage);
+        }
+    }
+
+    fn release(&self, task: &str, estimate: &Usage, actual: Option<&Usage>) {
+        if let Ok(mut a) = self.accounts.lock() {
+            let acc = a.entry(task.to_string()).or_default();
+            acc.reserved = acc.reserved.minus(estimate);
+            if let Some(actual) = actual {
+                acc.committed = acc.committed.plus(actual);
+            }
+        }
+    }
+}
+
+impl Reservation {
+    /// Charges the estimate itself (the real usage is unknown).
+    pub fn settle_estimate(self) {
+        let estimate = self.estimate;
+        self.settle(&estimate);
+    }
+
+    /// Replaces the estimate with what the call really used.
+    pub fn settle(mut self, actual: &Usage) {
+        self.settled = true;
+        self.ledger
+            .release(&self.task, &self.estimate, Some(actual));
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.ledger.release(&self.task, &self.estimate, None);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outrigger_types::Limits;
+
+    #[test]
+    fn concurrent_reservations_never_overshoot_the_limit() {
+        let ledger = Arc::new(Ledger::default());
+        let limits = Limits {
+            tokens_total: Some(1_000),
+            ..Limits::default()
+        };
+        let estimate = Usage {
+            tokens_in: 100,
+            tokens_out: 150,
+            calls: 1,
+            ..Usage::default()
+        };
+        let mut threads = Vec::new();
+        for _ in 0..16 {
+            let ledger = ledger.clone();
+            threads.push(std::thread::spawn(move || {
+                let (r, _) = ledger.reserve_if("t", estimate, |u| {
+                    (limits.exceeded_by(&u.plus(&estimate)).is_none(), ())
+                });
+                r
+            }));
+        }
+        let admitted: Vec<Reservation> = threads
+            .into_iter()
+            .filter_map(|t| t.join().unwrap())
+            .collect();
+        assert_eq!(
+            admitted.len(),
+            4,
+            "4 × 250 = 1000 tokens fit, a fifth would not"
+        );
+        assert_eq!(ledger.usage("t").tokens_total(), 1_000);
+        // Settling on less than the estimate frees room.
+        for r in admitted {
+            r.settle(&Usage {
+                tokens_in: 100,
+                tokens_out: 50,
+                calls: 1,
+                ..Usage::default()
+            });
+        }
+        assert_eq!(ledger.usage("t").tokens_total(), 600);
+        assert_eq!(ledger.committed("t").calls, 4);
+    }
+
+    #[test]
+    fn a_dropped_reservation_costs_nothing() {
+        let ledger = Arc::new(Ledger::default());
+        let (r, ()) = ledger.reserve_if(
+            "t",
+            Usage {
+                tokens_in: 10,
+                ..Usage::default()
+            },
+            |_| (true, ()),
+        );
+        assert_eq!(ledger.usage("t").tokens_in, 10);
+        drop(r);
+        assert_eq!(ledger.usage("t"), Usage::default());
+    }
+}

@@ -1,0 +1,463 @@
+//! HTTP tool calls: `POST|PUT|PATCH|DELETE /tools/{tool}/{path…}`, forwarded to the
+//! tool's base URL and journaled under an idempotency key before they leave.
+//!
+//! The journal decides (see `outrigger_journal::Begin`); this module enforces:
+//! execute, replay the stored answer, refuse with 409/422, probe, or fail closed with
+//! 503 when the journal cannot write. `GET` passes through unjournaled unless the
+//! tool sets `journal_get`.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use outrigger_journal::{
+    self as journal, Headers, Intent, KeySource, Record, RedactedRequest, StoredResponse,
+};
+use outrigger_types::IdempotencyKey;
+
+use crate::body::{self, Body};
+use crate::error::Error;
+use crate::headers::{self, IDEMPOTENCY_KEY};
+use crate::journaled::{self, Protocol};
+use crate::keys;
+use crate::options::{Tool, ToolKind};
+use crate::problem::Problem;
+use crate::{RequestContext, Shared};
+
+pub const TOOL_CALL_ID: &str = "outrigger-tool-call-id";
+pub const JOURNAL_KEY: &str = "outrigger-journal-key";
+
+/// Where a call's key came from.
+pub(crate) enum KeyChoice {
+    Found {
+        journal_key: IdempotencyKey,
+        downstream: String,
+        source: KeySource,
+    },
+    None,
+}
+
+/// What `/tools/{tool}/{rest}` addresses.
+struct Address<'a> {
+    tool: &'a Tool,
+    /// Path and query below the tool's base URL, starting with `/`.
+    rest: String,
+}
+
+fn address<'a>(shared: &'a Shared, path_and_query: &str) -> Result<Address<'a>, Error> {
+    let after = path_and_query.strip_prefix("/tools/").unwrap_or_default();
+    let (name, rest) = match after.find(['/', '?']) {
+        Some(i) => (&after[..i], &after[i..]),
+        None => (after, ""),
+    };
+    let tool = shared
+        .options
+        .tool(name)
+        .filter(|t| t.kind == ToolKind::Http)
+        .ok_or_else(|| Error::UnknownTool {
+            tool: name.to_string(),
+            known: shared
+                .options
+                .tools
+                .iter()
+                .filter(|t| t.kind == ToolKind::Http)
+                .map(|t| t.name.clone())
+                .collect(),
+        })?;
+    let rest = if rest.starts_with('?') || rest.is_empty() {
+        format!("/{rest}")
+    } else {
+        rest.to_string()
+    };
+    Ok(Address { tool, rest })
+}
+
+pub async fn call(
+    shared: &Shared,
+    req: Request<Incoming>,
+    ctx: &RequestContext,
+    target: &mut String,
+) -> Result<Response<Body>, Error> {
+    let pq = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/")
+        .to_string();
+    let addr = address(shared, &pq)?;
+    *target = addr.tool.name.clone();
+    let tool = addr.tool;
+    let method = req.method().clone();
+    let journaled = match method {
+        Method::POST | Method::PUT | Method::PATCH | Method::DELETE => true,
+        Method::GET | Method::HEAD => tool.journal_get,
+        _ => {
+            return Err(Error::MethodNotAllowed {
+                method: method.to_string(),
+                allowed: "GET, HEAD, POST, PUT, PATCH, DELETE",
+            });
+        }
+    };
+    let (parts, body) = req.into_parts();
+    let bytes = body::read_limited(body, shared.options.limits.max_body_bytes).await?;
+
+    let choice = if journaled {
+        choose_key(shared, &parts.headers, ctx, tool, None, &bytes)?
+    } else {
+        KeyChoice::None
+    };
+    let KeyChoice::Found {
+        journal_key,
+        downstream,
+        source,
+    } = choice
+    else {
+        if journaled && tool.key_required {
+            return Err(Error::MissingKey {
+                tool: tool.name.clone(),
+            });
+        }
+        if journaled {
+            shared.metrics.unprotected_tool_call(&tool.name);
+            tracing::warn!(tool = %tool.name, request_id = %ctx.request_id,
+                "tool call without an idempotency key passed through unprotected");
+        }
+        let upstream = build(tool, &addr.rest, method, &parts.headers, bytes, None)?;
+        let resp = shared
+            .upstream
+            .send(upstream, tool.timeout)
+            .await
+            .map_err(|source| Error::Upstream {
+                target: tool.name.clone(),
+                source,
+            })?;
+        let (mut p, b) = resp.into_parts();
+        headers::strip_hop_by_hop(&mut p.headers);
+        return Ok(Response::from_parts(p, body::stream(b)));
+    };
+
+    let Some(journal) = shared.journal.as_ref() else {
+        return Err(Error::Journal(journal::Error::Unavailable(
+            "the journal is not open".into(),
+        )));
+    };
+    let content_type = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok());
+    let intent = Intent {
+        key: journal_key.clone(),
+        fingerprint: keys::http_fingerprint(
+            method.as_str(),
+            &tool.name,
+            &addr.rest,
+            content_type,
+            &bytes,
+        ),
+        tool: tool.name.clone(),
+        class: tool.class,
+        method: method.to_string(),
+        target: format!(
+            "{}{}",
+            tool.base_url.to_string().trim_end_matches('/'),
+            addr.rest
+        ),
+        task_id: ctx.task_id.clone(),
+        request_id: ctx.request_id.clone(),
+        downstream_key: downstream,
+        request: RedactedRequest::new(redacted_headers(&parts.headers), bytes.clone()),
+        policy_versions: Vec::new(),
+        model_revision: None,
+        derived_from: source,
+    };
+    let proto = Http {
+        tool,
+        rest: &addr.rest,
+        method: &method,
+        agent: &parts.headers,
+        body: &bytes,
+    };
+    let wait = journaled::prefer_wait(&parts.headers);
+    let resp = journaled::run(shared, journal, tool, intent, wait, &proto).await?;
+    Ok(with_key(resp, &journal_key))
+}
+
+/// Picks the journal key: the agent's `Idempotency-Key` (scoped to the tool), an
+/// MCP `_meta` key (passed in by the MCP path), or one derived from the task and the
+/// model's tool-call id.
+pub(crate) fn choose_key(
+    shared: &Shared,
+    h: &HeaderMap,
+    ctx: &RequestContext,
+    tool: &Tool,
+    mcp: Option<(Option<IdempotencyKey>, &str, &serde_json::Value)>,
+    body: &[u8],
+) -> Result<KeyChoice, Error> {
+    if let Some(v) = h.get(IDEMPOTENCY_KEY) {
+        let raw = v.to_str().map_err(|_| Error::BadHeader {
+            header: "Idempotency-Key",
+            detail: "it is not visible ASCII".into(),
+        })?;
+        let key = IdempotencyKey::from_header(raw).map_err(|e| Error::BadHeader {
+            header: "Idempotency-Key",
+            detail: e.to_string(),
+        })?;
+        return Ok(KeyChoice::Found {
+            journal_key: keys::scoped(&tool.name, &key),
+            downstream: key.to_string(),
+            source: KeySource::Header,
+        });
+    }
+    if let Some((Some(meta_key), _, _)) = &mcp {
+        return Ok(KeyChoice::Found {
+            journal_key: keys::scoped(&tool.name, meta_key),
+            downstream: meta_key.to_string(),
+            source: KeySource::McpMeta,
+        });
+    }
+    let Some(task) = &ctx.task_id else {
+        return Ok(KeyChoice::None);
+    };
+    let explicit = h
+        .get(TOOL_CALL_ID)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned);
+    let call_id = match explicit {
+        Some(id) => Some(id),
+        None => match &mcp {
+            Some((_, name, args)) => {
+                shared
+                    .correlator
+                    .find(task, Some(name), &keys::fingerprint(args))
+            }
+            None => serde_json::from_slice::<serde_json::Value>(body)
+                .ok()
+                .and_then(|v| shared.correlator.find(task, None, &keys::fingerprint(&v))),
+        },
+    };
+    Ok(match call_id {
+        Some(id) => {
+            let key = keys::derived(task, &tool.name, &id);
+            KeyChoice::Found {
+                downstream: key.to_string(),
+                journal_key: key,
+                source: KeySource::ToolCallId,
+            }
+        }
+        None => KeyChoice::None,
+    })
+}
+
+pub(crate) fn build(
+    tool: &Tool,
+    rest: &str,
+    method: Method,
+    agent: &HeaderMap,
+    body: Bytes,
+    downstream_key: Option<&str>,
+) -> Result<Request<Full<Bytes>>, Error> {
+    let base = tool.base_url.to_string();
+    let uri = format!("{}{rest}", base.trim_end_matches('/'))
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| Error::BuildRequest(e.to_string()))?;
+    let mut req = Request::new(Full::new(body));
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    // Tools are the agent's own services: its credentials travel to them (they are
+    // never journaled); only hop-by-hop and the sidecar's own headers are dropped.
+    let mut h = headers::end_to_end(agent);
+    if let Some(k) = downstream_key.and_then(|k| HeaderValue::from_str(k).ok()) {
+        h.insert(IDEMPOTENCY_KEY, k);
+    }
+    *req.headers_mut() = h;
+    Ok(req)
+}
+
+pub(crate) fn redacted_headers(h: &HeaderMap) -> Headers {
+    Headers::redacted(
+        h.iter()
+            .filter(|(k, _)| !headers::is_credential(k))
+            .map(|(k, v)| {
+                (
+                    k.to_string(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            }),
+    )
+}
+
+fn with_key(mut resp: Response<Body>, key: &IdempotencyKey) -> Response<Body> {
+    if let Ok(v) = HeaderValue::from_str(key.as_str()) {
+        resp.headers_mut().insert(JOURNAL_KEY, v);
+    }
+    resp
+}
+
+pub(crate) fn resolve_url(key: &IdempotencyKey) -> String {
+    format!("/v1/journal/{key}/resolve")
+}
+
+/// An HTTP tool call: problem documents for refusals, the tool's own answer
+/// (status, headers, body) stored and replayed.
+struct Http<'a> {
+    tool: &'a Tool,
+    rest: &'a str,
+    method: &'a Method,
+    agent: &'a HeaderMap,
+    body: &'a Bytes,
+}
+
+impl Protocol for Http<'_> {
+    fn build(&self, downstream: &str) -> Result<Request<Full<Bytes>>, Error> {
+        build(
+            self.tool,
+            self.rest,
+            self.method.clone(),
+            self.agent,
+            self.body.clone(),
+            Some(downstream),
+        )
+    }
+
+    fn answer(
+        &self,
+        status: StatusCode,
+        h: &HeaderMap,
+        body: Bytes,
+    ) -> (StoredResponse, Response<Body>) {
+        let mut h = h.clone();
+        headers::strip_hop_by_hop(&mut h);
+        h.remove(header::CONTENT_LENGTH);
+        let stored = StoredResponse::new(status.as_u16(), redacted_headers(&h), body.clone());
+        let mut resp = Response::new(body::full(body));
+        *resp.status_mut() = status;
+        *resp.headers_mut() = h;
+        (stored, resp)
+    }
+
+    fn replay(&self, record: &Record) -> Response<Body> {
+        let Some(stored) = &record.response else {
+            return Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "journal-inconsistent",
+                "Journal record has no response",
+                format!(
+                    "The journal says {} completed but holds no response.",
+                    record.key
+                ),
+            )
+            .into_response();
+        };
+        let mut resp = Response::new(body::full(stored.body.bytes().clone()));
+        *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+        for (k, v) in stored.headers.iter() {
+            if let (Ok(k), Ok(v)) = (
+                header::HeaderName::from_bytes(k.as_bytes()),
+                HeaderValue::from_str(v),
+            ) {
+                resp.headers_mut().append(k, v);
+            }
+        }
+        resp.headers_mut().remove(header::CONTENT_LENGTH);
+        resp.headers_mut()
+            .insert(headers::REPLAYED, HeaderValue::from_static("true"));
+        resp
+    }
+
+    fn in_flight(&self, record: &Record) -> Response<Body> {
+        Problem::new(
+            StatusCode::CONFLICT,
+            "request-in-progress",
+            "A request is outstanding for this Idempotency-Key",
+            format!(
+                "Key {} is {} by a request that has not finished. Retry after a moment, or send \
+                 `Prefer: wait=N` to wait up to N seconds for its result.",
+                record.key,
+                record.state.as_str()
+            ),
+        )
+        .with("key", record.key.as_str())
+        .with("state", record.state.as_str())
+        .header(header::RETRY_AFTER, HeaderValue::from_static("1"))
+        .into_response()
+    }
+
+    fn mismatch(&self, record: &Record) -> Response<Body> {
+        Problem::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "key-reused",
+            "Idempotency-Key reused with a different request",
+            format!(
+                "Key {} was first used for a different request to {} (fingerprint {}). Use a new \
+                 key for a new request.",
+                record.key, record.tool, record.fingerprint
+            ),
+        )
+        .with("key", record.key.as_str())
+        .into_response()
+    }
+
+    fn outcome_unknown(&self, record: &Record) -> Response<Body> {
+        Problem::new(
+            StatusCode::CONFLICT,
+            "outcome-unknown",
+            "The previous attempt may have executed",
+            format!(
+                "Key {} is {}: attempt {} may have reached {} but its outcome is unknown, and this \
+                 tool is not safe to re-send. It will not be retried automatically. An operator \
+                 resolves it with POST {} on the admin plane (mark_succeeded, mark_failed or retry).",
+                record.key,
+                record.state.as_str(),
+                record.attempt,
+                record.tool,
+                resolve_url(&record.key)
+            ),
+        )
+        .with("key", record.key.as_str())
+        .with("state", record.state.as_str())
+        .with("attempt", record.attempt)
+        .with("resolve_url", resolve_url(&record.key))
+        .into_response()
+    }
+
+    fn tombstoned(&self, record: &Record) -> Response<Body> {
+        let mut p = Problem::new(
+            StatusCode::GONE,
+            "key-expired",
+            "The result for this key has expired",
+            format!(
+                "Key {} completed with status {} but its stored result is past retention; only a \
+                 digest remains. Use a new key to call again.",
+                record.key,
+                record
+                    .final_status
+                    .map(|s| s.to_string())
+                    .unwrap_or_else(|| "unknown".into())
+            ),
+        )
+        .with("key", record.key.as_str());
+        if let Some(s) = record.final_status {
+            p = p.with("final_status", s);
+        }
+        p.into_response()
+    }
+
+    fn in_doubt(&self, key: &IdempotencyKey, cause: &str, state: &str) -> Response<Body> {
+        Problem::new(
+            StatusCode::BAD_GATEWAY,
+            "outcome-unknown",
+            "The call may have executed",
+            format!(
+                "The request reached {} but no answer came back ({cause}); the call is now {state} \
+                 under key {key}. Retrying with the same key is safe: it is re-sent only if the \
+                 tool is keyed or idempotent, otherwise it is held for an operator.",
+                self.tool.name
+            ),
+        )
+        .with("key", key.as_str())
+        .with("state", state)
+        .into_response()
+    }
+}

@@ -1,0 +1,10 @@
+//! End-to-end tests: the real `outrigger` binary, started as a child process,
+//! against in-process mock providers and tools on loopback.
+
+mod support;
+
+mod crash;
+mod foundation;
+mod gpu;
+mod policies;
+mod tools;

@@ -1,0 +1,428 @@
+//! Policies in the running sidecar: the built-ins steer retries and fallbacks, a
+//! budget cuts a task off, a policy in the policy directory is hot-swapped without
+//! losing a request, a bad version never replaces a good one, and the CLI checks and
+//! tests components.
+
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use outrigger_testing::provider::{Behaviour, MockProvider};
+use serde_json::json;
+
+use crate::support::*;
+
+fn chat(model: &str) -> serde_json::Value {
+    json!({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+}
+
+/// A copy of a component with a custom section appended: the same behaviour under a
+/// different content hash (so a new version).
+fn variant(bytes: &[u8], tag: &str) -> Vec<u8> {
+    fn leb(mut n: usize, out: &mut Vec<u8>) {
+        loop {
+            let b = (n & 0x7f) as u8;
+            n >>= 7;
+            if n == 0 {
+                out.push(b);
+                break;
+            }
+            out.push(b | 0x80);
+        }
+    }
+    let name = b"outrigger-test";
+    let mut payload = Vec::new();
+    leb(name.len(), &mut payload);
+    payload.extend_from_slice(name);
+    payload.extend_from_slice(tag.as_bytes());
+    let mut out = bytes.to_vec();
+    out.push(0);
+    leb(payload.len(), &mut out);
+    out.extend_from_slice(&payload);
+    out
+}
+
+#[tokio::test]
+async fn retries_and_fallbacks_are_invisible_to_the_agent() {
+    let primary = MockProvider::start(Behaviour::default())
+        .await
+        .expect("mock");
+    let backup = MockProvider::start(Behaviour::default())
+        .await
+        .expect("mock");
+    let config = format!(
+        r#"
+[policies]
+seed = 7
+
+[[providers]]
+name = "primary"
+kind = "openai"
+base_url = "{}"
+models = ["gpt-mock"]
+fallbacks = ["backup"]
+
+[[providers]]
+name = "backup"
+kind = "openai"
+base_url = "{}"
+models = ["gpt-backup"]
+default_model = "gpt-backup"
+"#,
+        primary.openai_base(),
+        backup.openai_base()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+
+    // 503 then 200: retried, the agent sees only the success.
+    primary.push(Behaviour {
+        status: Some(503),
+        ..Behaviour::default()
+    });
+    let r = post_json(&sidecar.url("/v1/chat/completions"), &[], &chat("gpt-mock")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(primary.exchanges().len(), 2);
+
+    // 429 with Retry-After: 1 is honoured.
+    primary.push(Behaviour {
+        status: Some(429),
+        retry_after: Some(1),
+        ..Behaviour::default()
+    });
+    let started = Instant::now();
+    let r = post_json(&sidecar.url("/v1/chat/completions"), &[], &chat("gpt-mock")).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(
+        started.elapsed() >= Duration::from_millis(950),
+        "waited {:?}",
+        started.elapsed()
+    );
+
+    // A context overflow falls back to the backup with its own model.
+    primary.push(Behaviour {
+        context_overflow: true,
+        ..Behaviour::default()
+    });
+    let r = post_json(&sidecar.url("/v1/chat/completions"), &[], &chat("gpt-mock")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(r.json()["model"], "gpt-backup");
+    let sent: serde_json::Value = serde_json::from_slice(&backup.exchanges()[0].body).unwrap();
+    assert_eq!(
+        sent["model"], "gpt-backup",
+        "the fallback gets its default model"
+    );
+
+    // A streamed call whose first attempt breaks before any event is retried invisibly.
+    primary.push(Behaviour {
+        cut_after: Some(0),
+        ..Behaviour::default()
+    });
+    let r = post_json(
+        &sidecar.url("/v1/chat/completions"),
+        &[],
+        &json!({"model": "gpt-mock", "stream": true, "messages": []}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(r.text().ends_with("data: [DONE]\n\n"), "{}", r.text());
+
+    // Every decision is visible per binding.
+    let policies = get(&sidecar.admin_url("/v1/policies")).await.json();
+    let bindings = policies["bindings"].as_array().expect("bindings");
+    assert_eq!(bindings.len(), 3);
+    let retry = bindings
+        .iter()
+        .find(|b| b["hook"] == "retry")
+        .expect("retry binding");
+    assert!(
+        retry["version"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("retry@")
+    );
+    assert!(retry["calls"].as_u64().unwrap_or(0) >= 3);
+}
+
+#[tokio::test]
+async fn a_task_budget_downgrades_then_rejects() {
+    let mock = MockProvider::start(Behaviour::default())
+        .await
+        .expect("mock");
+    let config = format!(
+        r#"
+[budget]
+calls = 4
+downgrade_models = ["cheap-model"]
+
+[[providers]]
+name = "mock"
+kind = "openai"
+base_url = "{}"
+models = ["gpt-mock", "cheap-model"]
+price_in = 10.0
+price_out = 30.0
+"#,
+        mock.openai_base()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let task = [("outrigger-task-id", "budget-task")];
+    let mut models = Vec::new();
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        let r = post_json(
+            &sidecar.url("/v1/chat/completions"),
+            &task,
+            &chat("gpt-mock"),
+        )
+        .await;
+        statuses.push(r.status.as_u16());
+        if r.status == StatusCode::OK {
+            models.push(r.json()["model"].as_str().unwrap_or_default().to_string());
+        } else {
+            assert_eq!(
+                r.json()["type"],
+                "urn:outrigger:problem:budget-exceeded",
+                "{}",
+                r.text()
+            );
+        }
+    }
+    // Calls 1–3 run as asked; past 80 % of 4 calls the 4th is downgraded; then rejected.
+    assert_eq!(statuses, [200, 200, 200, 200, 429, 429], "{models:?}");
+    assert_eq!(models, ["gpt-mock", "gpt-mock", "gpt-mock", "cheap-model"]);
+    // Another task has its own budget; calls without a task are not budgeted.
+    let other = post_json(
+        &sidecar.url("/v1/chat/completions"),
+        &[("outrigger-task-id", "t2")],
+        &chat("gpt-mock"),
+    )
+    .await;
+    assert_eq!(other.status, StatusCode::OK);
+    assert_eq!(
+        post_json(&sidecar.url("/v1/chat/completions"), &[], &chat("gpt-mock"))
+            .await
+            .status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn a_policy_in_the_directory_is_hot_swapped_without_losing_a_request() {
+    let mock = std::sync::Arc::new(
+        MockProvider::start(Behaviour::default())
+            .await
+            .expect("mock"),
+    );
+    let dir = tempfile::tempdir().expect("policy dir");
+    std::fs::write(
+        dir.path().join("custom.wasm"),
+        variant(outrigger_builtins::RETRY, "v1"),
+    )
+    .unwrap();
+    let config = format!(
+        r#"
+[policies]
+dir = {:?}
+
+[[policies.bindings]]
+hook = "retry"
+policy = "custom"
+params = {{ max_attempts = 3 }}
+
+[[providers]]
+name = "mock"
+kind = "openai"
+base_url = "{}"
+models = ["*"]
+"#,
+        dir.path().display().to_string(),
+        mock.openai_base()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let version = |s: &serde_json::Value| {
+        s["bindings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["hook"] == "retry")
+            .unwrap()["version"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let v1 = version(&get(&sidecar.admin_url("/v1/policies")).await.json());
+    assert!(v1.starts_with("retry@"), "{v1}");
+
+    // Traffic keeps flowing while the file changes under it (every 8th call meets a
+    // 503 once and is retried by whichever version is current; 8 retries in 64 calls
+    // stay inside the 20 % retry budget).
+    let url = sidecar.url("/v1/chat/completions");
+    let m = mock.clone();
+    let load = tokio::spawn(async move {
+        let mut statuses = Vec::new();
+        for i in 0..64 {
+            if i % 8 == 0 {
+                m.push(Behaviour {
+                    status: Some(503),
+                    ..Behaviour::default()
+                });
+            }
+            let r = post_json(&url, &[], &chat("m")).await;
+            statuses.push(r.status.as_u16());
+        }
+        statuses
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let tmp = dir.path().join("custom.wasm.tmp");
+    std::fs::write(&tmp, variant(outrigger_builtins::RETRY, "v2")).unwrap();
+    std::fs::rename(&tmp, dir.path().join("custom.wasm")).unwrap();
+    let mut swapped = false;
+    for _ in 0..200 {
+        if version(&get(&sidecar.admin_url("/v1/policies")).await.json()) != v1 {
+            swapped = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let statuses = load.await.expect("load");
+    // Every call either succeeded or was retried to success; none was lost.
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    assert!(swapped, "the new version was not picked up");
+    let after = get(&sidecar.admin_url("/v1/policies")).await.json();
+    let retry = after["bindings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["hook"] == "retry")
+        .unwrap()
+        .clone();
+    assert_eq!(retry["previous_version"], v1);
+
+    // A broken file never replaces the good version.
+    std::fs::write(dir.path().join("custom.wasm"), b"not wasm at all").unwrap();
+    let report = post_json(&sidecar.admin_url("/v1/policies/reload"), &[], &json!({})).await;
+    assert_eq!(
+        report.status,
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "{}",
+        report.text()
+    );
+    let after = report.json();
+    let retry = after["bindings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|b| b["hook"] == "retry")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        retry["version"],
+        version(&get(&sidecar.admin_url("/v1/policies")).await.json())
+    );
+    assert!(
+        retry["last_error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("WebAssembly"),
+        "{retry}"
+    );
+    assert_eq!(
+        post_json(&sidecar.url("/v1/chat/completions"), &[], &chat("m"))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        get(&sidecar.admin_url("/readyz")).await.status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn sighup_reloads_the_policies() {
+    let dir = tempfile::tempdir().expect("policy dir");
+    std::fs::write(
+        dir.path().join("b.wasm"),
+        variant(outrigger_builtins::BUDGET, "a"),
+    )
+    .unwrap();
+    let config = format!(
+        "[policies]\ndir = {:?}\n[[policies.bindings]]\nhook = \"budget\"\npolicy = \"b\"\n",
+        dir.path().display().to_string()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let version = || async {
+        get(&sidecar.admin_url("/v1/policies")).await.json()["bindings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["hook"] == "budget")
+            .unwrap()["version"]
+            .clone()
+    };
+    let before = version().await;
+    // Change the file without a watcher event reaching us first: SIGHUP must pick it up.
+    std::fs::write(
+        dir.path().join("b.wasm"),
+        variant(outrigger_builtins::BUDGET, "b"),
+    )
+    .unwrap();
+    std::process::Command::new("kill")
+        .args(["-HUP", &sidecar.pid().to_string()])
+        .status()
+        .unwrap();
+    let mut changed = false;
+    for _ in 0..100 {
+        if version().await != before {
+            changed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(changed, "the budget binding was not reloaded");
+    assert!(sidecar.logs().contains("policy reload"));
+}
+
+#[tokio::test]
+async fn the_cli_checks_and_tests_components() {
+    let dir = tempfile::tempdir().expect("dir");
+    let retry = dir.path().join("retry.wasm");
+    std::fs::write(&retry, outrigger_builtins::RETRY).unwrap();
+    let out = std::process::Command::new(outrigger_bin())
+        .args(["policy", "check"])
+        .arg(&retry)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("retry") && text.contains("PASS"), "{text}");
+
+    let scenario = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples/policies/scenarios/builtins.toml");
+    let out = std::process::Command::new(outrigger_bin())
+        .args(["policy", "test"])
+        .arg(&retry)
+        .arg("--scenario")
+        .arg(&scenario)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("429 with Retry-After: 2 s"), "{text}");
+    assert!(
+        text.contains("retry_after") || text.contains("retry after"),
+        "{text}"
+    );
+
+    let junk = dir.path().join("junk.wasm");
+    std::fs::write(&junk, b"\0asm junk").unwrap();
+    let out = std::process::Command::new(outrigger_bin())
+        .args(["policy", "check"])
+        .arg(&junk)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("FAIL"));
+}

@@ -1,0 +1,750 @@
+//! Journaled tool calls: replay, concurrency, key misuse, fail-closed journal,
+//! in-doubt handling per tool class, probes, MCP, derived keys and the audit CLI.
+
+use std::time::Duration;
+
+use http::{Method, StatusCode};
+use outrigger_testing::checker::{self, Outcome};
+use outrigger_testing::mcp::{META_KEY, MockMcp};
+use outrigger_testing::provider::{Behaviour, MockProvider};
+use outrigger_testing::tool::{Fail, MockTool, ToolBehaviour};
+use serde_json::json;
+
+use crate::support::*;
+
+struct Env {
+    tool: MockTool,
+    keyed: MockTool,
+    probe: MockTool,
+    mcp: MockMcp,
+    model: MockProvider,
+    sidecar: Sidecar,
+}
+
+async fn env() -> Env {
+    let tool = MockTool::start(ToolBehaviour::default())
+        .await
+        .expect("tool");
+    let keyed = MockTool::start(ToolBehaviour {
+        dedupe: true,
+        ..ToolBehaviour::default()
+    })
+    .await
+    .expect("keyed tool");
+    let probe = MockTool::start(ToolBehaviour::default())
+        .await
+        .expect("probe tool");
+    let mcp = MockMcp::start(ToolBehaviour::default(), false)
+        .await
+        .expect("mcp");
+    let model = MockProvider::start(Behaviour {
+        tool_calls: 2,
+        ..Behaviour::default()
+    })
+    .await
+    .expect("provider");
+    let config = format!(
+        r#"
+[[providers]]
+name = "mock"
+kind = "openai"
+base_url = "{model}"
+models = ["*"]
+
+[[tools]]
+name = "payments"
+kind = "http"
+base_url = "{tool}"
+class = "unsafe"
+timeout = "2s"
+
+[[tools]]
+name = "ledger"
+kind = "http"
+base_url = "{keyed}"
+class = "keyed"
+timeout = "2s"
+
+[[tools]]
+name = "orders"
+kind = "http"
+base_url = "{probe}"
+class = "probe"
+probe_path = "/status/{{key}}"
+timeout = "2s"
+
+[[tools]]
+name = "strict"
+kind = "http"
+base_url = "{tool}"
+class = "unsafe"
+key_required = true
+
+[[tools]]
+name = "mail"
+kind = "mcp"
+base_url = "{mcp}"
+class = "unsafe"
+"#,
+        model = model.openai_base(),
+        tool = tool.url(),
+        keyed = keyed.url(),
+        probe = probe.url(),
+        mcp = mcp.url(),
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    Env {
+        tool,
+        keyed,
+        probe,
+        mcp,
+        model,
+        sidecar,
+    }
+}
+
+async fn call(
+    s: &Sidecar,
+    path: &str,
+    key: Option<&str>,
+    body: &serde_json::Value,
+    extra: &[(&str, &str)],
+) -> Reply {
+    let mut h: Vec<(&str, &str)> = extra.to_vec();
+    if let Some(k) = key {
+        h.push(("idempotency-key", k));
+    }
+    post_json(&s.url(path), &h, body).await
+}
+
+#[tokio::test]
+async fn a_completed_call_is_replayed_not_repeated() {
+    let e = env().await;
+    let body = json!({"amount": 42, "to": "acct-1"});
+    let first = call(
+        &e.sidecar,
+        "/tools/payments/charge",
+        Some("\"pay-1\""),
+        &body,
+        &[],
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    assert_eq!(first.header("outrigger-replayed"), None);
+    assert_eq!(first.json()["echo"]["amount"], 42);
+    for _ in 0..3 {
+        let again = call(
+            &e.sidecar,
+            "/tools/payments/charge",
+            Some("pay-1"),
+            &body,
+            &[],
+        )
+        .await;
+        assert_eq!(again.status, StatusCode::OK);
+        assert_eq!(again.header("outrigger-replayed"), Some("true"));
+        assert_eq!(again.body, first.body, "the replay is the stored response");
+    }
+    assert_eq!(e.tool.effects().len(), 1, "executed exactly once");
+    assert_eq!(
+        e.tool.effects()[0].key.as_deref(),
+        Some("pay-1"),
+        "the key is forwarded downstream"
+    );
+    assert_eq!(e.tool.effects()[0].path, "/charge");
+}
+
+#[tokio::test]
+async fn twenty_concurrent_requests_with_one_key_execute_once() {
+    let e = env().await;
+    e.tool.set_default(ToolBehaviour {
+        delay: Duration::from_millis(300),
+        ..ToolBehaviour::default()
+    });
+    let body = json!({"amount": 7});
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let url = e.sidecar.url("/tools/payments/charge");
+        let body = body.clone();
+        tasks.push(tokio::spawn(async move {
+            let wait = if i % 2 == 0 {
+                vec![("prefer", "wait=10")]
+            } else {
+                vec![]
+            };
+            let mut h = wait;
+            h.push(("idempotency-key", "same-key"));
+            post_json(&url, &h, &body).await
+        }));
+    }
+    let mut ok = 0;
+    let mut conflict = 0;
+    for t in tasks {
+        let r = t.await.expect("task");
+        match r.status {
+            StatusCode::OK => ok += 1,
+            StatusCode::CONFLICT => {
+                assert_eq!(
+                    r.json()["type"],
+                    "urn:outrigger:problem:request-in-progress"
+                );
+                assert_eq!(r.header("retry-after"), Some("1"));
+                conflict += 1;
+            }
+            other => panic!("unexpected {other}: {}", r.text()),
+        }
+    }
+    assert_eq!(ok + conflict, 20);
+    assert!(ok >= 10, "every waiting request gets the result (got {ok})");
+    assert_eq!(e.tool.effects().len(), 1, "exactly one execution");
+}
+
+#[tokio::test]
+async fn a_key_reused_with_another_request_is_refused() {
+    let e = env().await;
+    let a = call(
+        &e.sidecar,
+        "/tools/payments/charge",
+        Some("k-reuse"),
+        &json!({"amount": 1}),
+        &[],
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK);
+    let b = call(
+        &e.sidecar,
+        "/tools/payments/charge",
+        Some("k-reuse"),
+        &json!({"amount": 2}),
+        &[],
+    )
+    .await;
+    assert_eq!(b.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", b.text());
+    assert_eq!(b.json()["type"], "urn:outrigger:problem:key-reused");
+    // Key order and whitespace are not a different request.
+    let c = send(request(
+        Method::POST,
+        &e.sidecar.url("/tools/payments/charge"),
+        &[
+            ("idempotency-key", "k-reuse"),
+            ("content-type", "application/json"),
+        ],
+        "{ \"amount\" : 1 }",
+    ))
+    .await;
+    assert_eq!(c.status, StatusCode::OK);
+    assert_eq!(c.header("outrigger-replayed"), Some("true"));
+    assert_eq!(e.tool.effects().len(), 1);
+}
+
+#[tokio::test]
+async fn a_journal_that_cannot_write_fails_closed() {
+    let e = env().await;
+    let on = post_json(
+        &e.sidecar.admin_url("/v1/faults"),
+        &[],
+        &json!({"journal": "fail_flush"}),
+    )
+    .await;
+    assert_eq!(on.status, StatusCode::OK, "{}", on.text());
+    let r = call(
+        &e.sidecar,
+        "/tools/payments/charge",
+        Some("k-fault"),
+        &json!({"amount": 1}),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(
+        r.json()["type"],
+        "urn:outrigger:problem:journal-unavailable"
+    );
+    assert_eq!(e.tool.received(), 0, "nothing reached the tool");
+    let off = post_json(
+        &e.sidecar.admin_url("/v1/faults"),
+        &[],
+        &json!({"journal": null}),
+    )
+    .await;
+    assert_eq!(off.status, StatusCode::OK);
+    let r = call(
+        &e.sidecar,
+        "/tools/payments/charge",
+        Some("k-fault"),
+        &json!({"amount": 1}),
+        &[],
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(e.tool.effects().len(), 1);
+}
+
+#[tokio::test]
+async fn missing_keys_are_refused_or_counted_per_tool() {
+    let e = env().await;
+    let strict = call(&e.sidecar, "/tools/strict/x", None, &json!({}), &[]).await;
+    assert_eq!(strict.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        strict.json()["type"],
+        "urn:outrigger:problem:missing-idempotency-key"
+    );
+    let loose = call(&e.sidecar, "/tools/payments/x", None, &json!({}), &[]).await;
+    assert_eq!(loose.status, StatusCode::OK);
+    let metrics = get(&e.sidecar.admin_url("/metrics")).await.text();
+    assert!(
+        metrics.contains("outrigger_tool_unprotected_total{tool=\"payments\"} 1"),
+        "{metrics}"
+    );
+    // GET passes through unjournaled.
+    let read = get(&e.sidecar.url("/tools/payments/lookup?id=1")).await;
+    assert_eq!(read.status, StatusCode::OK);
+    assert_eq!(read.json()["read"], "/lookup");
+    let unknown = call(&e.sidecar, "/tools/nope/x", Some("k"), &json!({}), &[]).await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+    assert!(unknown.text().contains("payments"));
+}
+
+#[tokio::test]
+async fn an_unsafe_tool_in_doubt_is_held_for_an_operator() {
+    let e = env().await;
+    e.tool.push(ToolBehaviour {
+        fail: Some(Fail::Reset),
+        ..ToolBehaviour::default()
+    });
+    let body = json!({"amount": 5});
+    let first = call(
+        &e.sidecar,
+        "/tools/payments/charge",
+        Some("k-doubt"),
+        &body,
+        &[],
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{}", first.text());
+    assert_eq!(
+        first.json()["type"],
+        "urn:outrigger:problem:outcome-unknown"
+    );
+    let again = call(
+        &e.sidecar,
+        "/tools/payments/charge",
+        Some("k-doubt"),
+        &body,
+        &[],
+    )
+    .await;
+    assert_eq!(again.status, StatusCode::CONFLICT, "{}", again.text());
+    let doc = again.json();
+    assert_eq!(doc["type"], "urn:outrigger:problem:outcome-unknown");
+    assert_eq!(doc["state"], "needs_operator");
+    let resolve_url = doc["resolve_url"]
+        .as_str()
+        .expect("resolve url")
+        .to_string();
+    assert_eq!(e.tool.effects().len(), 1, "never re-sent");
+
+    // The operator checks the tool and records the outcome; the journal keeps who and why.
+    let resolved = post_json(
+        &e.sidecar.admin_url(&resolve_url),
+        &[],
+        &json!({
+        "action": "mark_succeeded", "status": 200, "body": {"ok": true, "effect": 1},
+        "actor": "oncall@example", "reason": "charge found in the payment provider's dashboard"}),
+    )
+    .await;
+    assert_eq!(resolved.status, StatusCode::OK, "{}", resolved.text());
+    assert_eq!(resolved.json()["resolutions"][0]["actor"], "oncall@example");
+    let after = call(
+        &e.sidecar,
+        "/tools/payments/charge",
+        Some("k-doubt"),
+        &body,
+        &[],
+    )
+    .await;
+    assert_eq!(after.status, StatusCode::OK);
+    assert_eq!(after.header("outrigger-replayed"), Some("true"));
+    assert_eq!(after.json()["effect"], 1);
+    assert_eq!(e.tool.effects().len(), 1);
+}
+
+#[tokio::test]
+async fn a_keyed_tool_in_doubt_is_resent_with_the_same_key() {
+    let e = env().await;
+    e.keyed.push(ToolBehaviour {
+        fail: Some(Fail::Reset),
+        dedupe: true,
+        ..ToolBehaviour::default()
+    });
+    let body = json!({"entry": "debit"});
+    let first = call(
+        &e.sidecar,
+        "/tools/ledger/post",
+        Some("k-keyed"),
+        &body,
+        &[],
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{}", first.text());
+    let again = call(
+        &e.sidecar,
+        "/tools/ledger/post",
+        Some("k-keyed"),
+        &body,
+        &[],
+    )
+    .await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text());
+    assert_eq!(e.keyed.received(), 2, "re-sent once");
+    assert_eq!(
+        e.keyed.effects().len(),
+        1,
+        "the tool deduplicated by the forwarded key"
+    );
+    let third = call(
+        &e.sidecar,
+        "/tools/ledger/post",
+        Some("k-keyed"),
+        &body,
+        &[],
+    )
+    .await;
+    assert_eq!(third.header("outrigger-replayed"), Some("true"));
+    assert_eq!(e.keyed.received(), 2);
+}
+
+#[tokio::test]
+async fn a_probe_tool_in_doubt_is_checked_before_anything_is_resent() {
+    let e = env().await;
+    e.probe.push(ToolBehaviour {
+        fail: Some(Fail::Reset),
+        ..ToolBehaviour::default()
+    });
+    let body = json!({"sku": "X1"});
+    let first = call(
+        &e.sidecar,
+        "/tools/orders/place",
+        Some("k-probe"),
+        &body,
+        &[],
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY);
+    let again = call(
+        &e.sidecar,
+        "/tools/orders/place",
+        Some("k-probe"),
+        &body,
+        &[],
+    )
+    .await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text());
+    assert_eq!(
+        again.header("outrigger-replayed"),
+        Some("true"),
+        "answered from the probe, not re-executed"
+    );
+    assert_eq!(e.probe.effects().len(), 1);
+
+    // A call that never happened is probed (404) and then executed.
+    e.probe.push(ToolBehaviour {
+        fail: Some(Fail::Before),
+        ..ToolBehaviour::default()
+    });
+    let lost = call(
+        &e.sidecar,
+        "/tools/orders/place",
+        Some("k-probe-2"),
+        &json!({"sku": "Y"}),
+        &[],
+    )
+    .await;
+    assert_eq!(
+        lost.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "a 5xx is ambiguous: {}",
+        lost.text()
+    );
+    let retry = call(
+        &e.sidecar,
+        "/tools/orders/place",
+        Some("k-probe-2"),
+        &json!({"sku": "Y"}),
+        &[],
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::OK, "{}", retry.text());
+    assert_eq!(retry.header("outrigger-replayed"), None);
+    assert_eq!(e.probe.effects().len(), 2);
+}
+
+#[tokio::test]
+async fn mcp_tool_calls_are_journaled_and_everything_else_passes_through() {
+    let e = env().await;
+    let url = e.sidecar.url("/mcp/mail");
+    let init = post_json(&url, &[], &json!({"jsonrpc": "2.0", "id": 1, "method": "initialize",
+        "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}})).await;
+    assert_eq!(init.status, StatusCode::OK);
+    assert_eq!(init.header("mcp-session-id"), Some("mock-session-1"));
+    let notified = post_json(
+        &url,
+        &[],
+        &json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+    )
+    .await;
+    assert_eq!(notified.status, StatusCode::ACCEPTED);
+    let listed = post_json(
+        &url,
+        &[],
+        &json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"}),
+    )
+    .await;
+    assert_eq!(listed.json()["result"]["tools"][0]["name"], "send_email");
+
+    let tool_call = |id: u64, to: &str| {
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+        "params": {"name": "send_email", "arguments": {"to": to, "body": "hi"}, "_meta": {META_KEY: "mail-1"}}})
+    };
+    let first = post_json(&url, &[], &tool_call(3, "amy")).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    assert_eq!(first.json()["id"], 3);
+    assert_eq!(first.json()["result"]["isError"], false);
+    // A retry carries a new JSON-RPC id: same result, the new id, not re-executed.
+    let again = post_json(&url, &[], &tool_call(9, "amy")).await;
+    assert_eq!(again.header("outrigger-replayed"), Some("true"));
+    assert_eq!(again.json()["id"], 9);
+    assert_eq!(again.json()["result"], first.json()["result"]);
+    let misuse = post_json(&url, &[], &tool_call(10, "bob")).await;
+    assert_eq!(misuse.json()["error"]["code"], -32011);
+    assert_eq!(e.mcp.effects().len(), 1);
+    assert_eq!(
+        e.mcp.metas()[0][META_KEY],
+        "mail-1",
+        "the key is forwarded in _meta"
+    );
+
+    // An unknown outcome is a tool result the model can read.
+    e.mcp.push(ToolBehaviour {
+        fail: Some(Fail::Reset),
+        ..ToolBehaviour::default()
+    });
+    let call2 = json!({"jsonrpc": "2.0", "id": 11, "method": "tools/call",
+        "params": {"name": "send_email", "arguments": {"to": "cy"}, "_meta": {META_KEY: "mail-2"}}});
+    let doubt = post_json(&url, &[], &call2).await;
+    assert_eq!(doubt.json()["result"]["isError"], true, "{}", doubt.text());
+    assert!(
+        doubt.json()["result"]["content"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("may have executed")
+    );
+    let doubt_again = post_json(&url, &[], &call2).await;
+    assert_eq!(
+        doubt_again.json()["result"]["structuredContent"]["state"],
+        "needs_operator"
+    );
+    assert_eq!(e.mcp.effects().len(), 2);
+    assert!(
+        e.mcp
+            .methods()
+            .contains(&"notifications/initialized".to_string())
+    );
+}
+
+#[tokio::test]
+async fn mcp_answers_over_sse_are_journaled() {
+    let mcp = MockMcp::start(ToolBehaviour::default(), true)
+        .await
+        .expect("mcp");
+    let config = format!(
+        "[[tools]]\nname = \"m\"\nkind = \"mcp\"\nbase_url = \"{}\"\nclass = \"unsafe\"\n",
+        mcp.url()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let msg = |id: u64| {
+        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+        "params": {"name": "send_email", "arguments": {"to": "z"}}})
+    };
+    let first = post_json(
+        &sidecar.url("/mcp/m"),
+        &[("idempotency-key", "sse-1")],
+        &msg(1),
+    )
+    .await;
+    assert_eq!(
+        first.json()["result"]["structuredContent"]["effect"],
+        1,
+        "{}",
+        first.text()
+    );
+    let again = post_json(
+        &sidecar.url("/mcp/m"),
+        &[("idempotency-key", "sse-1")],
+        &msg(2),
+    )
+    .await;
+    assert_eq!(again.json()["id"], 2);
+    assert_eq!(again.json()["result"]["structuredContent"]["effect"], 1);
+    assert_eq!(mcp.effects().len(), 1);
+}
+
+#[tokio::test]
+async fn keys_are_derived_from_the_models_tool_call_ids() {
+    let e = env().await;
+    let task = [("outrigger-task-id", "task-derive")];
+    let model = post_json(
+        &e.sidecar.url("/v1/chat/completions"),
+        &task,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "weather?"}]}),
+    )
+    .await;
+    assert_eq!(model.status, StatusCode::OK);
+    let calls = model.json()["choices"][0]["message"]["tool_calls"].clone();
+    let args: serde_json::Value =
+        serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    // No Idempotency-Key: the sidecar matches the call to the model's tool call.
+    let a = call(&e.sidecar, "/tools/payments/weather", None, &args, &task).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let key = a
+        .header("outrigger-journal-key")
+        .expect("journaled")
+        .to_string();
+    assert!(key.starts_with("tc-"), "{key}");
+    // The agent restarts and repeats the call: deduplicated.
+    let b = call(&e.sidecar, "/tools/payments/weather", None, &args, &task).await;
+    assert_eq!(b.header("outrigger-replayed"), Some("true"));
+    assert_eq!(e.tool.effects().len(), 1);
+    // The explicit header names the tool call directly.
+    let id = calls[1]["id"].as_str().unwrap().to_string();
+    let mut h = task.to_vec();
+    h.push(("outrigger-tool-call-id", &id));
+    let c = call(
+        &e.sidecar,
+        "/tools/payments/other",
+        None,
+        &json!({"x": 1}),
+        &h,
+    )
+    .await;
+    assert!(
+        c.header("outrigger-journal-key")
+            .is_some_and(|k| k.starts_with("tc-"))
+    );
+    assert_eq!(e.tool.effects().len(), 2);
+    assert_eq!(e.model.generation_count(), 1);
+}
+
+#[tokio::test]
+async fn the_audit_cli_reads_directly_or_through_the_admin_api() {
+    let mut e = env().await;
+    let task = [("outrigger-task-id", "audit-task")];
+    for i in 0..3 {
+        call(
+            &e.sidecar,
+            "/tools/payments/charge",
+            Some(&format!("audit-{i}")),
+            &json!({"n": i}),
+            &task,
+        )
+        .await;
+    }
+    let data_dir = e.sidecar.dir.path().join("data");
+    let admin = format!("http://{}", e.sidecar.admin);
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(outrigger_bin())
+            .arg("journal")
+            .args(args)
+            .arg("--data-dir")
+            .arg(&data_dir)
+            .arg("--admin")
+            .arg(&admin)
+            .output()
+            .expect("run the cli");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // While the sidecar runs: through the admin API.
+    let (ok, out, err) = run(&["list", "--task", "audit-task"]);
+    assert!(ok, "{err}");
+    assert!(err.contains("through its admin API"), "{err}");
+    assert!(
+        out.contains("payments/audit-2") && out.contains("3 record(s)"),
+        "{out}"
+    );
+    let (ok, out, _) = run(&["timeline", "--task", "audit-task"]);
+    assert!(ok && out.contains("3 call(s)"), "{out}");
+    let (ok, out, _) = run(&["verify"]);
+    assert!(ok && out.contains("intact"), "{out}");
+
+    // Stopped: directly from the directory.
+    e.sidecar.kill();
+    let (ok, out, err) = run(&["show", "payments/audit-1"]);
+    assert!(ok, "{err}");
+    assert!(err.contains("directly"), "{err}");
+    let record: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(record["state"], "completed");
+    assert_eq!(record["task_id"], "audit-task");
+    let (ok, out, _) = run(&["export", "--tool", "payments"]);
+    assert!(ok);
+    assert_eq!(out.lines().count(), 3);
+    for line in out.lines() {
+        let r: serde_json::Value = serde_json::from_str(line).expect("JSON Lines");
+        assert_eq!(r["v"], 1);
+    }
+    let (ok, out, _) = run(&["verify"]);
+    assert!(ok && out.contains("intact"), "{out}");
+    let (ok, _, err) = run(&["list", "--state", "sideways"]);
+    assert!(!ok && err.contains("unknown state"), "{err}");
+}
+
+/// Randomized concurrent workload with duplicate keys: the checker finds nothing
+/// lost, duplicated or unexpected.
+#[tokio::test]
+async fn randomized_concurrent_workload_with_duplicate_keys() {
+    let e = env().await;
+    e.tool.set_default(ToolBehaviour {
+        delay: Duration::from_millis(5),
+        ..ToolBehaviour::default()
+    });
+    let mut tasks = Vec::new();
+    // 32 workers, 200 calls over 40 keys: every key is sent ~5 times, often at once.
+    for w in 0..32u64 {
+        let url = e.sidecar.url("/tools/payments/charge");
+        tasks.push(tokio::spawn(async move {
+            let mut history = Vec::new();
+            let mut x = w.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            for _ in 0..6 {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                let k = format!("rk-{}", x % 40);
+                let body = json!({"key": k});
+                let r = post_json(
+                    &url,
+                    &[("idempotency-key", &k), ("prefer", "wait=5")],
+                    &body,
+                )
+                .await;
+                let outcome = match r.status {
+                    StatusCode::OK => Outcome::Ok,
+                    StatusCode::CONFLICT => Outcome::Info,
+                    s => panic!("unexpected {s}: {}", r.text()),
+                };
+                history.push((k, outcome));
+            }
+            history
+        }));
+    }
+    let mut history = Vec::new();
+    for t in tasks {
+        history.extend(t.await.expect("worker"));
+    }
+    let verdict = checker::check(&history, &e.tool.effects_by_key());
+    assert!(verdict.is_clean(), "{verdict:?}");
+    assert!(verdict.keys > 30);
+}

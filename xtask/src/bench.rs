@@ -1,0 +1,668 @@
+//! `cargo xtask bench`: the load harness. Every target is measured in the same run
+//! against the same mock upstream on loopback, so the figures that matter are ratios:
+//!
+//! - `direct`: the load generator talks to the mock provider itself;
+//! - `nginx`: Debian's nginx as a plain reverse proxy (the floor any HTTP proxy is
+//!   held to; installed with apt-get when missing);
+//! - `floor`: a minimal hyper pass-through proxy (`outrigger-mock passthrough`);
+//! - `sidecar`: `outrigger serve`.
+//!
+//! On a 2-core machine the load generator, the upstream and the proxy share the
+//! cores, so the proxy's CPU time per request (read from /proc) and its ratio to
+//! nginx are the figures to trust; throughput is reported too. Each measurement is
+//! repeated (`--rounds`, default 3) and the median round is reported.
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use bytes::Bytes;
+use http::Method;
+use serde_json::json;
+
+use crate::client::{self, HttpClient};
+use crate::procs::{self, Proc};
+
+struct Options {
+    duration: Duration,
+    rounds: usize,
+    suites: Vec<String>,
+    out: Option<PathBuf>,
+}
+
+fn parse(args: &[String]) -> anyhow::Result<Options> {
+    let mut o = Options {
+        duration: Duration::from_secs(8),
+        rounds: 3,
+        suites: vec!["models".into(), "streams".into(), "tools".into()],
+        out: None,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || {
+            it.next()
+                .cloned()
+                .with_context(|| format!("{a} needs a value"))
+        };
+        match a.as_str() {
+            "--duration" => o.duration = Duration::from_secs(val()?.parse()?),
+            "--rounds" => o.rounds = val()?.parse()?,
+            "--suite" => o.suites = val()?.split(',').map(str::to_string).collect(),
+            "--out" => o.out = Some(PathBuf::from(val()?)),
+            other => bail!(
+                "unknown argument {other:?}; usage: cargo xtask bench [--duration SECS] [--rounds N] [--suite models,streams] [--out FILE]"
+            ),
+        }
+    }
+    Ok(o)
+}
+
+/// A process (or group of processes) whose CPU time and memory are measured, and
+/// the URL prefix that reaches the upstream through it.
+#[derive(Clone)]
+struct Measured {
+    name: &'static str,
+    url: String,
+    pids: Vec<u32>,
+    /// Send a fresh `Idempotency-Key` with every request (journaled tool calls).
+    unique_key: bool,
+}
+
+/// Everything the scenarios can point at.
+struct Targets {
+    direct: Measured,
+    nginx: Option<Measured>,
+    floor: Measured,
+    sidecar: Measured,
+    tool_direct: Measured,
+    tool_nginx: Option<Measured>,
+}
+
+pub fn run(args: &[String]) -> anyhow::Result<()> {
+    let opts = parse(args)?;
+    let bins = procs::build_bins("release", &["outrigger", "outrigger-testing"])?;
+    let work = tempdir()?;
+
+    let mock_addr = free_port()?;
+    let _mock = Proc::spawn(
+        "mock",
+        Command::new(bins.join("outrigger-mock"))
+            .args(["provider", "--listen", &mock_addr.to_string()])
+            .stdout(std::process::Stdio::null()),
+    )?;
+
+    let tool_addr = free_port()?;
+    let _tool = Proc::spawn(
+        "mock tool",
+        Command::new(bins.join("outrigger-mock"))
+            .args(["tool", "--listen", &tool_addr.to_string()])
+            .stdout(std::process::Stdio::null()),
+    )?;
+
+    let floor_addr = free_port()?;
+    let floor = Proc::spawn(
+        "floor",
+        Command::new(bins.join("outrigger-mock"))
+            .args(["passthrough", "--listen", &floor_addr.to_string()])
+            .args(["--upstream", &mock_addr.to_string()])
+            .stdout(std::process::Stdio::null()),
+    )?;
+
+    let nginx = start_nginx(&work, mock_addr, tool_addr)?;
+
+    let sidecar_addr = free_port()?;
+    let admin_addr = free_port()?;
+    let config = work.join("outrigger.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[listen]\ndata = \"{sidecar_addr}\"\nadmin = \"{admin_addr}\"\n\
+             [journal]\ndir = {:?}\n[log]\nlevel = \"warn\"\n\
+             [[providers]]\nname = \"mock\"\nkind = \"openai\"\nbase_url = \"http://{mock_addr}/v1\"\n\
+             api_key_env = \"BENCH_KEY\"\nmodels = [\"*\"]\n\
+             [[tools]]\nname = \"bench\"\nkind = \"http\"\nbase_url = \"http://{tool_addr}\"\nclass = \"keyed\"\n",
+            work.join("data").display().to_string()
+        ),
+    )?;
+    let sidecar = Proc::spawn(
+        "sidecar",
+        Command::new(bins.join("outrigger"))
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env("BENCH_KEY", "bench-key"),
+    )?;
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let client = client::client();
+    rt.block_on(async {
+        client::wait_ready(
+            &client,
+            &format!("http://{admin_addr}/readyz"),
+            Duration::from_secs(60),
+        )
+        .await?;
+        client::wait_ready(
+            &client,
+            &format!("http://{mock_addr}/v1/models"),
+            Duration::from_secs(10),
+        )
+        .await?;
+        client::wait_ready(
+            &client,
+            &format!("http://{floor_addr}/v1/models"),
+            Duration::from_secs(10),
+        )
+        .await?;
+        client::wait_ready(
+            &client,
+            &format!("http://{tool_addr}/status/none-ready"),
+            Duration::from_secs(10),
+        )
+        .await
+        .or_else(|_| anyhow::Ok(()))?;
+        if let Some(n) = &nginx {
+            client::wait_ready(
+                &client,
+                &format!("http://{}/v1/models", n.addr),
+                Duration::from_secs(10),
+            )
+            .await?;
+        }
+        anyhow::Ok(())
+    })?;
+
+    let m = |name, url: String, pids: Vec<u32>| Measured {
+        name,
+        url,
+        pids,
+        unique_key: false,
+    };
+    let targets = Targets {
+        direct: m("direct", format!("http://{mock_addr}"), vec![]),
+        nginx: nginx
+            .as_ref()
+            .map(|n| m("nginx", format!("http://{}", n.addr), n.pids.clone())),
+        floor: m("floor", format!("http://{floor_addr}"), vec![floor.pid()]),
+        sidecar: m(
+            "sidecar",
+            format!("http://{sidecar_addr}"),
+            vec![sidecar.pid()],
+        ),
+        tool_direct: m("direct", format!("http://{tool_addr}"), vec![]),
+        tool_nginx: nginx.as_ref().map(|n| {
+            m(
+                "nginx",
+                format!("http://{}/tools/bench", n.addr),
+                n.pids.clone(),
+            )
+        }),
+    };
+    let admin_url = format!("http://{admin_addr}");
+
+    let scenarios = scenarios(&opts.suites, &targets)?;
+    let mut report = Vec::new();
+    for sc in &scenarios {
+        println!(
+            "\n== {} ({} rounds of {:?})",
+            sc.name, opts.rounds, opts.duration
+        );
+        let mut rows = BTreeMap::new();
+        for t in &sc.targets {
+            let mut rounds = Vec::new();
+            let before = if t.unique_key {
+                journal_stats(&rt, &client, &admin_url)
+            } else {
+                None
+            };
+            for _ in 0..opts.rounds {
+                rounds.push(rt.block_on(measure(&client, t, sc, opts.duration))?);
+            }
+            if let (Some(before), Some(after)) = (before, journal_stats(&rt, &client, &admin_url)) {
+                let records = after.0.saturating_sub(before.0).max(1);
+                let flushes = after.1.saturating_sub(before.1);
+                let calls = rounds.iter().map(|r| r.requests).sum::<u64>().max(1);
+                println!(
+                    "  {:8} journal: {records} records, {flushes} flushes = {:.3} flushes/record, {:.3} flushes/call",
+                    t.name,
+                    flushes as f64 / records as f64,
+                    flushes as f64 / calls as f64
+                );
+            }
+            rounds.sort_by(|a, b| a.throughput.total_cmp(&b.throughput));
+            let median = rounds.swap_remove(rounds.len() / 2);
+            println!(
+                "  {:8} {:>9.0} {}/s  p50 {:>8.2} ms  p99 {:>8.2} ms  cpu {:>8.1} µs/{}  rss {:>6.1} MiB",
+                t.name,
+                median.throughput,
+                sc.unit,
+                median.p50_ms,
+                median.p99_ms,
+                median.cpu_us_per_unit,
+                sc.unit,
+                median.rss_mib
+            );
+            rows.insert(t.name, median);
+        }
+        let ratio = |a: &str, b: &str, f: fn(&Row) -> f64| match (rows.get(a), rows.get(b)) {
+            (Some(x), Some(y)) if f(y) > 0.0 => Some(f(x) / f(y)),
+            _ => None,
+        };
+        let sidecar_name = if rows.contains_key("journaled") {
+            "journaled"
+        } else {
+            "sidecar"
+        };
+        let cpu_vs_nginx = ratio(sidecar_name, "nginx", |r| r.cpu_us_per_unit);
+        let cpu_vs_floor = ratio(sidecar_name, "floor", |r| r.cpu_us_per_unit);
+        let tput_vs_nginx = ratio(sidecar_name, "nginx", |r| r.throughput);
+        let tput_vs_unjournaled = ratio("journaled", "unjournaled", |r| r.throughput);
+        let p50_added = match (rows.get(sidecar_name), rows.get("direct")) {
+            (Some(s), Some(d)) => Some(s.p50_ms - d.p50_ms),
+            _ => None,
+        };
+        println!(
+            "  ratios: {sidecar_name}/nginx cpu {}  throughput {}   {sidecar_name}/floor cpu {}   journaled/unjournaled throughput {}   added p50 {}",
+            fmt_ratio(cpu_vs_nginx),
+            fmt_ratio(tput_vs_nginx),
+            fmt_ratio(cpu_vs_floor),
+            fmt_ratio(tput_vs_unjournaled),
+            p50_added
+                .map(|p| format!("{p:.3} ms"))
+                .unwrap_or_else(|| "n/a".into()),
+        );
+        report.push(json!({
+            "scenario": sc.name, "unit": sc.unit,
+            "results": rows.iter().map(|(k, r)| (k.to_string(), r.to_json())).collect::<serde_json::Map<_, _>>(),
+            "ratios": {"sidecar_nginx_cpu": cpu_vs_nginx, "sidecar_nginx_throughput": tput_vs_nginx,
+                       "sidecar_floor_cpu": cpu_vs_floor, "journaled_unjournaled_throughput": tput_vs_unjournaled,
+                       "added_p50_ms": p50_added},
+        }));
+    }
+    let doc =
+        json!({"duration_s": opts.duration.as_secs(), "rounds": opts.rounds, "scenarios": report});
+    let out = opts
+        .out
+        .unwrap_or_else(|| procs::root().join("bench-results").join("bench.json"));
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(&out, serde_json::to_string_pretty(&doc)?)?;
+    println!("\nwrote {}", out.display());
+    drop(nginx);
+    Ok(())
+}
+
+fn fmt_ratio(r: Option<f64>) -> String {
+    r.map(|r| format!("{r:.2}x"))
+        .unwrap_or_else(|| "n/a".into())
+}
+
+struct Scenario {
+    name: String,
+    targets: Vec<Measured>,
+    unit: &'static str,
+    concurrency: usize,
+    path: &'static str,
+    body: Bytes,
+    headers: Vec<(&'static str, String)>,
+    /// Events per response (streams), for per-event CPU.
+    events: u64,
+}
+
+fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
+    let mut out = Vec::new();
+    let proxies = || {
+        let mut v = vec![t.direct.clone()];
+        v.extend(t.nginx.clone());
+        v.push(t.floor.clone());
+        v.push(t.sidecar.clone());
+        v
+    };
+    for suite in suites {
+        match suite.as_str() {
+            "models" => {
+                // A ~1 KB chat request.
+                let filler = "lorem ipsum dolor sit amet ".repeat(34);
+                let body =
+                    json!({"model": "gpt-mock", "messages": [{"role": "user", "content": filler}]});
+                for c in [1, 16, 64] {
+                    out.push(Scenario {
+                        targets: proxies(),
+                        name: format!("chat completion, 1 KB body, concurrency {c}"),
+                        unit: "req",
+                        concurrency: c,
+                        path: "/v1/chat/completions",
+                        body: Bytes::from(body.to_string()),
+                        headers: vec![],
+                        events: 1,
+                    });
+                }
+            }
+            "streams" => {
+                let body = json!({"model": "gpt-mock", "stream": true,
+                                  "messages": [{"role": "user", "content": "stream"}]});
+                // 197 text deltas + role + finish + [DONE] = 200 events.
+                for (label, delay, c) in [("burst", 0, 8), ("2 ms apart", 2, 32)] {
+                    out.push(Scenario {
+                        targets: proxies(),
+                        name: format!("stream of 200 events, {label}, concurrency {c}"),
+                        unit: "event",
+                        concurrency: c,
+                        path: "/v1/chat/completions",
+                        body: Bytes::from(body.to_string()),
+                        headers: vec![("x-mock", format!("chunks=197,delay_ms={delay}"))],
+                        events: 200,
+                    });
+                }
+            }
+            "tools" => {
+                // The same tool call direct, through nginx, through the sidecar without a
+                // key (passed through unjournaled) and with a fresh key (journaled: two
+                // durable writes per call).
+                let body = json!({"amount": 42, "to": "acct-1", "memo": "lorem ipsum ".repeat(8)});
+                for c in [1, 16, 64] {
+                    let mut targets = vec![t.tool_direct.clone()];
+                    targets.extend(t.tool_nginx.clone());
+                    let sidecar_tool = format!("{}/tools/bench", t.sidecar.url);
+                    targets.push(Measured {
+                        name: "unjournaled",
+                        url: sidecar_tool.clone(),
+                        pids: t.sidecar.pids.clone(),
+                        unique_key: false,
+                    });
+                    targets.push(Measured {
+                        name: "journaled",
+                        url: sidecar_tool,
+                        pids: t.sidecar.pids.clone(),
+                        unique_key: true,
+                    });
+                    out.push(Scenario {
+                        targets,
+                        name: format!("tool call (POST), concurrency {c}"),
+                        unit: "call",
+                        concurrency: c,
+                        path: "/op",
+                        body: Bytes::from(body.to_string()),
+                        headers: vec![],
+                        events: 1,
+                    });
+                }
+            }
+            other => bail!("unknown suite {other:?}; expected models, streams or tools"),
+        }
+    }
+    Ok(out)
+}
+
+struct Row {
+    throughput: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    cpu_us_per_unit: f64,
+    rss_mib: f64,
+    requests: u64,
+    errors: u64,
+}
+
+impl Row {
+    fn to_json(&self) -> serde_json::Value {
+        json!({"throughput": self.throughput, "p50_ms": self.p50_ms, "p99_ms": self.p99_ms,
+               "cpu_us_per_unit": self.cpu_us_per_unit, "rss_mib": self.rss_mib,
+               "requests": self.requests, "errors": self.errors})
+    }
+}
+
+async fn measure(
+    client: &HttpClient,
+    t: &Measured,
+    sc: &Scenario,
+    duration: Duration,
+) -> anyhow::Result<Row> {
+    // Warm up connections and caches.
+    let _ = load(client, t, sc, Duration::from_millis(500)).await?;
+    let cpu_before = cpu_ticks(&t.pids);
+    let started = Instant::now();
+    let (latencies, errors) = load(client, t, sc, duration).await?;
+    let elapsed = started.elapsed().as_secs_f64();
+    let cpu_after = cpu_ticks(&t.pids);
+    let requests = latencies.len() as u64;
+    if requests == 0 {
+        bail!("{}: no request succeeded in {}", t.name, sc.name);
+    }
+    let mut sorted = latencies;
+    sorted.sort_unstable();
+    let pct =
+        |p: f64| sorted[((sorted.len() as f64 * p) as usize).min(sorted.len() - 1)] as f64 / 1000.0;
+    let units = requests * sc.events;
+    let cpu_s = (cpu_after - cpu_before) as f64 / clk_tck();
+    Ok(Row {
+        throughput: units as f64 / elapsed,
+        p50_ms: pct(0.50),
+        p99_ms: pct(0.99),
+        cpu_us_per_unit: if t.pids.is_empty() {
+            0.0
+        } else {
+            cpu_s * 1e6 / units as f64
+        },
+        rss_mib: t.pids.iter().map(|p| peak_rss_kib(*p)).sum::<u64>() as f64 / 1024.0,
+        requests,
+        errors,
+    })
+}
+
+/// Runs `sc.concurrency` loops for `duration`; returns latencies (µs) and errors.
+async fn load(
+    client: &HttpClient,
+    t: &Measured,
+    sc: &Scenario,
+    duration: Duration,
+) -> anyhow::Result<(Vec<u64>, u64)> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let url = format!("{}{}", t.url, sc.path);
+    let unique = t.unique_key;
+    let mut tasks = Vec::new();
+    for worker in 0..sc.concurrency {
+        let client = client.clone();
+        let stop = stop.clone();
+        let url = url.clone();
+        let body = sc.body.clone();
+        let headers: Vec<(String, String)> = sc
+            .headers
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            let mut errors = 0u64;
+            let mut h: Vec<(&str, &str)> = vec![("content-type", "application/json")];
+            h.extend(headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            let mut n = 0u64;
+            let run = std::process::id();
+            while !stop.load(Ordering::Relaxed) {
+                n += 1;
+                let key = format!(
+                    "bench-{run}-{worker}-{n}-{}",
+                    KEY_EPOCH.fetch_add(1, Ordering::Relaxed)
+                );
+                let mut h = h.clone();
+                if unique {
+                    h.push(("idempotency-key", key.as_str()));
+                }
+                let started = Instant::now();
+                match client::send(&client, Method::POST, &url, &h, body.clone()).await {
+                    Ok(r) if r.status == 200 => lat.push(started.elapsed().as_micros() as u64),
+                    _ => errors += 1,
+                }
+            }
+            (lat, errors)
+        }));
+    }
+    tokio::time::sleep(duration).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut all = Vec::new();
+    let mut errors = 0;
+    for t in tasks {
+        let (l, e) = t.await?;
+        all.extend(l);
+        errors += e;
+    }
+    Ok((all, errors))
+}
+
+/// Makes keys unique across rounds and warm-ups.
+static KEY_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// (records written, flushes) from the sidecar's journal statistics.
+fn journal_stats(
+    rt: &tokio::runtime::Runtime,
+    client: &HttpClient,
+    admin: &str,
+) -> Option<(u64, u64)> {
+    let r = rt
+        .block_on(client::send(
+            client,
+            Method::GET,
+            &format!("{admin}/v1/journal?view=stats"),
+            &[],
+            Bytes::new(),
+        ))
+        .ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
+    Some((v["records_written"].as_u64()?, v["flushes"].as_u64()?))
+}
+
+fn cpu_ticks(pids: &[u32]) -> u64 {
+    pids.iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+        .map(|stat| {
+            // Fields after the ")" that closes the command name; utime and stime are
+            // fields 14 and 15 of the whole line.
+            let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let get = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            get(11) + get(12)
+        })
+        .sum()
+}
+
+fn clk_tck() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+fn peak_rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn free_port() -> anyhow::Result<SocketAddr> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?)
+}
+
+fn tempdir() -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("outrigger-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// nginx as a plain reverse proxy (keep-alive upstream, no buffering so streams
+/// flow), stopped when dropped.
+struct Nginx {
+    _proc: Proc,
+    addr: SocketAddr,
+    pids: Vec<u32>,
+}
+
+fn start_nginx(
+    work: &Path,
+    upstream: SocketAddr,
+    tool: SocketAddr,
+) -> anyhow::Result<Option<Nginx>> {
+    let nginx = Path::new("/usr/sbin/nginx");
+    if !nginx.exists() {
+        eprintln!("nginx is not installed; installing Debian's package");
+        let ok = Command::new("apt-get")
+            .args(["update", "-qq"])
+            .status()
+            .is_ok_and(|s| s.success())
+            && Command::new("apt-get")
+                .args(["install", "-y", "-qq", "nginx"])
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .status()
+                .is_ok_and(|s| s.success());
+        if !ok || !nginx.exists() {
+            eprintln!("could not install nginx; the nginx column is left out");
+            return Ok(None);
+        }
+    }
+    let addr = free_port()?;
+    let conf = work.join("nginx.conf");
+    std::fs::write(
+        &conf,
+        format!(
+            "daemon off;\nworker_processes auto;\npid {pid};\nerror_log {err} warn;\n\
+             events {{ worker_connections 4096; }}\n\
+             http {{\n  access_log off;\n  client_body_temp_path {tmp}/body;\n  proxy_temp_path {tmp}/proxy;\n\
+               fastcgi_temp_path {tmp}/fcgi;\n  uwsgi_temp_path {tmp}/uwsgi;\n  scgi_temp_path {tmp}/scgi;\n\
+               upstream mock {{ server {upstream}; keepalive 256; }}\n\
+               upstream tool {{ server {tool}; keepalive 256; }}\n\
+               server {{\n    listen {addr};\n\
+                 location /tools/bench/ {{\n      proxy_pass http://tool/;\n      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n    }}\n\
+                 location / {{\n      proxy_pass http://mock;\n\
+                 proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }}\n  }}\n}}\n",
+            pid = work.join("nginx.pid").display(),
+            err = work.join("nginx-error.log").display(),
+            tmp = work.display(),
+        ),
+    )?;
+    let mut proc = Proc::spawn(
+        "nginx",
+        Command::new(nginx).arg("-c").arg(&conf).arg("-p").arg(work),
+    )?;
+    std::thread::sleep(Duration::from_millis(500));
+    if let Ok(Some(status)) = proc.child.try_wait() {
+        bail!(
+            "nginx exited at start ({status}); see {}",
+            work.join("nginx-error.log").display()
+        );
+    }
+    let master = proc.pid();
+    // The workers are the master's children; their CPU counts too.
+    let mut pids = vec![master];
+    if let Ok(out) = Command::new("pgrep")
+        .args(["-P", &master.to_string()])
+        .output()
+    {
+        pids.extend(
+            String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .filter_map(|p| p.parse::<u32>().ok()),
+        );
+    }
+    Ok(Some(Nginx {
+        _proc: proc,
+        addr,
+        pids,
+    }))
+}

@@ -1,0 +1,38 @@
+//! Project automation, run as `cargo xtask <task>`:
+//!
+//! - `demo`  — the sidecar on its embedded defaults beside the mock provider, with
+//!   demo requests going through it; stays up for your own `curl`s until Ctrl-C.
+//! - `test`  — everything CI runs: formatting, lints, the whole test suite.
+//! - `bench` — the load harness (direct vs nginx vs the sidecar, side by side).
+//! - `gpu-check` — the NVML checks to run on a machine with an NVIDIA GPU.
+mod demo;
+
+mod bench;
+mod client;
+mod procs;
+mod test;
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some((task, rest)) = args.split_first() else {
+        eprintln!("usage: cargo xtask <demo|test|bench|gpu-check> [args]");
+        return ExitCode::from(2);
+    };
+    let result = match task.as_str() {
+        "demo" => demo::run(rest),
+        "test" => test::run(rest),
+        "bench" => bench::run(rest),
+        other => Err(anyhow::anyhow!(
+            "unknown task {other:?}; expected demo, test, bench or gpu-check"
+        )),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask {task}: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

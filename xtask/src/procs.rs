@@ -1,0 +1,109 @@
+//! Building and supervising the project's own binaries from xtask.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+/// The repository root (xtask lives one level below it).
+pub fn root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.parent().map(Path::to_path_buf).unwrap_or(manifest)
+}
+
+pub fn cargo() -> Command {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(root());
+    cmd
+}
+
+/// Runs a command, echoing it, and fails if it fails.
+pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    eprintln!("+ {}", describe(cmd));
+    let status = cmd
+        .status()
+        .with_context(|| format!("cannot start {}", describe(cmd)))?;
+    if !status.success() {
+        bail!("{} failed ({status})", describe(cmd));
+    }
+    Ok(())
+}
+
+pub fn describe(cmd: &Command) -> String {
+    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    for a in cmd.get_args() {
+        s.push(' ');
+        s.push_str(&a.to_string_lossy());
+    }
+    s
+}
+
+/// The cargo target directory (honours CARGO_TARGET_DIR).
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"))
+}
+
+/// Builds the given binaries in `profile` ("debug" or "release") and returns the
+/// directory they are in.
+pub fn build_bins(profile: &str, packages: &[&str]) -> anyhow::Result<PathBuf> {
+    let mut cmd = cargo();
+    cmd.arg("build");
+    if profile == "release" {
+        cmd.arg("--release");
+    }
+    for p in packages {
+        cmd.args(["-p", p]);
+    }
+    run(&mut cmd)?;
+    Ok(target_dir().join(profile))
+}
+
+/// A child process killed (SIGTERM, then SIGKILL) when dropped.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, cmd: &mut Command) -> anyhow::Result<Proc> {
+        cmd.stdin(Stdio::null());
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start {name}"))?;
+        Ok(Proc {
+            name: name.to_string(),
+            child,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn terminate(&mut self, grace: Duration) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("{} did not stop within {grace:?}; killing it", self.name);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.terminate(Duration::from_secs(5));
+        }
+    }
+}
