@@ -4,7 +4,9 @@
 mod support;
 
 mod crash;
+mod example_agent;
 mod foundation;
 mod gpu;
 mod policies;
+mod streams;
 mod tools;

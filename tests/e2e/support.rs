@@ -100,7 +100,10 @@ impl Sidecar {
             .arg(&ready)
             .env_remove("OPENAI_API_KEY")
             .env_remove("ANTHROPIC_API_KEY")
-            .env("OUTRIGGER_LOG_LEVEL", "debug")
+            .env(
+                "OUTRIGGER_LOG_LEVEL",
+                "info,outrigger=debug,outrigger_proxy=debug",
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);

@@ -319,6 +319,21 @@ fn validate(
     let resilience = resilience(&raw.resilience, p);
     let budget = budget(&raw.budget, &providers, p);
     let gpu = gpu(&raw.gpu, p);
+    let sd = outrigger_proxy::streams::Options::default();
+    let streams = outrigger_proxy::streams::Options {
+        replay_in_task: raw.streams.replay_in_task.unwrap_or(sd.replay_in_task),
+        detach_timeout: duration(
+            p,
+            "streams.detach_timeout",
+            &raw.streams.detach_timeout,
+            sd.detach_timeout,
+        ),
+        max_stream_bytes: raw.streams.max_stream_bytes.unwrap_or(sd.max_stream_bytes),
+        cancel_on_disconnect: raw
+            .streams
+            .cancel_on_disconnect
+            .unwrap_or(sd.cancel_on_disconnect),
+    };
 
     let drain_deadline = duration(
         p,
@@ -353,6 +368,7 @@ fn validate(
             limits,
             budget,
             resilience,
+            streams,
         },
         policies,
         gpu,

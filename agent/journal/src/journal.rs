@@ -386,6 +386,35 @@ impl Journal {
     }
 
     /// Ends an attempt; durable before return.
+    /// Queues a lazily journaled event without waiting for the writer to take it in.
+    ///
+    /// Commands reach the single writer in the order they are sent, so events queued
+    /// one after another keep their order, and a later durable write (or
+    /// `stream_end`) that is awaited is only acknowledged once these are flushed too.
+    /// A write that fails is not reported here; it shows in `Stats` and in the next
+    /// awaited call. Waits only when the writer's queue is full (back-pressure).
+    pub async fn stream_append_nowait(
+        &self,
+        key: &StreamKey,
+        attempt: u32,
+        seq: u64,
+        event: Bytes,
+    ) -> Result<(), Error> {
+        let (reply, _ignored) = oneshot::channel();
+        self.inner
+            .tx
+            .send(Command::StreamAppend {
+                key: key.clone(),
+                attempt,
+                seq,
+                event,
+                durable: false,
+                reply,
+            })
+            .await
+            .map_err(|_| Error::Unavailable("the journal writer is not running".to_owned()))
+    }
+
     pub async fn stream_end(
         &self,
         key: &StreamKey,

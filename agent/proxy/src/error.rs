@@ -57,6 +57,12 @@ pub enum Error {
     StreamBroke { target: String, detail: String },
     #[error("the task's budget does not admit this call: {reason}")]
     BudgetExceeded { reason: String },
+    #[error("stream key {key} was first used for a different request")]
+    StreamKeyReused { key: String },
+    #[error("stream {key} is still being generated")]
+    StreamInProgress { key: String },
+    #[error("no stream {key}")]
+    UnknownStream { key: String },
 }
 
 impl From<ReadError> for Error {
@@ -212,6 +218,34 @@ impl Error {
                 "stream-broke",
                 "Upstream stream broke",
                 format!("The stream from {target} broke before anything was relayed: {detail}."),
+            ),
+            Self::StreamKeyReused { key } => Problem::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "key-reused",
+                "Idempotency-Key reused with a different request",
+                format!(
+                    "Stream key {key} was first used for a different model request. Use a new \
+                     Idempotency-Key for a new request."
+                ),
+            ),
+            Self::StreamInProgress { key } => Problem::new(
+                StatusCode::CONFLICT,
+                "request-in-progress",
+                "The model call is still running",
+                format!(
+                    "An identical model call ({key}) is still being answered. Retry in a moment \
+                     to get its result."
+                ),
+            )
+            .header(header::RETRY_AFTER, HeaderValue::from_static("1")),
+            Self::UnknownStream { key } => Problem::new(
+                StatusCode::NOT_FOUND,
+                "unknown-stream",
+                "No such stream",
+                format!(
+                    "No journaled stream {key}: it never existed here or is past retention \
+                     ([journal] stream_retention, 6 h by default)."
+                ),
             ),
             Self::BudgetExceeded { reason } => Problem::new(
                 StatusCode::TOO_MANY_REQUESTS,

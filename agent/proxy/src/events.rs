@@ -77,6 +77,9 @@ impl Turn {
 
     /// Classifies one raw event block and updates the turn.
     pub fn observe(&mut self, raw: &[u8]) -> Kind {
+        if let Some(kind) = self.fast_path(raw) {
+            return kind;
+        }
         let ev = sse::parse(raw);
         let Some(data) = ev.data else {
             return Kind::Other;
@@ -84,6 +87,37 @@ impl Turn {
         match self.dialect {
             Dialect::OpenAi => self.openai(&data),
             Dialect::Anthropic => self.anthropic(ev.event.as_deref(), &data),
+        }
+    }
+
+    /// Most events of a turn are plain text deltas; recognise those without parsing
+    /// their JSON. Anything that might open, grow or close a block, report usage or an
+    /// error, or end the turn takes the full path.
+    fn fast_path(&self, raw: &[u8]) -> Option<Kind> {
+        let has = |needle: &[u8]| raw.windows(needle.len()).any(|w| w == needle);
+        match self.dialect {
+            Dialect::OpenAi => {
+                let plain_text = raw.starts_with(b"data: {")
+                    && has(b"\"content\":")
+                    && !has(b"tool_calls")
+                    && !has(b"\"usage\"")
+                    && !has(b"\"error\"")
+                    && has(b"\"finish_reason\":null");
+                (plain_text && self.response_id.is_some()).then_some(Kind::Text)
+            }
+            Dialect::Anthropic => {
+                let text_delta = raw.starts_with(b"event: content_block_delta")
+                    && has(b"\"text_delta\"")
+                    && !self.inside_tool_call();
+                let ping = raw.starts_with(b"event: ping");
+                if text_delta {
+                    Some(Kind::Text)
+                } else if ping {
+                    Some(Kind::Other)
+                } else {
+                    None
+                }
+            }
         }
     }
 
@@ -246,6 +280,10 @@ impl Turn {
         }
     }
 
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
+    }
+
     /// Whether a tool-call (or thinking) block is open right now.
     pub fn inside_tool_call(&self) -> bool {
         self.blocks.values().any(|b| !b.complete)
@@ -266,6 +304,78 @@ impl Turn {
             })
             .collect()
     }
+}
+
+/// What to do with events as they arrive so that the agent never sees part of a
+/// tool call: text flows at once; from the first event of a tool-call (or thinking)
+/// block on, everything is held, in order, until no block is open any more, and is
+/// then released together. Events that complete a block or end the turn must be
+/// durable before they are released.
+#[derive(Debug)]
+pub struct Gate {
+    pub turn: Turn,
+    held: Vec<bytes::Bytes>,
+}
+
+/// Events the gate lets through.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Release {
+    pub events: Vec<bytes::Bytes>,
+    /// Journal these durably before the agent sees them.
+    pub durable: bool,
+}
+
+impl Gate {
+    pub fn new(dialect: Dialect) -> Self {
+        Self {
+            turn: Turn::new(dialect),
+            held: Vec::new(),
+        }
+    }
+
+    pub fn push(&mut self, raw: bytes::Bytes) -> Release {
+        let kind = self.turn.observe(&raw);
+        let durable = matches!(kind, Kind::ToolComplete(_) | Kind::Terminal | Kind::Error);
+        if self.held.is_empty() && kind != Kind::ToolPart {
+            return Release {
+                events: vec![raw],
+                durable,
+            };
+        }
+        self.held.push(raw);
+        if self.turn.inside_tool_call() {
+            return Release::default();
+        }
+        Release {
+            events: std::mem::take(&mut self.held),
+            durable: true,
+        }
+    }
+
+    /// Events held back (parts of an unfinished block), which an interruption drops.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+}
+
+/// The typed error event that ends an interrupted stream in the provider's dialect
+/// (never a faked `[DONE]` or stop reason). The official SDKs raise on it.
+pub fn interruption_event(dialect: Dialect, detail: &str) -> bytes::Bytes {
+    let message = format!(
+        "outrigger: the upstream stream was interrupted ({detail}); no partial tool call was forwarded; retry the request"
+    );
+    let doc = match dialect {
+        Dialect::OpenAi => serde_json::json!({"error": {
+            "message": message, "type": "stream_interrupted", "code": "outrigger_stream_interrupted", "param": null}}),
+        Dialect::Anthropic => {
+            serde_json::json!({"type": "error", "error": {"type": "api_error", "message": message}})
+        }
+    };
+    let text = match dialect {
+        Dialect::OpenAi => format!("data: {doc}\n\n"),
+        Dialect::Anthropic => format!("event: error\ndata: {doc}\n\n"),
+    };
+    bytes::Bytes::from(text)
 }
 
 #[cfg(test)]

@@ -29,6 +29,7 @@ pub mod relay;
 pub mod resilience;
 pub mod server;
 pub mod sse;
+pub mod streams;
 mod tools;
 pub mod upstream;
 
@@ -63,6 +64,8 @@ pub(crate) struct Shared {
     pub ledger: Arc<resilience::Ledger>,
     /// The node's GPU health, pushed by the binary's GPU monitor.
     pub gpu: arc_swap::ArcSwap<outrigger_types::GpuSummary>,
+    /// Generations running in this process, by stream key.
+    pub streams: streams::Registry,
 }
 
 /// What the binary plugs into the data plane.
@@ -108,6 +111,7 @@ impl Proxy {
                 retry_budgets: resilience::RetryBudgets::new(r.retry_budget),
                 ledger: Arc::new(resilience::Ledger::default()),
                 gpu: arc_swap::ArcSwap::from_pointee(outrigger_types::GpuSummary::default()),
+                streams: streams::Registry::default(),
                 options,
             }),
         }
@@ -223,7 +227,8 @@ impl Proxy {
                     .instrument(span)
                     .await
             }
-            RouteLabel::Streams | RouteLabel::Other => Err(Error::NotFound {
+            RouteLabel::Streams => streams::endpoint(&self.shared, req).await,
+            RouteLabel::Other => Err(Error::NotFound {
                 path: req.uri().path().to_string(),
             }),
         }

@@ -226,6 +226,7 @@ pub struct Options {
     pub limits: Limits,
     pub budget: Budget,
     pub resilience: Resilience,
+    pub streams: crate::streams::Options,
 }
 
 impl Options {

@@ -15,6 +15,8 @@ use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame};
 
 use crate::body::BoxError;
+use crate::events::{Gate, interruption_event};
+use crate::options::Dialect;
 use crate::sse::Framer;
 
 /// Observes a relayed stream (for metrics and metering); called on the poll path,
@@ -38,6 +40,9 @@ pub struct SseRelay<B, O> {
     scratch: Vec<Bytes>,
     observer: O,
     done: bool,
+    /// Holds back parts of tool calls; an interruption then ends the stream with a
+    /// typed error event instead of half a tool call.
+    gate: Option<Gate>,
 }
 
 impl<B, O> SseRelay<B, O> {
@@ -49,6 +54,52 @@ impl<B, O> SseRelay<B, O> {
             scratch: Vec::new(),
             observer,
             done: false,
+            gate: None,
+        }
+    }
+
+    /// Gates tool calls (see [`Gate`]) for a provider of `dialect`.
+    pub fn gated(mut self, dialect: Dialect) -> Self {
+        self.gate = Some(Gate::new(dialect));
+        self
+    }
+
+    fn release(&mut self, events: Vec<Bytes>, now: Instant)
+    where
+        O: StreamObserver,
+    {
+        for ev in events {
+            match &mut self.gate {
+                Some(gate) => {
+                    for out in gate.push(ev).events {
+                        self.observer.on_event(&out, now);
+                        self.ready.push_back(out);
+                    }
+                }
+                None => {
+                    self.observer.on_event(&ev, now);
+                    self.ready.push_back(ev);
+                }
+            }
+        }
+    }
+
+    /// Ends an interrupted stream: the gate's held parts are dropped and a typed error
+    /// event closes the stream; without a gate the error goes to the client as is.
+    fn interrupt(&mut self, detail: &str, e: BoxError) -> Option<BoxError>
+    where
+        O: StreamObserver,
+    {
+        self.done = true;
+        self.observer.on_end(Err(detail));
+        match &self.gate {
+            Some(gate) if !gate.turn.terminal => {
+                self.ready
+                    .push_back(interruption_event(gate.turn.dialect(), detail));
+                None
+            }
+            Some(_) => None,
+            None => Some(e),
         }
     }
 }
@@ -56,18 +107,16 @@ impl<B, O> SseRelay<B, O> {
 impl<B, O: StreamObserver> SseRelay<B, O> {
     /// Continues a stream whose first events were already read (to make sure it
     /// started before committing to it).
-    pub fn resume(upstream: B, framer: Framer, first: Vec<Bytes>, mut observer: O) -> Self {
-        let now = Instant::now();
-        for ev in &first {
-            observer.on_event(ev, now);
-        }
+    pub fn resume(upstream: B, framer: Framer, first: Vec<Bytes>, observer: O) -> Self {
         Self {
             upstream,
             framer,
-            ready: first.into(),
-            scratch: Vec::new(),
+            ready: VecDeque::new(),
+            // Released (through the gate, if any) on the first poll.
+            scratch: first,
             observer,
             done: false,
+            gate: None,
         }
     }
 }
@@ -93,6 +142,11 @@ where
             if this.done {
                 return Poll::Ready(None);
             }
+            if !this.scratch.is_empty() {
+                let events: Vec<Bytes> = this.scratch.drain(..).collect();
+                this.release(events, Instant::now());
+                continue;
+            }
             match Pin::new(&mut this.upstream).poll_frame(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Some(Ok(frame))) => {
@@ -100,34 +154,37 @@ where
                         continue; // trailers: nothing to relay
                     };
                     if let Err(e) = this.framer.push(&data, &mut this.scratch) {
-                        this.done = true;
-                        this.observer.on_end(Err("event too large"));
-                        return Poll::Ready(Some(Err(Box::new(e))));
+                        let detail = e.to_string();
+                        if let Some(e) = this.interrupt(&detail, Box::new(e)) {
+                            return Poll::Ready(Some(Err(e)));
+                        }
+                        continue;
                     }
-                    let now = Instant::now();
-                    for ev in this.scratch.drain(..) {
-                        this.observer.on_event(&ev, now);
-                        this.ready.push_back(ev);
-                    }
+                    let events: Vec<Bytes> = this.scratch.drain(..).collect();
+                    this.release(events, Instant::now());
                 }
                 Poll::Ready(Some(Err(e))) => {
-                    this.done = true;
                     let e: BoxError = e.into();
-                    this.observer.on_end(Err("upstream stream broke"));
-                    return Poll::Ready(Some(Err(e)));
+                    let detail = format!("the upstream broke: {e}");
+                    if let Some(e) = this.interrupt(&detail, e) {
+                        return Poll::Ready(Some(Err(e)));
+                    }
                 }
                 Poll::Ready(None) => {
-                    this.done = true;
                     let tail = this.framer.finish(&mut this.scratch);
-                    let now = Instant::now();
-                    for ev in this.scratch.drain(..) {
-                        this.observer.on_event(&ev, now);
-                        this.ready.push_back(ev);
+                    let events: Vec<Bytes> = this.scratch.drain(..).collect();
+                    this.release(events, Instant::now());
+                    let complete = this.gate.as_ref().is_none_or(|g| g.turn.terminal);
+                    if complete {
+                        this.done = true;
+                        if let Some(tail) = tail.filter(|_| this.gate.is_none()) {
+                            this.ready.push_back(tail);
+                        }
+                        this.observer.on_end(Ok(()));
+                    } else {
+                        let _ = this
+                            .interrupt("the upstream ended before its final event", "eof".into());
                     }
-                    if let Some(tail) = tail {
-                        this.ready.push_back(tail);
-                    }
-                    this.observer.on_end(Ok(()));
                 }
             }
         }

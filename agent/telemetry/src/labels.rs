@@ -70,7 +70,12 @@ impl Interner {
 
     /// The label value for `raw`. Known values cost one read lock and no allocation.
     pub fn get(&self, raw: &str) -> Label {
-        if let Some(label) = self.known.read().unwrap_or_else(PoisonError::into_inner).get(raw) {
+        if let Some(label) = self
+            .known
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(raw)
+        {
             return label.clone();
         }
         use std::sync::atomic::Ordering;

@@ -5,6 +5,7 @@
 //! value allocates nothing and an unknown one folds into `_OTHER` once the cap is hit.
 
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 use outrigger_types::CircuitState;
@@ -273,6 +274,11 @@ pub(crate) struct SloLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SloName {
+    slo: Label,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DroppedLabels {
     signal: &'static str,
     reason: &'static str,
@@ -334,6 +340,7 @@ struct Instruments {
     task_duration: Family<TaskLabels, Histogram>,
     task_recoveries: Family<ResultLabel, Counter>,
     slo_events: Family<SloLabels, CounterWithExemplar<TraceExemplar>>,
+    slo_objective: Family<SloName, Gauge<f64, AtomicU64>>,
     dropped: Family<DroppedLabels, Counter>,
 }
 
@@ -401,6 +408,7 @@ impl Metrics {
             task_duration: Family::new_with_constructor(task_duration),
             task_recoveries: Family::default(),
             slo_events: Family::default(),
+            slo_objective: Family::default(),
             dropped: Family::default(),
         };
         let registry = register(&i);
@@ -432,7 +440,11 @@ impl Metrics {
 
     /// Marks a request in flight until the returned guard drops.
     pub fn inflight(&self, route: RouteLabel) -> Inflight {
-        let gauge = self.i().inflight.get_or_create(&RouteOnly { route }).clone();
+        let gauge = self
+            .i()
+            .inflight
+            .get_or_create(&RouteOnly { route })
+            .clone();
         gauge.inc();
         Inflight { gauge }
     }
@@ -465,16 +477,18 @@ impl Metrics {
                 .map_or_else(|| l.empty.clone(), |e| l.misc.get(e)),
         };
         let exemplar = call.trace_id.map(TraceExemplar);
-        self.i()
-            .operation_duration
-            .get_or_create(&labels)
-            .observe(call.duration.as_secs_f64(), exemplar, None);
+        self.i().operation_duration.get_or_create(&labels).observe(
+            call.duration.as_secs_f64(),
+            exemplar,
+            None,
+        );
         if call.stream {
             if let Some(ttft) = call.ttft {
-                self.i()
-                    .time_to_first_chunk
-                    .get_or_create(&labels)
-                    .observe(ttft.as_secs_f64(), exemplar, None);
+                self.i().time_to_first_chunk.get_or_create(&labels).observe(
+                    ttft.as_secs_f64(),
+                    exemplar,
+                    None,
+                );
             }
             if !call.chunk_gaps.is_empty() {
                 let histogram = self.i().time_per_output_chunk.get_or_create(&labels);
@@ -650,6 +664,14 @@ impl Metrics {
             .inc_by(1, trace_id.map(TraceExemplar), None);
     }
 
+    /// Publishes an SLO's target, so alert rules can read it instead of repeating it.
+    pub(crate) fn slo_objective(&self, slo: &Label, target: f64) {
+        self.i()
+            .slo_objective
+            .get_or_create(&SloName { slo: slo.clone() })
+            .set(target);
+    }
+
     /// The counter of `signal` data dropped for `reason` (shared with the exporter
     /// threads, which count without touching the family again).
     pub(crate) fn dropped_counter(&self, signal: &'static str, reason: &'static str) -> Counter {
@@ -798,6 +820,11 @@ fn register(i: &Instruments) -> Registry {
         names::SLO_EVENTS,
         "SLO events by SLO, outcome (good, bad, excluded) and cause",
         i.slo_events.clone(),
+    );
+    r.register(
+        names::SLO_OBJECTIVE,
+        "Each configured SLO's target (the good fraction aimed for)",
+        i.slo_objective.clone(),
     );
     r.register(
         names::TELEMETRY_DROPPED,

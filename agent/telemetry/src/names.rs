@@ -74,6 +74,8 @@ pub const TASK_DURATION: &str = "outrigger_task_duration";
 pub const TASK_RECOVERIES: &str = "outrigger_task_recoveries";
 /// SLO events: the SLI and error-budget source.
 pub const SLO_EVENTS: &str = "outrigger_slo_events";
+/// Each configured SLO's target (gauge), for alert rules.
+pub const SLO_OBJECTIVE: &str = "outrigger_slo_objective";
 /// Telemetry the sidecar dropped rather than slow the request path.
 pub const TELEMETRY_DROPPED: &str = "outrigger_telemetry_dropped";
 
@@ -83,8 +85,14 @@ pub const TELEMETRY_DROPPED: &str = "outrigger_telemetry_dropped";
 pub const EXPOSED_METRICS: &[(&str, &str)] = &[
     ("gen_ai_client_operation_duration_seconds", "histogram"),
     ("gen_ai_client_token_usage", "histogram"),
-    ("gen_ai_client_operation_time_to_first_chunk_seconds", "histogram"),
-    ("gen_ai_client_operation_time_per_output_chunk_seconds", "histogram"),
+    (
+        "gen_ai_client_operation_time_to_first_chunk_seconds",
+        "histogram",
+    ),
+    (
+        "gen_ai_client_operation_time_per_output_chunk_seconds",
+        "histogram",
+    ),
     ("gen_ai_execute_tool_duration_seconds", "histogram"),
     ("http_server_request_duration_seconds", "histogram"),
     ("outrigger_http_requests", "counter"),
@@ -104,6 +112,7 @@ pub const EXPOSED_METRICS: &[(&str, &str)] = &[
     ("outrigger_task_duration_seconds", "histogram"),
     ("outrigger_task_recoveries", "counter"),
     ("outrigger_slo_events", "counter"),
+    ("outrigger_slo_objective", "gauge"),
     ("outrigger_telemetry_dropped", "counter"),
 ];
 
@@ -117,20 +126,8 @@ pub const GEN_AI_DURATION_BUCKETS: [f64; 14] = [
 ];
 /// Advisory buckets of `gen_ai.client.token.usage` (semconv v1.41.0).
 pub const GEN_AI_TOKEN_BUCKETS: [f64; 14] = [
-    1.0,
-    4.0,
-    16.0,
-    64.0,
-    256.0,
-    1024.0,
-    4096.0,
-    16384.0,
-    65536.0,
-    262144.0,
-    1048576.0,
-    4194304.0,
-    16777216.0,
-    67108864.0,
+    1.0, 4.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0, 1048576.0, 4194304.0,
+    16777216.0, 67108864.0,
 ];
 /// Advisory buckets of `http.server.request.duration` (stable HTTP conventions).
 pub const HTTP_DURATION_BUCKETS: [f64; 14] = [

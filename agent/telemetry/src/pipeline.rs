@@ -252,12 +252,7 @@ fn otlp_provider(
         .with_headers(otlp.headers.iter().cloned().collect())
         .build()
         .map_err(|e| Error::Export(format!("cannot build the OTLP exporter: {e}")))?;
-    Ok(bounded_provider(
-        exporter,
-        otlp,
-        resource(options),
-        metrics,
-    ))
+    Ok(bounded_provider(exporter, otlp, resource(options), metrics))
 }
 
 /// A tracer provider whose batch processor never blocks `on_end` and counts every

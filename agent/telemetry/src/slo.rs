@@ -16,10 +16,10 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use outrigger_types::{Cause, Exclusion, Failure, Outcome};
 use serde::{Deserialize, Serialize};
 
+use crate::Error;
 use crate::error::SloProblem;
 use crate::labels::{Label, TraceId};
 use crate::metrics::{Metrics, SloLabels};
-use crate::{Error, names};
 
 /// Width of one counting bucket. Burn-rate windows are whole buckets, so a "1h" rate
 /// covers between 60 and 65 minutes.
@@ -273,10 +273,13 @@ impl Sli {
 
     pub fn threshold(self) -> Option<Duration> {
         match self {
-            Self::TtftP95(t) | Self::TtftP99(t) | Self::InterTokenLatency(t) | Self::TaskWallClock(t) => {
-                Some(t)
+            Self::TtftP95(t)
+            | Self::TtftP99(t)
+            | Self::InterTokenLatency(t)
+            | Self::TaskWallClock(t) => Some(t),
+            Self::Availability | Self::AbortRate | Self::ToolSuccess | Self::RecoverySuccess => {
+                None
             }
-            Self::Availability | Self::AbortRate | Self::ToolSuccess | Self::RecoverySuccess => None,
         }
     }
 
@@ -331,7 +334,10 @@ impl Slo {
                 if !seen.insert(slo.name.clone()) {
                     problems.push(SloProblem {
                         path: format!("{path}.name"),
-                        message: format!("{:?} names another SLO too; names must be unique", slo.name),
+                        message: format!(
+                            "{:?} names another SLO too; names must be unique",
+                            slo.name
+                        ),
                     });
                 } else {
                     slos.push(slo);
@@ -366,7 +372,9 @@ fn validate(spec: &SloSpec, path: &str, problems: &mut Vec<SloProblem>) -> Optio
         Some(n)
             if n.is_empty()
                 || n.len() > 64
-                || !n.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) =>
+                || !n
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')) =>
         {
             problem(
                 "name",
@@ -397,7 +405,9 @@ fn validate(spec: &SloSpec, path: &str, problems: &mut Vec<SloProblem>) -> Optio
                 (None, _) => {
                     problem(
                         "object",
-                        format!("{raw:?}: expected model_calls, tool_calls or tasks, optionally with :<name>"),
+                        format!(
+                            "{raw:?}: expected model_calls, tool_calls or tasks, optionally with :<name>"
+                        ),
                     );
                     None
                 }
@@ -426,7 +436,10 @@ fn validate(spec: &SloSpec, path: &str, problems: &mut Vec<SloProblem>) -> Optio
                 None
             }
             Err(e) => {
-                problem("threshold", format!("{t:?} is not a duration ({e}); e.g. \"2s\""));
+                problem(
+                    "threshold",
+                    format!("{t:?} is not a duration ({e}); e.g. \"2s\""),
+                );
                 None
             }
         },
@@ -447,7 +460,9 @@ fn validate(spec: &SloSpec, path: &str, problems: &mut Vec<SloProblem>) -> Optio
                 "ttft_p99" => Ok(with_threshold(Sli::TtftP99)),
                 "inter_token_latency" => Ok(with_threshold(Sli::InterTokenLatency)),
                 "task_wall_clock" => Ok(with_threshold(Sli::TaskWallClock)),
-                other => Err(format!("{other:?} is not a built-in SLI; expected one of {SLI_NAMES}")),
+                other => Err(format!(
+                    "{other:?} is not a built-in SLI; expected one of {SLI_NAMES}"
+                )),
             };
             match parsed {
                 Err(e) => {
@@ -478,7 +493,12 @@ fn validate(spec: &SloSpec, path: &str, problems: &mut Vec<SloProblem>) -> Optio
         let kinds: Vec<&str> = metric.kinds().iter().map(|k| k.as_str()).collect();
         problem(
             "metric",
-            format!("{} measures {}, not {}", metric.name(), kinds.join(" or "), object.kind.as_str()),
+            format!(
+                "{} measures {}, not {}",
+                metric.name(),
+                kinds.join(" or "),
+                object.kind.as_str()
+            ),
         );
     }
 
@@ -488,7 +508,10 @@ fn validate(spec: &SloSpec, path: &str, problems: &mut Vec<SloProblem>) -> Optio
             None
         }
         Some(t) if !(t > 0.0 && t < 1.0) => {
-            problem("target", format!("{t} must be strictly between 0 and 1 (0.999 is 99.9%)"));
+            problem(
+                "target",
+                format!("{t} must be strictly between 0 and 1 (0.999 is 99.9%)"),
+            );
             None
         }
         Some(t) => {
@@ -520,7 +543,10 @@ fn validate(spec: &SloSpec, path: &str, problems: &mut Vec<SloProblem>) -> Optio
                 None
             }
             Err(e) => {
-                problem("window", format!("{w:?} is not a duration ({e}); e.g. \"28d\""));
+                problem(
+                    "window",
+                    format!("{w:?} is not a duration ({e}); e.g. \"28d\""),
+                );
                 None
             }
         },
@@ -569,7 +595,8 @@ fn validate(spec: &SloSpec, path: &str, problems: &mut Vec<SloProblem>) -> Optio
         }
         Some(ds) => match ds.split_once(':') {
             Some((kind, reference))
-                if matches!(kind, "prometheus" | "otlp" | "sidecar") && !reference.trim().is_empty() =>
+                if matches!(kind, "prometheus" | "otlp" | "sidecar")
+                    && !reference.trim().is_empty() =>
             {
                 Some(ds.to_owned())
             }
@@ -759,7 +786,10 @@ impl Counts {
 }
 
 fn cause_index(cause: Cause) -> usize {
-    Cause::ALL.iter().position(|c| *c == cause).unwrap_or(Cause::ALL.len() - 1)
+    Cause::ALL
+        .iter()
+        .position(|c| *c == cause)
+        .unwrap_or(Cause::ALL.len() - 1)
 }
 
 fn exclusion_index(why: Exclusion) -> usize {
@@ -855,18 +885,12 @@ impl SloStore for outrigger_journal::Journal {
             .map_err(|e| Error::Store(e.to_string()))
     }
 
-    fn save(
-        &self,
-        key: String,
-        value: Option<Vec<u8>>,
-    ) -> impl Future<Output = Result<(), Error>> + Send {
-        async move {
-            let result = match value {
-                Some(v) => self.kv_put(STORE_NAMESPACE, &key, v).await,
-                None => self.kv_delete(STORE_NAMESPACE, &key).await,
-            };
-            result.map_err(|e| Error::Store(e.to_string()))
-        }
+    async fn save(&self, key: String, value: Option<Vec<u8>>) -> Result<(), Error> {
+        let result = match value {
+            Some(v) => self.kv_put(STORE_NAMESPACE, &key, v).await,
+            None => self.kv_delete(STORE_NAMESPACE, &key).await,
+        };
+        result.map_err(|e| Error::Store(e.to_string()))
     }
 }
 
@@ -880,7 +904,11 @@ impl Slos {
         let tracked = slos
             .into_iter()
             .map(|slo| Tracked {
-                label: Label::new(&slo.name),
+                label: {
+                    let label = Label::new(&slo.name);
+                    metrics.slo_objective(&label, slo.target);
+                    label
+                },
                 slo,
                 buckets: BTreeMap::new(),
                 dirty: BTreeSet::new(),
@@ -1036,8 +1064,8 @@ impl Slos {
             let Some(t) = state.iter_mut().find(|t| t.slo.name == name) else {
                 continue;
             };
-            let counts: Counts = serde_json::from_slice(&value)
-                .map_err(|e| Error::Store(format!("{key}: {e}")))?;
+            let counts: Counts =
+                serde_json::from_slice(&value).map_err(|e| Error::Store(format!("{key}: {e}")))?;
             t.buckets.entry(bucket).or_default().add(&counts);
             restored += 1;
         }
@@ -1066,8 +1094,8 @@ impl Slos {
                 }
                 for b in std::mem::take(&mut t.dirty) {
                     if let Some(c) = t.buckets.get(&b) {
-                        let bytes = serde_json::to_vec(c)
-                            .map_err(|e| Error::Store(e.to_string()))?;
+                        let bytes =
+                            serde_json::to_vec(c).map_err(|e| Error::Store(e.to_string()))?;
                         ops.push((i, b, store_key(&t.slo.name, b), Some(bytes)));
                     }
                 }
@@ -1104,11 +1132,6 @@ impl Slos {
         let state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         state.iter().map(|t| t.slo.name.clone()).collect()
     }
-}
-
-/// The Prometheus counter an SLO's `data_source` usually names.
-pub fn prometheus_counter() -> String {
-    format!("{}_total", names::SLO_EVENTS)
 }
 
 #[cfg(test)]

@@ -187,10 +187,16 @@ pub fn finish_model_call(span: &Span, end: &ModelCallEnd<'_>) {
     }
     // OpenTelemetry integers are i64; a u64 would be exported as a string.
     if let Some(v) = end.tokens_in {
-        span.record(names::ATTR_USAGE_INPUT_TOKENS, i64::try_from(v).unwrap_or(i64::MAX));
+        span.record(
+            names::ATTR_USAGE_INPUT_TOKENS,
+            i64::try_from(v).unwrap_or(i64::MAX),
+        );
     }
     if let Some(v) = end.tokens_out {
-        span.record(names::ATTR_USAGE_OUTPUT_TOKENS, i64::try_from(v).unwrap_or(i64::MAX));
+        span.record(
+            names::ATTR_USAGE_OUTPUT_TOKENS,
+            i64::try_from(v).unwrap_or(i64::MAX),
+        );
     }
     span.record(names::ATTR_ATTEMPTS, i64::from(end.attempts));
     span.record(names::ATTR_REPLAYED, end.replayed);

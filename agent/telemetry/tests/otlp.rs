@@ -17,7 +17,10 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 /// A collector on 127.0.0.1 that decodes every `POST /v1/traces` and hands it over.
-async fn collector() -> std::io::Result<(String, mpsc::UnboundedReceiver<(String, ExportTraceServiceRequest)>)> {
+async fn collector() -> std::io::Result<(
+    String,
+    mpsc::UnboundedReceiver<(String, ExportTraceServiceRequest)>,
+)> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let (tx, rx) = mpsc::unbounded_channel();
@@ -29,7 +32,12 @@ async fn collector() -> std::io::Result<(String, mpsc::UnboundedReceiver<(String
                     let tx = tx.clone();
                     async move {
                         let path = req.uri().path().to_owned();
-                        let body = req.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+                        let body = req
+                            .into_body()
+                            .collect()
+                            .await
+                            .map(|b| b.to_bytes())
+                            .unwrap_or_default();
                         let status = match ExportTraceServiceRequest::decode(body) {
                             Ok(decoded) => {
                                 let _ = tx.send((path, decoded));
@@ -38,7 +46,8 @@ async fn collector() -> std::io::Result<(String, mpsc::UnboundedReceiver<(String
                             Err(_) => 400,
                         };
                         let mut resp = Response::new(Full::new(Bytes::new()));
-                        *resp.status_mut() = hyper::StatusCode::from_u16(status).unwrap_or_default();
+                        *resp.status_mut() =
+                            hyper::StatusCode::from_u16(status).unwrap_or_default();
                         resp.headers_mut().insert(
                             hyper::header::CONTENT_TYPE,
                             hyper::header::HeaderValue::from_static("application/x-protobuf"),
@@ -142,25 +151,71 @@ async fn spans_reach_a_loopback_collector() -> Result<(), Box<dyn std::error::Er
             }
         }
     }
-    assert_eq!(value(&resource_attributes, names::RESOURCE_SERVICE_NAME), Some(&text("outrigger-test")));
-    assert_eq!(value(&resource_attributes, names::RESOURCE_SERVICE_INSTANCE_ID), Some(&text("instance-1")));
+    assert_eq!(
+        value(&resource_attributes, names::RESOURCE_SERVICE_NAME),
+        Some(&text("outrigger-test"))
+    );
+    assert_eq!(
+        value(&resource_attributes, names::RESOURCE_SERVICE_INSTANCE_ID),
+        Some(&text("instance-1"))
+    );
     assert!(value(&resource_attributes, names::RESOURCE_SERVICE_VERSION).is_some());
-    assert!(scopes.iter().all(|(name, url)| name == names::SCOPE && url == names::SCHEMA_URL), "{scopes:?}");
+    assert!(
+        scopes
+            .iter()
+            .all(|(name, url)| name == names::SCOPE && url == names::SCHEMA_URL),
+        "{scopes:?}"
+    );
 
-    let find = |name: &str| spans.iter().find(|s| s.name == name).ok_or(format!("no span {name}"));
+    let find = |name: &str| {
+        spans
+            .iter()
+            .find(|s| s.name == name)
+            .ok_or(format!("no span {name}"))
+    };
     let call = find("chat claude-x")?;
     let attempt = find("POST")?;
     let tool = find("execute_tool payments")?;
     assert_eq!(attempt.parent_span_id, call.span_id);
-    assert_eq!(value(&call.attributes, names::ATTR_PROVIDER_NAME), Some(&text("anthropic")));
-    assert_eq!(value(&call.attributes, names::ATTR_RESPONSE_MODEL), Some(&text("claude-x-2026")));
-    assert_eq!(value(&call.attributes, names::ATTR_USAGE_OUTPUT_TOKENS), Some(&Value::IntValue(7)));
-    assert_eq!(value(&call.attributes, names::ATTR_INPUT_MESSAGES), Some(&text("hello")));
-    assert_eq!(value(&tool.attributes, names::ATTR_JOURNAL_STATE), Some(&text("completed")));
+    assert_eq!(
+        value(&call.attributes, names::ATTR_PROVIDER_NAME),
+        Some(&text("anthropic"))
+    );
+    assert_eq!(
+        value(&call.attributes, names::ATTR_RESPONSE_MODEL),
+        Some(&text("claude-x-2026"))
+    );
+    assert_eq!(
+        value(&call.attributes, names::ATTR_USAGE_OUTPUT_TOKENS),
+        Some(&Value::IntValue(7))
+    );
+    assert_eq!(
+        value(&call.attributes, names::ATTR_INPUT_MESSAGES),
+        Some(&text("hello"))
+    );
+    assert_eq!(
+        value(&tool.attributes, names::ATTR_JOURNAL_STATE),
+        Some(&text("completed"))
+    );
     for span in [call, attempt, tool] {
-        assert_eq!(value(&span.attributes, names::ATTR_REQUEST_ID), Some(&text("01JREQ")), "{}", span.name);
-        assert_eq!(value(&span.attributes, names::ATTR_TASK_ID), Some(&text("task-9")), "{}", span.name);
-        assert_eq!(value(&span.attributes, names::ATTR_GPU_ID), Some(&text("GPU-1")), "{}", span.name);
+        assert_eq!(
+            value(&span.attributes, names::ATTR_REQUEST_ID),
+            Some(&text("01JREQ")),
+            "{}",
+            span.name
+        );
+        assert_eq!(
+            value(&span.attributes, names::ATTR_TASK_ID),
+            Some(&text("task-9")),
+            "{}",
+            span.name
+        );
+        assert_eq!(
+            value(&span.attributes, names::ATTR_GPU_ID),
+            Some(&text("GPU-1")),
+            "{}",
+            span.name
+        );
     }
     tokio::task::spawn_blocking(move || guard.shutdown()).await??;
     Ok(())

@@ -17,6 +17,7 @@
 //! `outrigger-mock` binary used by the demo and the benchmarks.
 
 pub mod checker;
+pub mod faultproxy;
 pub mod http;
 pub mod mcp;
 pub mod passthrough;

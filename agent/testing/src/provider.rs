@@ -38,12 +38,18 @@ pub struct Behaviour {
     pub retry_after: Option<u64>,
     /// Abort the connection after this many stream events (no terminator).
     pub cut_after: Option<usize>,
+    /// Abort the connection after this many body bytes, mid-event if it falls there.
+    pub cut_bytes: Option<usize>,
     /// Answer 400 "context length exceeded" in the dialect's shape.
     pub context_overflow: bool,
     /// Finish with the dialect's content-filter reason.
     pub content_filtered: bool,
     /// Answer 200 with the request's headers as JSON (to test credential handling).
     pub echo_headers: bool,
+    /// Act like an agent's model for a task of this many tool steps: one tool call
+    /// per turn until the conversation holds that many tool results, then a final
+    /// text answer (`tool_calls` is ignored).
+    pub agent_steps: Option<usize>,
 }
 
 impl Default for Behaviour {
@@ -56,9 +62,11 @@ impl Default for Behaviour {
             status: None,
             retry_after: None,
             cut_after: None,
+            cut_bytes: None,
             context_overflow: false,
             content_filtered: false,
             echo_headers: false,
+            agent_steps: None,
         }
     }
 }
@@ -80,9 +88,11 @@ impl Behaviour {
                 "status" => self.status = Some(num()? as u16),
                 "retry_after" => self.retry_after = Some(num()?),
                 "cut_after" => self.cut_after = Some(num()? as usize),
+                "cut_bytes" => self.cut_bytes = Some(num()? as usize),
                 "context_overflow" => self.context_overflow = v == "true",
                 "content_filter" => self.content_filtered = v == "true",
                 "echo" => self.echo_headers = v == "true",
+                "agent_steps" => self.agent_steps = Some(num()? as usize),
                 other => return Err(format!("x-mock: unknown key {other:?}")),
             }
         }
@@ -308,7 +318,10 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         n,
         model: parsed["model"].as_str().unwrap_or("mock-model").to_string(),
         chunks: behaviour.chunks,
-        tool_calls: behaviour.tool_calls,
+        tool_calls: match behaviour.agent_steps {
+            Some(steps) => usize::from(tool_results(&parsed) < steps),
+            None => behaviour.tool_calls,
+        },
         prompt_tokens: (body.len() as u64 / 4).max(1),
         include_usage: parsed["stream_options"]["include_usage"].as_bool() == Some(true),
         content_filtered: behaviour.content_filtered,
@@ -349,6 +362,7 @@ fn stream_response(
     struct St {
         events: std::vec::IntoIter<String>,
         index: usize,
+        written: usize,
         behaviour: Behaviour,
         sent: Arc<Mutex<Vec<u8>>>,
         end: Arc<Mutex<Option<StreamEnd>>>,
@@ -368,6 +382,7 @@ fn stream_response(
     let st = St {
         events: events.into_iter(),
         index: 0,
+        written: 0,
         behaviour,
         sent,
         end,
@@ -391,10 +406,19 @@ fn stream_response(
             tokio::time::sleep(st.behaviour.chunk_delay).await;
         }
         st.index += 1;
-        if let Ok(mut s) = st.sent.lock() {
-            s.extend_from_slice(event.as_bytes());
+        let mut bytes = Bytes::from(event);
+        if let Some(limit) = st.behaviour.cut_bytes
+            && st.written + bytes.len() > limit
+        {
+            // Send what fits, then break the connection on the next poll.
+            bytes.truncate(limit - st.written);
+            st.behaviour.cut_after = Some(st.index);
         }
-        Some((Ok(Frame::data(Bytes::from(event))), st))
+        st.written += bytes.len();
+        if let Ok(mut s) = st.sent.lock() {
+            s.extend_from_slice(&bytes);
+        }
+        Some((Ok(Frame::data(bytes)), st))
     });
     let mut resp = Response::new(StreamBody::new(stream).boxed_unsync());
     let h = resp.headers_mut();
@@ -407,6 +431,28 @@ fn stream_response(
         hyper::header::HeaderValue::from_static("no-cache"),
     );
     resp
+}
+
+/// Tool results in a conversation (OpenAI `role: tool` messages, Anthropic
+/// `tool_result` blocks).
+fn tool_results(request: &serde_json::Value) -> usize {
+    request["messages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|m| {
+            if m["role"] == "tool" {
+                1
+            } else {
+                m["content"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|b| b["type"] == "tool_result")
+                    .count()
+            }
+        })
+        .sum()
 }
 
 fn error_body(dialect: Dialect, status: u16) -> serde_json::Value {

@@ -97,7 +97,9 @@ fn assert_scenario_passes(bytes: &[u8], folder: &str) -> Scenario {
         .join("scenario.toml");
     let text = std::fs::read_to_string(&path).expect("the example's scenario");
     let scenario = Scenario::from_toml(&text).expect("the scenario parses");
-    let report = kit().run_scenario(bytes, &scenario).expect("the scenario runs");
+    let report = kit()
+        .run_scenario(bytes, &scenario)
+        .expect("the scenario runs");
     assert_eq!(report.steps.len(), scenario.steps.len());
     assert!(report.passed(), "{}:\n{report}", path.display());
     scenario
@@ -156,9 +158,15 @@ fn python_budget_policy_downgrades_past_80_and_rejects_past_100_percent() {
     assert_eq!(scenario.params, scenario_params);
 
     let defaults = kit().load(&bytes, BTreeMap::new()).expect("loads");
-    assert_eq!(defaults.budget(&budget_at(7_400)), Ok(BudgetDecision::Admit));
+    assert_eq!(
+        defaults.budget(&budget_at(7_400)),
+        Ok(BudgetDecision::Admit)
+    );
     // Exactly 80 % is not past 80 %.
-    assert_eq!(defaults.budget(&budget_at(7_500)), Ok(BudgetDecision::Admit));
+    assert_eq!(
+        defaults.budget(&budget_at(7_500)),
+        Ok(BudgetDecision::Admit)
+    );
     assert_eq!(
         defaults.budget(&budget_at(7_600)),
         Ok(BudgetDecision::Downgrade("small".into()))

@@ -19,6 +19,18 @@ pub struct Config {
     pub resilience: Resilience,
     pub budget: Budget,
     pub gpu: Gpu,
+    pub streams: Streams,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct Streams {
+    /// Answer a repeated identical model request of a task from the journal.
+    pub replay_in_task: Option<bool>,
+    /// How long a generation keeps being drained after its last client left.
+    pub detach_timeout: Option<String>,
+    pub max_stream_bytes: Option<usize>,
+    pub cancel_on_disconnect: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -24,15 +24,19 @@ use outrigger_types::{
 
 pub use list::list;
 
+use outrigger_journal::{
+    Journal, StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest, StreamState,
+};
+
 use self::attempts::{Ended, Mechanics, Plan, Success, Trail};
 use self::request::ModelRequest;
 use crate::body::{self, Body, BoxError, Guarded};
 use crate::error::Error;
-use crate::events::{Kind, Turn};
+use crate::events::{Gate, Kind, Turn};
 use crate::options::{Dialect, Provider};
 use crate::relay::{SseRelay, StreamObserver};
 use crate::resilience::Reservation;
-use crate::{RequestContext, Shared, headers, keys};
+use crate::{RequestContext, Shared, headers, keys, streams};
 
 /// What the model call resolved to, for metrics and logs.
 pub struct Routed {
@@ -55,13 +59,168 @@ pub async fn call(
 ) -> Result<Response<Body>, Error> {
     let (parts, body) = req.into_parts();
     let bytes = body::read_limited(body, shared.options.limits.max_body_bytes).await?;
-    let mut request = ModelRequest::parse(dialect, bytes)?;
-    let mut primary = resolve(shared, dialect, &request.model)?;
-    let mut trail = Trail::default();
+    let request = ModelRequest::parse(dialect, bytes)?;
+    let primary = resolve(shared, dialect, &request.model)?;
+    *routed = Some(Routed {
+        provider: primary.name.clone(),
+    });
+    let keyed = match &shared.journal {
+        Some(_) => streams::key_for(&parts.headers, ctx, &request, &shared.options.streams)?,
+        None => None,
+    };
+    let (Some(keyed), Some(journal)) = (keyed, shared.journal.clone()) else {
+        return generate(shared, request, primary, parts.headers, ctx, routed, None).await;
+    };
 
+    let last_event_id = parts
+        .headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(streams::parse_event_id);
+    let begin = journal
+        .stream_begin(
+            &keyed.key,
+            StreamRequest {
+                fingerprint: streams::fingerprint(&request),
+                task_id: ctx.task_id.clone(),
+                request_id: ctx.request_id.clone(),
+                provider: primary.name.clone(),
+                model: request.model.clone(),
+                policy_versions: Vec::new(),
+            },
+        )
+        .await
+        .map_err(Error::Journal)?;
+    let attempt = match begin {
+        StreamBegin::Mismatch { meta } => {
+            return Err(Error::StreamKeyReused {
+                key: meta.key.to_string(),
+            });
+        }
+        StreamBegin::Existing { meta } => {
+            let resp = replay(shared, &journal, &keyed, meta, &request, ctx, last_event_id).await?;
+            return Ok(streams::with_key(resp, &keyed.key));
+        }
+        StreamBegin::New { attempt } => attempt,
+    };
+    let resp = generate(
+        shared,
+        request,
+        primary,
+        parts.headers,
+        ctx,
+        routed,
+        Some((journal, keyed.key.clone(), attempt)),
+    )
+    .await?;
+    Ok(streams::with_key(resp, &keyed.key))
+}
+
+/// Answers from an existing stream: the journal for a completed one, the live hub
+/// for one still being generated in this process.
+async fn replay(
+    shared: &Arc<Shared>,
+    journal: &Journal,
+    keyed: &streams::Keyed,
+    mut meta: StreamMeta,
+    request: &ModelRequest,
+    ctx: &RequestContext,
+    last_event_id: Option<(u32, u64)>,
+) -> Result<Response<Body>, Error> {
+    for _ in 0..50 {
+        match meta.state {
+            StreamState::Completed => {
+                let (attempt, after) = match last_event_id {
+                    Some((a, s)) => (a, Some(s)),
+                    None => (meta.attempt, None),
+                };
+                let events = journal
+                    .stream_events(&keyed.key, attempt, after)
+                    .map_err(Error::Journal)?;
+                if after.is_none() {
+                    streams::correlate_replay(
+                        shared,
+                        ctx.task_id.as_ref(),
+                        request.dialect,
+                        &events,
+                    );
+                }
+                tracing::debug!(key = %keyed.key, events = events.len(), "model call answered from the journal");
+                if request.stream {
+                    return Ok(streams::journal_response(events, attempt));
+                }
+                let body = events
+                    .into_iter()
+                    .next()
+                    .map(|(_, b)| b)
+                    .unwrap_or_default();
+                let mut resp = Response::new(body::full(body));
+                resp.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("application/json"),
+                );
+                resp.headers_mut()
+                    .insert(headers::REPLAYED, http::HeaderValue::from_static("true"));
+                return Ok(resp);
+            }
+            StreamState::Open => {
+                if let Some(live) = shared.streams.get(&keyed.key) {
+                    if !request.stream {
+                        return Err(Error::StreamInProgress {
+                            key: keyed.key.to_string(),
+                        });
+                    }
+                    let from = match last_event_id {
+                        Some((a, s)) if a == live.attempt => {
+                            usize::try_from(s + 1).unwrap_or(usize::MAX)
+                        }
+                        Some(_) => return Ok(streams::nothing_more()),
+                        None => 0,
+                    };
+                    return Ok(streams::live_response(&live, from, true));
+                }
+            }
+            StreamState::Failed | StreamState::Abandoned => {
+                return Ok(streams::nothing_more());
+            }
+        }
+        // Open, but its producer is finishing: read again.
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        meta = journal
+            .stream_meta(&keyed.key)
+            .map_err(Error::Journal)?
+            .ok_or_else(|| Error::StreamInProgress {
+                key: keyed.key.to_string(),
+            })?;
+    }
+    Err(Error::StreamInProgress {
+        key: keyed.key.to_string(),
+    })
+}
+
+/// A fresh generation: budget, fallback order, the attempt loop, then the relay (or,
+/// with a journal, the producer).
+async fn generate(
+    shared: &Arc<Shared>,
+    mut request: ModelRequest,
+    mut primary: &Provider,
+    agent_headers: http::HeaderMap,
+    ctx: &RequestContext,
+    routed: &mut Option<Routed>,
+    journaled: Option<(Journal, StreamKey, u32)>,
+) -> Result<Response<Body>, Error> {
+    let dialect = request.dialect;
+    let mut trail = Trail::default();
     let reservation = match &ctx.task_id {
         Some(task) if !shared.options.budget.limits.is_unlimited() => {
-            let (reservation, downgrade) = admit(shared, task, ctx, &request, primary, &mut trail)?;
+            let admitted = admit(shared, task, ctx, &request, primary, &mut trail);
+            let (reservation, downgrade) = match admitted {
+                Ok(a) => a,
+                Err(e) => {
+                    end_failed(&journaled, &e.to_string()).await;
+                    return Err(e);
+                }
+            };
             if let Some(model) = downgrade {
                 tracing::info!(task = %task, from = %request.model, to = %model, "budget downgrade");
                 request.body = request.with_model(&model);
@@ -77,7 +236,6 @@ pub async fn call(
     });
 
     let order = order(shared, ctx, &request, primary, &mut trail);
-    let agent_headers = parts.headers;
     let build = |p: &Provider| -> Result<Request<Full<Bytes>>, Error> {
         let model = model_for(p, primary, &request);
         build_request(
@@ -111,7 +269,21 @@ pub async fn call(
             *routed = Some(Routed {
                 provider: success.provider.name.clone(),
             });
-            Ok(relay(shared, success, ctx.task_id.as_ref(), reservation))
+            match journaled {
+                Some((journal, key, attempt)) => {
+                    produce(
+                        shared,
+                        success,
+                        ctx.task_id.as_ref(),
+                        reservation,
+                        journal,
+                        key,
+                        attempt,
+                    )
+                    .await
+                }
+                None => Ok(relay(shared, success, ctx.task_id.as_ref(), reservation)),
+            }
         }
         Err(Ended::Answer {
             provider,
@@ -122,6 +294,7 @@ pub async fn call(
             *routed = Some(Routed {
                 provider: provider.name.clone(),
             });
+            end_failed(&journaled, &format!("upstream answered {}", parts.status)).await;
             // A faithful pass-through of the last answer, scrubbed of the key.
             headers::strip_hop_by_hop(&mut parts.headers);
             parts.headers.remove(header::CONTENT_LENGTH);
@@ -138,9 +311,123 @@ pub async fn call(
                     provider: p.name.clone(),
                 });
             }
+            end_failed(&journaled, &error.to_string()).await;
             Err(error)
         }
     }
+}
+
+/// Records that a journaled call produced no stream (so a retry starts afresh).
+async fn end_failed(journaled: &Option<(Journal, StreamKey, u32)>, reason: &str) {
+    if let Some((journal, key, attempt)) = journaled
+        && let Err(e) = journal
+            .stream_end(
+                key,
+                *attempt,
+                StreamEnd::Failed {
+                    reason: reason.to_string(),
+                },
+            )
+            .await
+    {
+        tracing::warn!(%key, error = %e, "could not record a failed model call");
+    }
+}
+
+/// Journals a successful attempt: a stream through the producer, a plain body whole.
+async fn produce(
+    shared: &Arc<Shared>,
+    success: Success<'_, Incoming>,
+    task: Option<&TaskId>,
+    reservation: Option<Reservation>,
+    journal: Journal,
+    key: StreamKey,
+    attempt: u32,
+) -> Result<Response<Body>, Error> {
+    let Success {
+        provider,
+        mut parts,
+        body,
+        framer,
+        first_events,
+        permit,
+        ..
+    } = success;
+    headers::strip_hop_by_hop(&mut parts.headers);
+    let price = (provider.caps.price_in, provider.caps.price_out);
+    let Some(framer) = framer else {
+        // A plain answer: journal it whole, durably, before it is released.
+        let bytes = body::read_limited(body, shared.options.limits.max_body_bytes)
+            .await
+            .map_err(|e| Error::StreamBroke {
+                target: provider.name.clone(),
+                detail: e.to_string(),
+            })?;
+        drop(permit);
+        let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+        if let Some(task) = task {
+            shared.correlator.record(task, keys::calls_in_response(&v));
+        }
+        let usage = plain_usage(&v);
+        if let (Some(r), Some((i, o))) = (reservation, usage) {
+            r.settle(&actual(price, i, o));
+        }
+        journal
+            .stream_append(&key, attempt, 0, bytes.clone(), true)
+            .await
+            .map_err(Error::Journal)?;
+        journal
+            .stream_end(
+                &key,
+                attempt,
+                StreamEnd::Completed {
+                    usage: v["usage"].clone(),
+                },
+            )
+            .await
+            .map_err(Error::Journal)?;
+        parts.headers.remove(header::CONTENT_LENGTH);
+        return Ok(Response::from_parts(parts, body::full(bytes)));
+    };
+    let live = streams::Live::new_for(&key, attempt, provider.dialect, &shared.options.streams);
+    let task = task.cloned();
+    let shared2 = shared.clone();
+    let mut reservation = reservation;
+    let on_end = Box::new(move |gate: &Gate, _ended: streams::Ended| {
+        if let Some(task) = &task {
+            shared2.correlator.record(task, gate.turn.completed_calls());
+        }
+        match (reservation.take(), gate.turn.usage) {
+            (Some(r), Some(u)) => r.settle(&actual(price, u.input, u.output)),
+            (Some(r), None) => r.settle_estimate(),
+            (None, _) => {}
+        }
+    });
+    let production = streams::Production {
+        shared: shared.clone(),
+        journal,
+        live: live.clone(),
+        gate: Gate::new(provider.dialect),
+        framer,
+        first_events,
+        on_end,
+        permit,
+    };
+    streams::spawn(shared, live.clone(), production, body);
+    let mut resp = streams::live_response(&live, 0, false);
+    *resp.status_mut() = parts.status;
+    Ok(resp)
+}
+
+fn plain_usage(v: &serde_json::Value) -> Option<(u64, u64)> {
+    let usage = &v["usage"];
+    let i = usage["prompt_tokens"]
+        .as_u64()
+        .or_else(|| usage["input_tokens"].as_u64())?;
+    let o = usage["completion_tokens"]
+        .as_u64()
+        .or_else(|| usage["output_tokens"].as_u64())?;
+    Some((i, o))
 }
 
 fn resolve<'a>(shared: &'a Shared, dialect: Dialect, model: &str) -> Result<&'a Provider, Error> {
@@ -346,8 +633,12 @@ fn relay(
                 price: (provider.caps.price_in, provider.caps.price_out),
             });
             match observer {
-                Some(o) => SseRelay::resume(body, framer, first_events, o).boxed_unsync(),
-                None => SseRelay::resume(body, framer, first_events, ()).boxed_unsync(),
+                Some(o) => SseRelay::resume(body, framer, first_events, o)
+                    .gated(provider.dialect)
+                    .boxed_unsync(),
+                None => SseRelay::resume(body, framer, first_events, ())
+                    .gated(provider.dialect)
+                    .boxed_unsync(),
             }
         }
         None if task.is_some() => {

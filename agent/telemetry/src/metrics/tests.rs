@@ -69,6 +69,7 @@ fn exercised() -> Metrics {
         },
         trace(),
     );
+    m.slo_objective(&Label::new("llm-availability"), 0.999);
     m.dropped_counter("spans", "queue_full").inc();
     m
 }
@@ -108,17 +109,25 @@ fn checked_in() -> BTreeMap<String, (String, String)> {
 fn emitted_names_types_and_units_match_the_checked_in_list() {
     let emitted = families(&exercised().encode());
     let expected = checked_in();
-    let missing: Vec<_> = expected.keys().filter(|k| !emitted.contains_key(*k)).collect();
-    let extra: Vec<_> = emitted.keys().filter(|k| !expected.contains_key(*k)).collect();
-    assert!(missing.is_empty() && extra.is_empty(), "missing {missing:?}, unexpected {extra:?}");
+    let missing: Vec<_> = expected
+        .keys()
+        .filter(|k| !emitted.contains_key(*k))
+        .collect();
+    let extra: Vec<_> = emitted
+        .keys()
+        .filter(|k| !expected.contains_key(*k))
+        .collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "missing {missing:?}, unexpected {extra:?}"
+    );
     assert_eq!(emitted, expected);
     // And the constants module lists the same families.
     let constants: BTreeMap<String, String> = names::EXPOSED_METRICS
         .iter()
         .map(|(n, t)| ((*n).to_owned(), (*t).to_owned()))
         .collect();
-    let file: BTreeMap<String, String> =
-        expected.into_iter().map(|(n, (t, _))| (n, t)).collect();
+    let file: BTreeMap<String, String> = expected.into_iter().map(|(n, (t, _))| (n, t)).collect();
     assert_eq!(constants, file);
 }
 
@@ -145,11 +154,23 @@ fn genai_histograms_use_the_semconv_buckets() {
     };
     let duration = expect(&names::GEN_AI_DURATION_BUCKETS);
     assert_eq!(bounds("gen_ai_client_operation_duration_seconds"), duration);
-    assert_eq!(bounds("gen_ai_client_operation_time_to_first_chunk_seconds"), duration);
-    assert_eq!(bounds("gen_ai_client_operation_time_per_output_chunk_seconds"), duration);
+    assert_eq!(
+        bounds("gen_ai_client_operation_time_to_first_chunk_seconds"),
+        duration
+    );
+    assert_eq!(
+        bounds("gen_ai_client_operation_time_per_output_chunk_seconds"),
+        duration
+    );
     assert_eq!(bounds("gen_ai_execute_tool_duration_seconds"), duration);
-    assert_eq!(bounds("gen_ai_client_token_usage"), expect(&names::GEN_AI_TOKEN_BUCKETS));
-    assert_eq!(bounds("outrigger_task_duration_seconds"), expect(&names::TASK_DURATION_BUCKETS));
+    assert_eq!(
+        bounds("gen_ai_client_token_usage"),
+        expect(&names::GEN_AI_TOKEN_BUCKETS)
+    );
+    assert_eq!(
+        bounds("outrigger_task_duration_seconds"),
+        expect(&names::TASK_DURATION_BUCKETS)
+    );
 }
 
 #[test]
@@ -162,15 +183,19 @@ fn exemplars_carry_the_trace_id_where_promised() {
         "outrigger_slo_events_total",
     ] {
         assert!(
-            text.lines().any(|l| l.starts_with(metric) && l.contains(&exemplar)),
+            text.lines()
+                .any(|l| l.starts_with(metric) && l.contains(&exemplar)),
             "no exemplar on {metric}:\n{text}"
         );
     }
     // 0.9 s falls in the 0.64 < v <= 1.28 bucket: the exemplar sits on that line.
-    let line = text
-        .lines()
-        .find(|l| l.starts_with("gen_ai_client_operation_duration_seconds_bucket") && l.contains(&exemplar));
-    assert!(line.is_some_and(|l| l.contains("le=\"1.28\"") && l.ends_with(" 0.9")), "{line:?}");
+    let line = text.lines().find(|l| {
+        l.starts_with("gen_ai_client_operation_duration_seconds_bucket") && l.contains(&exemplar)
+    });
+    assert!(
+        line.is_some_and(|l| l.contains("le=\"1.28\"") && l.ends_with(" 0.9")),
+        "{line:?}"
+    );
 }
 
 #[test]
@@ -180,14 +205,31 @@ fn model_call_records_tokens_ttft_and_each_chunk_gap() {
     assert!(text.contains(&format!(
         "gen_ai_client_operation_time_per_output_chunk_seconds_count{{{series},error_type=\"\"}} 2"
     )), "{text}");
-    assert!(text.contains(&format!(
-        "gen_ai_client_token_usage_sum{{{series},gen_ai_token_type=\"input\"}} 120.0"
-    )), "{text}");
-    assert!(text.contains(&format!(
-        "gen_ai_client_token_usage_sum{{{series},gen_ai_token_type=\"output\"}} 40.0"
-    )), "{text}");
-    assert!(text.contains("outrigger_breaker_state{target=\"openai\"} 2"), "{text}");
-    assert!(text.contains("outrigger_telemetry_dropped_total{signal=\"spans\",reason=\"queue_full\"} 1"));
+    assert!(
+        text.contains(&format!(
+            "gen_ai_client_token_usage_sum{{{series},gen_ai_token_type=\"input\"}} 120.0"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!(
+            "gen_ai_client_token_usage_sum{{{series},gen_ai_token_type=\"output\"}} 40.0"
+        )),
+        "{text}"
+    );
+    assert!(
+        text.contains("outrigger_breaker_state{target=\"openai\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("outrigger_slo_objective{slo=\"llm-availability\"} 0.999"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "outrigger_telemetry_dropped_total{signal=\"spans\",reason=\"queue_full\"} 1"
+        )
+    );
 }
 
 #[test]
@@ -248,13 +290,23 @@ fn labels_are_bounded_and_ids_never_become_labels() {
     assert_eq!(models.len(), 4, "{models:?}");
     assert!(models.contains(names::OTHER));
 
-    let forbidden = ["request_id", "task_id", "response_id", "tool_call_id", "idempotency_key", "trace_id"];
+    let forbidden = [
+        "request_id",
+        "task_id",
+        "response_id",
+        "tool_call_id",
+        "idempotency_key",
+        "trace_id",
+    ];
     let text = exercised().encode();
     for line in text.lines().filter(|l| !l.starts_with('#')) {
         // Exemplars follow " # "; only the series' own labels count.
         let series = line.split(" # ").next().unwrap_or(line);
         for key in forbidden {
-            assert!(!series.contains(&format!("{key}=")), "{key} used as a label: {line}");
+            assert!(
+                !series.contains(&format!("{key}=")),
+                "{key} used as a label: {line}"
+            );
         }
     }
 }

@@ -57,7 +57,8 @@ fn otlp(endpoint: String) -> OtlpOptions {
 }
 
 fn dropped(metrics: &Metrics, reason: &str) -> u64 {
-    let needle = format!("outrigger_telemetry_dropped_total{{signal=\"spans\",reason=\"{reason}\"}} ");
+    let needle =
+        format!("outrigger_telemetry_dropped_total{{signal=\"spans\",reason=\"{reason}\"}} ");
     metrics
         .encode()
         .lines()
@@ -66,7 +67,8 @@ fn dropped(metrics: &Metrics, reason: &str) -> u64 {
 }
 
 #[test]
-fn a_black_hole_collector_does_not_slow_the_request_path() -> Result<(), Box<dyn std::error::Error>> {
+fn a_black_hole_collector_does_not_slow_the_request_path() -> Result<(), Box<dyn std::error::Error>>
+{
     // Accepts connections and never reads or answers them.
     let hole = TcpListener::bind("127.0.0.1:0")?;
     let addr = hole.local_addr()?;
@@ -102,14 +104,25 @@ fn a_black_hole_collector_does_not_slow_the_request_path() -> Result<(), Box<dyn
         "1000 spans: {:?} with an instant exporter, {:?} with a black-hole collector",
         baseline, dead
     );
-    assert!(dead < Duration::from_millis(50), "1000 span emissions took {dead:?}");
+    assert!(
+        dead < Duration::from_millis(50),
+        "1000 span emissions took {dead:?}"
+    );
     // The queue is bounded: what did not fit was dropped and counted.
-    assert!(dropped(&metrics, "queue_full") >= 5100 - 256 - 64, "{}", metrics.encode());
+    assert!(
+        dropped(&metrics, "queue_full") >= 5100 - 256 - 64,
+        "{}",
+        metrics.encode()
+    );
 
     // Shutting down waits for the stuck export at most about its timeout.
     let stopping = Instant::now();
     let _ = guard.shutdown();
-    assert!(stopping.elapsed() < Duration::from_secs(10), "shutdown took {:?}", stopping.elapsed());
+    assert!(
+        stopping.elapsed() < Duration::from_secs(10),
+        "shutdown took {:?}",
+        stopping.elapsed()
+    );
     Ok(())
 }
 
@@ -136,14 +149,20 @@ fn a_refused_export_is_counted() -> Result<(), Box<dyn std::error::Error>> {
 
 #[test]
 fn the_endpoint_comes_from_config_then_the_environment() {
-    let env = vec![("OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(), "http://collector:4318".to_owned())];
+    let env = vec![(
+        "OTEL_EXPORTER_OTLP_ENDPOINT".to_owned(),
+        "http://collector:4318".to_owned(),
+    )];
     let from_config = OtlpOptions::resolve(Some("http://127.0.0.1:4318/"), &env);
     assert_eq!(
         from_config.map(|o| o.traces_url()).as_deref(),
         Some("http://127.0.0.1:4318/v1/traces")
     );
     let from_env = OtlpOptions::resolve(None, &env);
-    assert_eq!(from_env.map(|o| o.endpoint).as_deref(), Some("http://collector:4318"));
+    assert_eq!(
+        from_env.map(|o| o.endpoint).as_deref(),
+        Some("http://collector:4318")
+    );
     assert_eq!(OtlpOptions::resolve(Some(""), &[]), None);
 }
 

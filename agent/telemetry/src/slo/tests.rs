@@ -58,26 +58,108 @@ fn each_missing_part_is_named() {
 #[test]
 fn invalid_values_are_rejected_with_their_path() {
     let cases: Vec<(SloSpec, &str)> = vec![
-        (SloSpec { metric: Some("latency".into()), ..spec("x") }, "slos[0].metric: \"latency\" is not a built-in SLI"),
-        (spec("ttft_p99"), "slos[0].threshold: missing: ttft_p99 needs a threshold"),
-        (SloSpec { threshold: Some("2s".into()), ..spec("availability") }, "slos[0].threshold: availability takes no threshold"),
-        (SloSpec { threshold: Some("2s".into()), target: Some(0.9), ..spec("ttft_p95") }, "slos[0].target: ttft_p95 means 95% of streamed calls"),
-        (SloSpec { target: Some(1.0), ..spec("availability") }, "slos[0].target: 1 must be strictly between 0 and 1"),
-        (SloSpec { window: Some("5m".into()), ..spec("availability") }, "slos[0].window: \"5m\" must be between 1h and 400d"),
-        (SloSpec { window: Some("soon".into()), ..spec("availability") }, "slos[0].window: \"soon\" is not a duration"),
-        (SloSpec { exclusions: Some(vec!["weekends".into()]), ..spec("availability") }, "slos[0].exclusions[0]: \"weekends\""),
-        (SloSpec { data_source: Some("grafana".into()), ..spec("availability") }, "slos[0].data_source: \"grafana\""),
-        (SloSpec { object: Some("gpus".into()), ..spec("availability") }, "slos[0].object: \"gpus\""),
-        (SloSpec { object: Some("tasks:x".into()), ..spec("recovery_success") }, "slos[0].object: tasks cannot be narrowed"),
-        (SloSpec { object: Some("tool_calls".into()), ..spec("abort_rate") }, "slos[0].metric: abort_rate measures model_calls, not tool_calls"),
-        (SloSpec { name: Some("has space".into()), ..spec("availability") }, "slos[0].name: \"has space\" must be"),
+        (
+            SloSpec {
+                metric: Some("latency".into()),
+                ..spec("x")
+            },
+            "slos[0].metric: \"latency\" is not a built-in SLI",
+        ),
+        (
+            spec("ttft_p99"),
+            "slos[0].threshold: missing: ttft_p99 needs a threshold",
+        ),
+        (
+            SloSpec {
+                threshold: Some("2s".into()),
+                ..spec("availability")
+            },
+            "slos[0].threshold: availability takes no threshold",
+        ),
+        (
+            SloSpec {
+                threshold: Some("2s".into()),
+                target: Some(0.9),
+                ..spec("ttft_p95")
+            },
+            "slos[0].target: ttft_p95 means 95% of streamed calls",
+        ),
+        (
+            SloSpec {
+                target: Some(1.0),
+                ..spec("availability")
+            },
+            "slos[0].target: 1 must be strictly between 0 and 1",
+        ),
+        (
+            SloSpec {
+                window: Some("5m".into()),
+                ..spec("availability")
+            },
+            "slos[0].window: \"5m\" must be between 1h and 400d",
+        ),
+        (
+            SloSpec {
+                window: Some("soon".into()),
+                ..spec("availability")
+            },
+            "slos[0].window: \"soon\" is not a duration",
+        ),
+        (
+            SloSpec {
+                exclusions: Some(vec!["weekends".into()]),
+                ..spec("availability")
+            },
+            "slos[0].exclusions[0]: \"weekends\"",
+        ),
+        (
+            SloSpec {
+                data_source: Some("grafana".into()),
+                ..spec("availability")
+            },
+            "slos[0].data_source: \"grafana\"",
+        ),
+        (
+            SloSpec {
+                object: Some("gpus".into()),
+                ..spec("availability")
+            },
+            "slos[0].object: \"gpus\"",
+        ),
+        (
+            SloSpec {
+                object: Some("tasks:x".into()),
+                ..spec("recovery_success")
+            },
+            "slos[0].object: tasks cannot be narrowed",
+        ),
+        (
+            SloSpec {
+                object: Some("tool_calls".into()),
+                ..spec("abort_rate")
+            },
+            "slos[0].metric: abort_rate measures model_calls, not tool_calls",
+        ),
+        (
+            SloSpec {
+                name: Some("has space".into()),
+                ..spec("availability")
+            },
+            "slos[0].name: \"has space\" must be",
+        ),
     ];
     for (s, expected) in cases {
         let p = problems(&[s]);
-        assert!(p.iter().any(|m| m.starts_with(expected)), "expected {expected:?}, got {p:?}");
+        assert!(
+            p.iter().any(|m| m.starts_with(expected)),
+            "expected {expected:?}, got {p:?}"
+        );
     }
     let p = problems(&[spec("availability"), spec("availability")]);
-    assert_eq!(p, ["slos[1].name: \"s\" names another SLO too; names must be unique"]);
+    assert_eq!(
+        p,
+        ["slos[1].name: \"s\" names another SLO too; names must be unique"]
+    );
 }
 
 #[test]
@@ -89,31 +171,74 @@ fn the_documented_example_parses_and_validates() -> Result<(), Box<dyn std::erro
     let doc = include_str!("../../../../docs/telemetry.md");
     let toml_block = doc
         .split("```toml\n")
-        .nth(1)
-        .and_then(|rest| rest.split("```").next())
-        .ok_or("no toml block in docs/telemetry.md")?;
+        .skip(1)
+        .filter_map(|rest| rest.split("```").next())
+        .find(|block| block.contains("[[slos]]"))
+        .ok_or("no [[slos]] example in docs/telemetry.md")?;
     let parsed: Doc = toml::from_str(toml_block)?;
     let slos = Slo::from_specs(&parsed.slos, "slos")?;
     assert!(slos.len() >= 4);
-    assert!(slos.iter().any(|s| s.metric == Sli::TtftP95(Duration::from_secs(2))));
+    assert!(
+        slos.iter()
+            .any(|s| s.metric == Sli::TtftP95(Duration::from_secs(2)))
+    );
     Ok(())
 }
 
 #[test]
 fn cause_precedence_table() {
     use Failed::*;
-    let s = |failure: Option<Failed>| Signals { failure, ..Signals::default() };
-    let gpu = |failure: Option<Failed>| Signals { failure, gpu_unhealthy: true, ..Signals::default() };
-    let cancelled = |failure: Option<Failed>| Signals { failure, client_cancelled: true, ..Signals::default() };
+    let s = |failure: Option<Failed>| Signals {
+        failure,
+        ..Signals::default()
+    };
+    let gpu = |failure: Option<Failed>| Signals {
+        failure,
+        gpu_unhealthy: true,
+        ..Signals::default()
+    };
+    let cancelled = |failure: Option<Failed>| Signals {
+        failure,
+        client_cancelled: true,
+        ..Signals::default()
+    };
     let table: Vec<(Signals, Outcome)> = vec![
         (s(None), Outcome::Good),
         (gpu(None), Outcome::Good),
-        (Signals { synthetic: true, maintenance: true, failure: Some(Internal), ..Signals::default() }, Outcome::Excluded(Exclusion::Synthetic)),
-        (Signals { maintenance: true, failure: Some(Transport), gpu_unhealthy: true, ..Signals::default() }, Outcome::Excluded(Exclusion::Maintenance)),
-        (cancelled(None), Outcome::Excluded(Exclusion::ClientCancelled)),
-        (cancelled(Some(Transport)), Outcome::Excluded(Exclusion::ClientCancelled)),
-        (s(Some(InvalidRequest)), Outcome::Excluded(Exclusion::InvalidClient)),
-        (gpu(Some(PolicyDenied)), Outcome::Excluded(Exclusion::InvalidClient)),
+        (
+            Signals {
+                synthetic: true,
+                maintenance: true,
+                failure: Some(Internal),
+                ..Signals::default()
+            },
+            Outcome::Excluded(Exclusion::Synthetic),
+        ),
+        (
+            Signals {
+                maintenance: true,
+                failure: Some(Transport),
+                gpu_unhealthy: true,
+                ..Signals::default()
+            },
+            Outcome::Excluded(Exclusion::Maintenance),
+        ),
+        (
+            cancelled(None),
+            Outcome::Excluded(Exclusion::ClientCancelled),
+        ),
+        (
+            cancelled(Some(Transport)),
+            Outcome::Excluded(Exclusion::ClientCancelled),
+        ),
+        (
+            s(Some(InvalidRequest)),
+            Outcome::Excluded(Exclusion::InvalidClient),
+        ),
+        (
+            gpu(Some(PolicyDenied)),
+            Outcome::Excluded(Exclusion::InvalidClient),
+        ),
         (gpu(Some(Internal)), Outcome::Bad(Cause::Hardware)),
         (gpu(Some(Transport)), Outcome::Bad(Cause::Hardware)),
         (s(Some(Internal)), Outcome::Bad(Cause::Release)),
@@ -121,7 +246,10 @@ fn cause_precedence_table() {
         (s(Some(RateLimited)), Outcome::Bad(Cause::Capacity)),
         (s(Some(Transport)), Outcome::Bad(Cause::Network)),
         (s(Some(Timeout)), Outcome::Bad(Cause::UpstreamModel)),
-        (s(Some(UpstreamStatus(503))), Outcome::Bad(Cause::UpstreamModel)),
+        (
+            s(Some(UpstreamStatus(503))),
+            Outcome::Bad(Cause::UpstreamModel),
+        ),
         (s(Some(UpstreamStream)), Outcome::Bad(Cause::UpstreamModel)),
         (s(Some(Unclassified)), Outcome::Bad(Cause::Unknown)),
     ];
@@ -143,13 +271,29 @@ fn cause_precedence_table() {
     for (status, expected) in from_status {
         assert_eq!(Failed::from_upstream_status(status), expected, "{status}");
     }
-    assert_eq!(Failed::from_failure(&Failure::Connect { sent: true }), Transport);
-    assert_eq!(Failed::from_failure(&Failure::ContextOverflow), InvalidRequest);
     assert_eq!(
-        Failed::from_failure(&Failure::StreamInterrupted { events_delivered: 3, inside_tool_call: false }),
+        Failed::from_failure(&Failure::Connect { sent: true }),
         Transport
     );
-    assert_eq!(Signals { gpu_unhealthy: true, ..Signals::default() }.latency_cause(), Cause::Hardware);
+    assert_eq!(
+        Failed::from_failure(&Failure::ContextOverflow),
+        InvalidRequest
+    );
+    assert_eq!(
+        Failed::from_failure(&Failure::StreamInterrupted {
+            events_delivered: 3,
+            inside_tool_call: false
+        }),
+        Transport
+    );
+    assert_eq!(
+        Signals {
+            gpu_unhealthy: true,
+            ..Signals::default()
+        }
+        .latency_cause(),
+        Cause::Hardware
+    );
     assert_eq!(Signals::default().latency_cause(), Cause::UpstreamModel);
 }
 
@@ -199,7 +343,10 @@ fn close(a: f64, b: f64) -> bool {
 #[test]
 fn budget_and_burn_by_cause_add_up() {
     let metrics = Metrics::new();
-    let slos = Slos::new(vec![slo("availability", None, 0.99, &["invalid_client"])], metrics.clone());
+    let slos = Slos::new(
+        vec![slo("availability", None, 0.99, &["invalid_client"])],
+        metrics.clone(),
+    );
     let now = t0();
     let record = |n: usize, outcome: Outcome, at: SystemTime| {
         for _ in 0..n {
@@ -222,16 +369,34 @@ fn budget_and_burn_by_cause_add_up() {
     assert!(close(r.sli.unwrap_or(0.0), 985.0 / eligible));
     assert!(close(r.budget_total, 0.01 * eligible));
     assert!(close(r.burn_rate, 20.0 / eligible / 0.01));
-    assert!(close(r.budget_left_fraction, 1.0 - 20.0 / (0.01 * eligible)));
+    assert!(close(
+        r.budget_left_fraction,
+        1.0 - 20.0 / (0.01 * eligible)
+    ));
     let sum: f64 = r.burn_by_cause.values().sum();
-    assert!(close(sum, r.burn_rate), "{:?} vs {}", r.burn_by_cause, r.burn_rate);
+    assert!(
+        close(sum, r.burn_rate),
+        "{:?} vs {}",
+        r.burn_by_cause,
+        r.burn_rate
+    );
     assert!(close(r.burn_by_cause["hardware"], 4.0 / eligible / 0.01));
     // Every window holds the same events (all recorded now).
     assert!(close(r.burn_rates.h1, r.burn_rate) && close(r.burn_rates.d3, r.burn_rate));
 
     let text = metrics.encode();
-    assert!(text.contains("outrigger_slo_events_total{slo=\"availability\",outcome=\"good\",cause=\"none\"} 985"), "{text}");
-    assert!(text.contains("outrigger_slo_events_total{slo=\"availability\",outcome=\"bad\",cause=\"network\"} 10"), "{text}");
+    assert!(
+        text.contains(
+            "outrigger_slo_events_total{slo=\"availability\",outcome=\"good\",cause=\"none\"} 985"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "outrigger_slo_events_total{slo=\"availability\",outcome=\"bad\",cause=\"network\"} 10"
+        ),
+        "{text}"
+    );
     assert!(text.contains("outrigger_slo_events_total{slo=\"availability\",outcome=\"excluded\",cause=\"invalid_client\"} 50"), "{text}");
 }
 
@@ -242,17 +407,26 @@ fn burn_windows_see_only_their_own_buckets() {
     let ago = |d: Duration| now - d;
     // Two days ago: a bad hour. Now: a good hour with one hardware failure.
     for _ in 0..8 {
-        slos.record(&model_event(Outcome::Good, ago(Duration::from_secs(2 * 86400))));
+        slos.record(&model_event(
+            Outcome::Good,
+            ago(Duration::from_secs(2 * 86400)),
+        ));
     }
     for _ in 0..2 {
-        slos.record(&model_event(Outcome::Bad(Cause::Capacity), ago(Duration::from_secs(2 * 86400))));
+        slos.record(&model_event(
+            Outcome::Bad(Cause::Capacity),
+            ago(Duration::from_secs(2 * 86400)),
+        ));
     }
     for _ in 0..9 {
         slos.record(&model_event(Outcome::Good, now));
     }
     slos.record(&model_event(Outcome::Bad(Cause::Hardware), now));
     // Forty days ago: outside the 28d window altogether.
-    slos.record(&model_event(Outcome::Bad(Cause::Release), ago(Duration::from_secs(40 * 86400))));
+    slos.record(&model_event(
+        Outcome::Bad(Cause::Release),
+        ago(Duration::from_secs(40 * 86400)),
+    ));
 
     let r = report_of(&slos, "availability", now);
     assert!(close(r.burn_rates.h1, (1.0 / 10.0) / 0.1));
@@ -261,7 +435,10 @@ fn burn_windows_see_only_their_own_buckets() {
     assert!(close(r.burn_rates.d3, (3.0 / 20.0) / 0.1));
     assert_eq!((r.good, r.bad), (17, 3));
     assert!(!r.bad_by_cause.contains_key("release"));
-    assert!(close(r.burn_by_cause["capacity"] + r.burn_by_cause["hardware"], r.burn_rate));
+    assert!(close(
+        r.burn_by_cause["capacity"] + r.burn_by_cause["hardware"],
+        r.burn_rate
+    ));
 }
 
 #[test]
@@ -289,7 +466,10 @@ fn each_sli_judges_its_own_events() {
     assert_eq!(aborts.judge(&no_first_chunk), None, "not a stream");
 
     let mut tools = slo("tool_success", None, 0.999, &["invalid_client"]);
-    tools.object = Object { kind: ObjectKind::ToolCalls, selector: Some("payments".into()) };
+    tools.object = Object {
+        kind: ObjectKind::ToolCalls,
+        selector: Some("payments".into()),
+    };
     let mut settled = SloEvent::new(ObjectKind::ToolCalls, Outcome::Good, at);
     settled.tool = Some("payments");
     settled.definitive = true;
@@ -303,11 +483,17 @@ fn each_sli_judges_its_own_events() {
     assert_eq!(tools.judge(&settled), Some(Verdict::Good));
     assert_eq!(tools.judge(&in_doubt), Some(Verdict::Bad(Cause::Network)));
     assert_eq!(tools.judge(&other_tool), None);
-    assert_eq!(tools.judge(&refused), Some(Verdict::Excluded(Exclusion::InvalidClient)));
+    assert_eq!(
+        tools.judge(&refused),
+        Some(Verdict::Excluded(Exclusion::InvalidClient))
+    );
     assert_eq!(tools.judge(&slow), None, "a model call is not a tool call");
 
     let mut recovery = slo("recovery_success", None, 0.99, &[]);
-    recovery.object = Object { kind: ObjectKind::Tasks, selector: None };
+    recovery.object = Object {
+        kind: ObjectKind::Tasks,
+        selector: None,
+    };
     let mut recovered = SloEvent::new(ObjectKind::Tasks, Outcome::Good, at);
     recovered.recovered = Some(true);
     let mut duplicated = recovered;
@@ -315,11 +501,17 @@ fn each_sli_judges_its_own_events() {
     duplicated.outcome = Outcome::Bad(Cause::Release);
     let faultless = SloEvent::new(ObjectKind::Tasks, Outcome::Good, at);
     assert_eq!(recovery.judge(&recovered), Some(Verdict::Good));
-    assert_eq!(recovery.judge(&duplicated), Some(Verdict::Bad(Cause::Release)));
+    assert_eq!(
+        recovery.judge(&duplicated),
+        Some(Verdict::Bad(Cause::Release))
+    );
     assert_eq!(recovery.judge(&faultless), None);
 
     let mut wall = slo("task_wall_clock", Some("30m"), 0.9, &[]);
-    wall.object = Object { kind: ObjectKind::Tasks, selector: None };
+    wall.object = Object {
+        kind: ObjectKind::Tasks,
+        selector: None,
+    };
     let mut long = faultless;
     long.wall_clock = Some(Duration::from_secs(3600));
     assert_eq!(wall.judge(&long), Some(Verdict::Bad(Cause::UpstreamModel)));
@@ -334,7 +526,10 @@ struct MemStore {
 
 impl SloStore for MemStore {
     fn load(&self) -> Result<Vec<(String, Vec<u8>)>, Error> {
-        let data = self.data.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let data = self
+            .data
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         Ok(data.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
     }
 
@@ -346,7 +541,10 @@ impl SloStore for MemStore {
         let result = if self.fail.load(std::sync::atomic::Ordering::Relaxed) {
             Err(Error::Store("disk full".into()))
         } else {
-            let mut data = self.data.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut data = self
+                .data
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
             match value {
                 Some(v) => data.insert(key, v),
                 None => data.remove(&key),
@@ -367,14 +565,23 @@ async fn counts_survive_a_restart_and_old_buckets_are_deleted() -> Result<(), Er
     first.record(&model_event(Outcome::Good, now - Duration::from_secs(3600)));
     store.fail.store(true, std::sync::atomic::Ordering::Relaxed);
     assert!(first.persist(&store, now).await.is_err());
-    store.fail.store(false, std::sync::atomic::Ordering::Relaxed);
+    store
+        .fail
+        .store(false, std::sync::atomic::Ordering::Relaxed);
     // The failed writes are retried.
     assert_eq!(first.persist(&store, now).await?, 2);
-    assert_eq!(first.persist(&store, now).await?, 0, "nothing changed since");
+    assert_eq!(
+        first.persist(&store, now).await?,
+        0,
+        "nothing changed since"
+    );
 
     let second = Slos::new(vec![slo("availability", None, 0.99, &[])], Metrics::new());
     assert_eq!(second.restore(&store)?, 2);
-    assert_eq!(report_of(&second, "availability", now), report_of(&first, "availability", now));
+    assert_eq!(
+        report_of(&second, "availability", now),
+        report_of(&first, "availability", now)
+    );
 
     // Thirty days later every bucket has left the 28d window: deleted from the store.
     let later = now + Duration::from_secs(30 * 86400);
@@ -387,7 +594,8 @@ async fn counts_survive_a_restart_and_old_buckets_are_deleted() -> Result<(), Er
 #[tokio::test]
 async fn the_journal_kv_is_a_store() -> Result<(), Box<dyn std::error::Error>> {
     let dir = tempfile::tempdir()?;
-    let (journal, writer, _) = outrigger_journal::Journal::open(outrigger_journal::Options::new(dir.path().join("j")))?;
+    let (journal, writer, _) =
+        outrigger_journal::Journal::open(outrigger_journal::Options::new(dir.path().join("j")))?;
     let writer = tokio::spawn(writer.run());
     let now = t0();
     let first = Slos::new(vec![slo("availability", None, 0.99, &[])], Metrics::new());
@@ -395,7 +603,12 @@ async fn the_journal_kv_is_a_store() -> Result<(), Box<dyn std::error::Error>> {
     assert_eq!(first.persist(&journal, now).await?, 1);
     let second = Slos::new(vec![slo("availability", None, 0.99, &[])], Metrics::new());
     assert_eq!(second.restore(&journal)?, 1);
-    assert_eq!(report_of(&second, "availability", now).bad_by_cause.get("capacity"), Some(&1));
+    assert_eq!(
+        report_of(&second, "availability", now)
+            .bad_by_cause
+            .get("capacity"),
+        Some(&1)
+    );
     drop((journal, first, second));
     writer.abort();
     Ok(())

@@ -46,7 +46,10 @@ fn attr<'a>(span: &'a SpanData, key: &str) -> Option<&'a Value> {
 fn find<'a>(spans: &'a [SpanData], name: &str) -> &'a SpanData {
     match spans.iter().find(|s| s.name == name) {
         Some(s) => s,
-        None => panic!("no span {name:?} in {:?}", spans.iter().map(|s| &s.name).collect::<Vec<_>>()),
+        None => panic!(
+            "no span {name:?} in {:?}",
+            spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+        ),
     }
 }
 
@@ -66,7 +69,11 @@ fn model_call_spans_follow_the_conventions() -> Result<(), crate::Error> {
         exemplar = trace_id(&call);
         for n in 1..=2 {
             let a = attempt(&call, &JOIN, n, "POST", "openai");
-            finish_attempt(&a, Some(if n == 1 { 503 } else { 200 }), (n == 1).then_some("503"));
+            finish_attempt(
+                &a,
+                Some(if n == 1 { 503 } else { 200 }),
+                (n == 1).then_some("503"),
+            );
         }
         record_content(&call, Some("the prompt"), Some("the answer"));
         finish_model_call(
@@ -89,7 +96,10 @@ fn model_call_spans_follow_the_conventions() -> Result<(), crate::Error> {
     let call = find(&spans, "chat gpt-4o");
     assert_eq!(call.span_kind, SpanKind::Client);
     assert_eq!(call.instrumentation_scope.name(), names::SCOPE);
-    assert_eq!(call.instrumentation_scope.schema_url(), Some(names::SCHEMA_URL));
+    assert_eq!(
+        call.instrumentation_scope.schema_url(),
+        Some(names::SCHEMA_URL)
+    );
     let expect = [
         (names::ATTR_OPERATION_NAME, Value::from("chat")),
         (names::ATTR_PROVIDER_NAME, Value::from("openai")),
@@ -117,13 +127,23 @@ fn model_call_spans_follow_the_conventions() -> Result<(), crate::Error> {
     let attempts: Vec<&SpanData> = spans.iter().filter(|s| s.name == "POST").collect();
     assert_eq!(attempts.len(), 2);
     for a in &attempts {
-        assert_eq!(a.parent_span_id, call.span_context.span_id(), "attempts are children of the call");
+        assert_eq!(
+            a.parent_span_id,
+            call.span_context.span_id(),
+            "attempts are children of the call"
+        );
         assert_eq!(a.span_kind, SpanKind::Client);
     }
-    let first = attempts.iter().find(|a| attr(a, names::ATTR_HTTP_RESEND_COUNT).is_none());
-    let second = attempts.iter().find(|a| attr(a, names::ATTR_HTTP_RESEND_COUNT) == Some(&Value::from(1_i64)));
-    assert!(first.is_some_and(|a| matches!(a.status, Status::Error { .. })
-        && attr(a, names::ATTR_HTTP_RESPONSE_STATUS_CODE) == Some(&Value::from(503_i64))));
+    let first = attempts
+        .iter()
+        .find(|a| attr(a, names::ATTR_HTTP_RESEND_COUNT).is_none());
+    let second = attempts
+        .iter()
+        .find(|a| attr(a, names::ATTR_HTTP_RESEND_COUNT) == Some(&Value::from(1_i64)));
+    assert!(
+        first.is_some_and(|a| matches!(a.status, Status::Error { .. })
+            && attr(a, names::ATTR_HTTP_RESPONSE_STATUS_CODE) == Some(&Value::from(503_i64)))
+    );
     assert!(second.is_some_and(|a| a.status == Status::Unset));
 
     for span in &spans {
@@ -165,14 +185,35 @@ fn tool_spans_and_remote_parents() -> Result<(), crate::Error> {
     let spans = c.spans();
     let tool = find(&spans, "execute_tool payments");
     assert_eq!(tool.span_kind, SpanKind::Internal);
-    assert_eq!(tool.span_context.trace_id().to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
+    assert_eq!(
+        tool.span_context.trace_id().to_string(),
+        "4bf92f3577b34da6a3ce929d0e0e4736"
+    );
     assert_eq!(tool.parent_span_id.to_string(), "00f067aa0ba902b7");
-    assert_eq!(attr(tool, names::ATTR_OPERATION_NAME), Some(&Value::from("execute_tool")));
-    assert_eq!(attr(tool, names::ATTR_TOOL_NAME), Some(&Value::from("payments")));
-    assert_eq!(attr(tool, names::ATTR_TOOL_CALL_ID), Some(&Value::from("call_1")));
-    assert_eq!(attr(tool, names::ATTR_JOURNAL_STATE), Some(&Value::from("in_doubt")));
-    assert_eq!(attr(tool, names::ATTR_ERROR_TYPE), Some(&Value::from("timeout")));
-    assert_eq!(attr(tool, names::ATTR_SLO_CAUSE), Some(&Value::from("network")));
+    assert_eq!(
+        attr(tool, names::ATTR_OPERATION_NAME),
+        Some(&Value::from("execute_tool"))
+    );
+    assert_eq!(
+        attr(tool, names::ATTR_TOOL_NAME),
+        Some(&Value::from("payments"))
+    );
+    assert_eq!(
+        attr(tool, names::ATTR_TOOL_CALL_ID),
+        Some(&Value::from("call_1"))
+    );
+    assert_eq!(
+        attr(tool, names::ATTR_JOURNAL_STATE),
+        Some(&Value::from("in_doubt"))
+    );
+    assert_eq!(
+        attr(tool, names::ATTR_ERROR_TYPE),
+        Some(&Value::from("timeout"))
+    );
+    assert_eq!(
+        attr(tool, names::ATTR_SLO_CAUSE),
+        Some(&Value::from("network"))
+    );
     assert!(matches!(tool.status, Status::Error { .. }));
     Ok(())
 }
@@ -210,9 +251,18 @@ fn task_spans_keep_their_real_start_and_end() {
     let task = &spans[0];
     assert_eq!(task.name, "invoke_agent outrigger-task");
     assert_eq!((task.start_time, task.end_time), (started, ended));
-    assert_eq!(attr(task, names::ATTR_OPERATION_NAME), Some(&Value::from("invoke_agent")));
-    assert_eq!(attr(task, names::ATTR_TASK_ID), Some(&Value::from("task-7")));
-    assert_eq!(attr(task, names::ATTR_TASK_RECOVERED), Some(&Value::from(true)));
+    assert_eq!(
+        attr(task, names::ATTR_OPERATION_NAME),
+        Some(&Value::from("invoke_agent"))
+    );
+    assert_eq!(
+        attr(task, names::ATTR_TASK_ID),
+        Some(&Value::from("task-7"))
+    );
+    assert_eq!(
+        attr(task, names::ATTR_TASK_RECOVERED),
+        Some(&Value::from(true))
+    );
     assert_eq!(task.status, Status::Unset);
 }
 

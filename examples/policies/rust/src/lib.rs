@@ -285,7 +285,11 @@ mod tests {
                 .saturating_mul(1 << attempt.saturating_sub(1).min(63))
                 .min(p.cap_ms);
             assert_eq!(backoff(&p, attempt, || 0), ceiling / 2, "attempt {attempt}");
-            assert_eq!(backoff(&p, attempt, || u64::MAX), ceiling, "attempt {attempt}");
+            assert_eq!(
+                backoff(&p, attempt, || u64::MAX),
+                ceiling,
+                "attempt {attempt}"
+            );
         }
     }
 }

@@ -1,0 +1,692 @@
+//! Journaled model calls: relayed, replayed and resumed.
+//!
+//! A model call gets a stream key when the agent sends an `Idempotency-Key`, or
+//! when it carries an `Outrigger-Task-Id` (deterministic replay inside a task; off
+//! with `Cache-Control: no-cache` or `[streams] replay_in_task = false`). Without a
+//! key the call is relayed as before, gated but not journaled.
+//!
+//! With a key, the upstream is drained by a producer task into the journal and into
+//! a [`Live`] hub that every client of the stream reads from. The client going away
+//! does not cancel the generation (bounded by `detach_timeout`); a repeated request
+//! with the key, or `GET /v1/streams/{key}` with `Last-Event-ID`, gets the journaled
+//! prefix and then the live remainder. Every forwarded event carries
+//! `id: <attempt>:<seq>`, so what any client receives is byte-identical to what the
+//! first one did. Tool-call blocks and the terminal event are durable before they
+//! are forwarded; a break ends the stream with a typed error event.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
+use http_body::{Body as HttpBody, Frame};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use outrigger_journal::{Journal, StreamEnd, StreamKey};
+use outrigger_types::TaskId;
+use tokio::sync::{Notify, watch};
+
+use crate::body::{Body, BoxError};
+use crate::events::{Gate, interruption_event};
+use crate::keys;
+use crate::model::request::ModelRequest;
+use crate::options::Dialect;
+use crate::sse::Framer;
+use crate::{RequestContext, Shared, headers};
+
+/// How journaled streams behave.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// Answer a repeated identical model request of a task from the journal.
+    pub replay_in_task: bool,
+    /// How long a generation keeps being drained after its last client left.
+    pub detach_timeout: Duration,
+    /// The most bytes one stream may journal; a longer one is cut with an error.
+    pub max_stream_bytes: usize,
+    /// Cancel the generation when its last client goes away.
+    pub cancel_on_disconnect: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            replay_in_task: true,
+            detach_timeout: Duration::from_secs(300),
+            max_stream_bytes: 64 << 20,
+            cancel_on_disconnect: false,
+        }
+    }
+}
+
+/// How a call is keyed.
+#[derive(Debug, Clone)]
+pub struct Keyed {
+    pub key: StreamKey,
+    /// Whether an existing completed stream under the key may answer this call.
+    pub replayable: bool,
+}
+
+/// The stream key of a model call, if it has one (see the module docs).
+pub fn key_for(
+    h: &HeaderMap,
+    ctx: &RequestContext,
+    request: &ModelRequest,
+    options: &Options,
+) -> Result<Option<Keyed>, crate::Error> {
+    let dialect = request.dialect.as_str();
+    if let Some(v) = h.get(headers::IDEMPOTENCY_KEY) {
+        let raw = v.to_str().map_err(|_| crate::Error::BadHeader {
+            header: "Idempotency-Key",
+            detail: "it is not visible ASCII".into(),
+        })?;
+        let key = outrigger_types::IdempotencyKey::from_header(raw).map_err(|e| {
+            crate::Error::BadHeader {
+                header: "Idempotency-Key",
+                detail: e.to_string(),
+            }
+        })?;
+        return Ok(Some(Keyed {
+            key: stream_key(format!("m/{dialect}/{key}"))?,
+            replayable: true,
+        }));
+    }
+    let Some(task) = &ctx.task_id else {
+        return Ok(None);
+    };
+    let fp = fingerprint(request).to_hex();
+    let fresh = no_cache(h) || !options.replay_in_task;
+    let key = if fresh {
+        format!("t/{task}/{dialect}/{}/{}", &fp[..32], ctx.request_id)
+    } else {
+        format!("t/{task}/{dialect}/{}", &fp[..32])
+    };
+    Ok(Some(Keyed {
+        key: stream_key(key)?,
+        replayable: !fresh,
+    }))
+}
+
+fn stream_key(s: String) -> Result<StreamKey, crate::Error> {
+    StreamKey::new(s).map_err(|e| crate::Error::BadHeader {
+        header: "Idempotency-Key",
+        detail: e.to_string(),
+    })
+}
+
+/// The request's fingerprint: its canonical JSON (key order and whitespace do not
+/// matter), for the same dialect.
+pub fn fingerprint(request: &ModelRequest) -> outrigger_types::Fingerprint {
+    keys::http_fingerprint(
+        "POST",
+        &format!("model:{}", request.dialect.as_str()),
+        "",
+        Some("application/json"),
+        &request.body,
+    )
+}
+
+fn no_cache(h: &HeaderMap) -> bool {
+    h.get_all(header::CACHE_CONTROL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|d| {
+            matches!(
+                d.trim().to_ascii_lowercase().as_str(),
+                "no-cache" | "no-store"
+            )
+        })
+}
+
+/// `id: <attempt>:<seq>` in front of a raw event.
+pub fn with_id(attempt: u32, seq: u64, raw: &[u8]) -> Bytes {
+    let mut b = BytesMut::with_capacity(raw.len() + 24);
+    b.extend_from_slice(format!("id: {attempt}:{seq}\n").as_bytes());
+    b.extend_from_slice(raw);
+    b.freeze()
+}
+
+/// Parses a `Last-Event-ID` of ours (`<attempt>:<seq>`).
+pub fn parse_event_id(v: &str) -> Option<(u32, u64)> {
+    let (a, s) = v.trim().split_once(':')?;
+    Some((a.parse().ok()?, s.parse().ok()?))
+}
+
+// === Live ===
+
+/// The in-memory fan-out of one generation: every forwarded event (with its id), and
+/// whether the generation is over.
+pub struct Live {
+    pub key: StreamKey,
+    pub attempt: u32,
+    pub dialect: Dialect,
+    events: Mutex<Vec<Bytes>>,
+    finished: AtomicBool,
+    version: watch::Sender<u64>,
+    clients: AtomicUsize,
+    cancel: Notify,
+    cancelled: AtomicBool,
+    cancel_on_disconnect: bool,
+}
+
+impl std::fmt::Debug for Live {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Live")
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Live {
+    /// A hub for a new generation of `key`.
+    pub fn new_for(
+        key: &StreamKey,
+        attempt: u32,
+        dialect: Dialect,
+        options: &Options,
+    ) -> Arc<Self> {
+        Self::new(key.clone(), attempt, dialect, options.cancel_on_disconnect)
+    }
+
+    fn new(
+        key: StreamKey,
+        attempt: u32,
+        dialect: Dialect,
+        cancel_on_disconnect: bool,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            key,
+            attempt,
+            dialect,
+            events: Mutex::new(Vec::new()),
+            finished: AtomicBool::new(false),
+            version: watch::channel(0).0,
+            clients: AtomicUsize::new(0),
+            cancel: Notify::new(),
+            cancelled: AtomicBool::new(false),
+            cancel_on_disconnect,
+        })
+    }
+
+    fn push(&self, events: impl IntoIterator<Item = Bytes>) {
+        if let Ok(mut e) = self.events.lock() {
+            e.extend(events);
+        }
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    fn finish(&self) {
+        self.finished.store(true, Ordering::Release);
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    pub fn cancel(&self) {
+        self.cancelled.store(true, Ordering::Release);
+        self.cancel.notify_one();
+    }
+
+    fn clients(&self) -> usize {
+        self.clients.load(Ordering::Acquire)
+    }
+
+    /// A body that yields the events from index `from` on, then the live tail.
+    pub fn attach(self: &Arc<Self>, from: usize) -> LiveBody {
+        self.clients.fetch_add(1, Ordering::AcqRel);
+        LiveBody {
+            live: self.clone(),
+            next: from,
+            rx: self.version.subscribe(),
+            waiting: None,
+        }
+    }
+}
+
+/// One client of a [`Live`] stream.
+pub struct LiveBody {
+    live: Arc<Live>,
+    next: usize,
+    rx: watch::Receiver<u64>,
+    waiting: Option<Pin<Box<dyn std::future::Future<Output = ()> + Send>>>,
+}
+
+impl Drop for LiveBody {
+    fn drop(&mut self) {
+        let left = self.live.clients.fetch_sub(1, Ordering::AcqRel) - 1;
+        if left == 0
+            && self.live.cancel_on_disconnect
+            && !self.live.finished.load(Ordering::Acquire)
+        {
+            self.live.cancel();
+        }
+    }
+}
+
+impl HttpBody for LiveBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        loop {
+            // Mark the current version seen before looking, so a push after the look
+            // wakes the wait below.
+            this.rx.borrow_and_update();
+            let finished = this.live.finished.load(Ordering::Acquire);
+            if let Ok(events) = this.live.events.lock()
+                && this.next < events.len()
+            {
+                // Hand over everything available as one frame.
+                let mut out = BytesMut::new();
+                for e in &events[this.next..] {
+                    out.extend_from_slice(e);
+                }
+                this.next = events.len();
+                return Poll::Ready(Some(Ok(Frame::data(out.freeze()))));
+            }
+            if finished {
+                return Poll::Ready(None);
+            }
+            let fut = this.waiting.get_or_insert_with(|| {
+                let mut rx = this.rx.clone();
+                Box::pin(async move {
+                    let _ = rx.changed().await;
+                })
+            });
+            match fut.as_mut().poll(cx) {
+                Poll::Ready(()) => this.waiting = None,
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
+/// The live generations of this process.
+#[derive(Debug, Default)]
+pub struct Registry {
+    live: Mutex<HashMap<StreamKey, Arc<Live>>>,
+}
+
+impl Registry {
+    pub fn get(&self, key: &StreamKey) -> Option<Arc<Live>> {
+        self.live.lock().ok()?.get(key).cloned()
+    }
+
+    fn insert(&self, live: Arc<Live>) {
+        if let Ok(mut m) = self.live.lock() {
+            m.insert(live.key.clone(), live);
+        }
+    }
+
+    fn remove(&self, live: &Live) {
+        if let Ok(mut m) = self.live.lock()
+            && m.get(&live.key).is_some_and(|l| l.attempt == live.attempt)
+        {
+            m.remove(&live.key);
+        }
+    }
+}
+
+// === The producer ===
+
+/// Called once when a generation ends, with its gate (turn, usage, tool calls).
+pub(crate) type OnEnd = Box<dyn FnOnce(&Gate, Ended) + Send>;
+
+/// What the producer needs besides the upstream body.
+pub(crate) struct Production {
+    pub shared: Arc<Shared>,
+    pub journal: Journal,
+    pub live: Arc<Live>,
+    pub gate: Gate,
+    pub framer: Framer,
+    pub first_events: Vec<Bytes>,
+    /// Settles the budget and meters the turn when it ends.
+    pub on_end: OnEnd,
+    /// The provider's limiter slot, held for the whole generation.
+    pub permit: Option<crate::resilience::Permit>,
+}
+
+/// How a generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ended {
+    Completed,
+    /// The provider reported an error inside the stream.
+    Failed,
+    /// It broke off (upstream break, cancel, size or time bound).
+    Abandoned(String),
+}
+
+/// Starts a generation under `live` and returns at once; `upstream` is drained by a
+/// task of its own, independent of any client.
+pub(crate) fn spawn(
+    shared: &Arc<Shared>,
+    live: Arc<Live>,
+    production: Production,
+    upstream: Incoming,
+) {
+    shared.streams.insert(live);
+    tokio::spawn(produce(production, upstream));
+}
+
+async fn produce(p: Production, mut upstream: Incoming) {
+    let Production {
+        shared,
+        journal,
+        live,
+        mut gate,
+        mut framer,
+        first_events,
+        on_end,
+        permit,
+    } = p;
+    let max_bytes = shared.options.streams.max_stream_bytes;
+    let detach = shared.options.streams.detach_timeout;
+    let mut seq = 0u64;
+    let mut bytes = 0usize;
+    let mut scratch: Vec<Bytes> = first_events;
+    let mut journal_ok = true;
+    let mut detached_since: Option<tokio::time::Instant> = None;
+    let ended = 'relay: loop {
+        // Release what has arrived.
+        let mut out = Vec::new();
+        for raw in scratch.drain(..) {
+            bytes += raw.len();
+            let release = gate.push(raw);
+            let n = release.events.len();
+            for (i, ev) in release.events.into_iter().enumerate() {
+                let durable = release.durable && i + 1 == n;
+                if journal_ok {
+                    let r = if durable {
+                        journal
+                            .stream_append(&live.key, live.attempt, seq, ev.clone(), true)
+                            .await
+                    } else {
+                        journal
+                            .stream_append_nowait(&live.key, live.attempt, seq, ev.clone())
+                            .await
+                    };
+                    if let Err(e) = r {
+                        tracing::warn!(key = %live.key, error = %e, "the journal stopped taking this stream; it continues unjournaled");
+                        journal_ok = false;
+                    }
+                }
+                out.push(with_id(live.attempt, seq, &ev));
+                seq += 1;
+            }
+        }
+        if !out.is_empty() {
+            live.push(out);
+        }
+        if gate.turn.terminal {
+            break 'relay Ended::Completed;
+        }
+        if bytes > max_bytes {
+            break 'relay Ended::Abandoned(format!("the stream passed {max_bytes} bytes"));
+        }
+        // Bound the time a generation runs with nobody listening.
+        if live.clients() == 0 {
+            detached_since.get_or_insert_with(tokio::time::Instant::now);
+        } else {
+            detached_since = None;
+        }
+        let idle_deadline = detached_since.map(|t| t + detach);
+        let frame = tokio::select! {
+            f = upstream.frame() => f,
+            () = live.cancel.notified() => {
+                break 'relay Ended::Abandoned("cancelled".into());
+            }
+            () = sleep_until_opt(idle_deadline) => {
+                break 'relay Ended::Abandoned(format!("no client for {detach:?}"));
+            }
+            // Re-check the client count now and then.
+            () = tokio::time::sleep(Duration::from_millis(500)) => continue,
+        };
+        if live.cancelled.load(Ordering::Acquire) {
+            break 'relay Ended::Abandoned("cancelled".into());
+        }
+        match frame {
+            Some(Ok(f)) => {
+                if let Ok(data) = f.into_data()
+                    && let Err(e) = framer.push(&data, &mut scratch)
+                {
+                    break 'relay Ended::Abandoned(e.to_string());
+                }
+            }
+            Some(Err(e)) => break 'relay Ended::Abandoned(format!("the upstream broke: {e}")),
+            None => {
+                // An unterminated tail is an incomplete event: never forwarded.
+                let _incomplete = framer.finish(&mut scratch);
+                if !scratch.is_empty() {
+                    continue;
+                }
+                if gate.turn.errored {
+                    break 'relay Ended::Failed;
+                }
+                break 'relay Ended::Abandoned("the upstream ended before its final event".into());
+            }
+        }
+    };
+    drop(upstream);
+    drop(permit);
+    let end = match &ended {
+        Ended::Completed => StreamEnd::Completed {
+            usage: gate
+                .turn
+                .usage
+                .map(|u| serde_json::json!({"input_tokens": u.input, "output_tokens": u.output}))
+                .unwrap_or(serde_json::Value::Null),
+        },
+        Ended::Failed => StreamEnd::Failed {
+            reason: "the provider reported an error in the stream".into(),
+        },
+        Ended::Abandoned(reason) => {
+            if gate.held() > 0 || gate.turn.inside_tool_call() {
+                tracing::info!(key = %live.key, held = gate.held(), "dropping a partial tool call at an interruption");
+            }
+            let ev = interruption_event(live.dialect, reason);
+            if journal_ok {
+                let _ = journal
+                    .stream_append(&live.key, live.attempt, seq, ev.clone(), true)
+                    .await;
+            }
+            live.push([with_id(live.attempt, seq, &ev)]);
+            StreamEnd::Abandoned {
+                reason: reason.clone(),
+            }
+        }
+    };
+    if journal_ok && let Err(e) = journal.stream_end(&live.key, live.attempt, end).await {
+        tracing::warn!(key = %live.key, error = %e, "could not record the end of a stream");
+    }
+    live.finish();
+    shared.streams.remove(&live);
+    on_end(&gate, ended);
+}
+
+async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+// === Answers ===
+
+/// A response streaming `live` from event `from` on.
+pub fn live_response(live: &Arc<Live>, from: usize, replayed: bool) -> Response<Body> {
+    let mut resp = Response::new(live.attach(from).boxed_unsync());
+    sse_headers(resp.headers_mut(), replayed);
+    resp
+}
+
+/// A response replaying the journaled events of `attempt` after `after` (all when
+/// `None`).
+pub fn journal_response(events: Vec<(u64, Bytes)>, attempt: u32) -> Response<Body> {
+    let mut out = BytesMut::new();
+    for (seq, raw) in events {
+        out.extend_from_slice(&with_id(attempt, seq, &raw));
+    }
+    let mut resp = Response::new(crate::body::full(out.freeze()));
+    sse_headers(resp.headers_mut(), true);
+    resp
+}
+
+fn sse_headers(h: &mut HeaderMap, replayed: bool) {
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    if replayed {
+        h.insert(headers::REPLAYED, HeaderValue::from_static("true"));
+    }
+}
+
+/// The stream key in `Outrigger-Stream-Key`, so a client can resume with
+/// `GET /v1/streams/{key}`.
+pub fn with_key(mut resp: Response<Body>, key: &StreamKey) -> Response<Body> {
+    if let Ok(v) = HeaderValue::from_str(key.as_str()) {
+        resp.headers_mut().insert("outrigger-stream-key", v);
+    }
+    resp
+}
+
+/// 204: the stream is over and there is nothing more to send (EventSource stops).
+pub fn nothing_more() -> Response<Body> {
+    let mut resp = Response::new(crate::body::empty());
+    *resp.status_mut() = StatusCode::NO_CONTENT;
+    resp
+}
+
+/// Records the tool calls of a replayed turn (so derived tool keys match after an
+/// agent restart) and returns them.
+pub(crate) fn correlate_replay(
+    shared: &Shared,
+    task: Option<&TaskId>,
+    dialect: Dialect,
+    events: &[(u64, Bytes)],
+) {
+    let Some(task) = task else { return };
+    let mut gate = Gate::new(dialect);
+    for (_, raw) in events {
+        gate.push(raw.clone());
+    }
+    shared.correlator.record(task, gate.turn.completed_calls());
+}
+
+/// `GET /v1/streams/{key}` (resume after `Last-Event-ID`, or the whole stream) and
+/// `POST /v1/streams/{key}/cancel`.
+pub(crate) async fn endpoint(
+    shared: &Arc<Shared>,
+    req: http::Request<hyper::body::Incoming>,
+) -> Result<Response<Body>, crate::Error> {
+    let path = req.uri().path().to_string();
+    let rest = path.strip_prefix("/v1/streams/").unwrap_or_default();
+    let (raw_key, cancel) = match rest.strip_suffix("/cancel") {
+        Some(k) => (k, true),
+        None => (rest, false),
+    };
+    let key = StreamKey::new(percent_decode(raw_key)).map_err(|_| crate::Error::UnknownStream {
+        key: raw_key.to_string(),
+    })?;
+    let Some(journal) = shared.journal.as_ref() else {
+        return Err(crate::Error::Journal(
+            outrigger_journal::Error::Unavailable("the journal is not open".into()),
+        ));
+    };
+    let method = req.method().clone();
+    if cancel {
+        if method != http::Method::POST {
+            return Err(crate::Error::MethodNotAllowed {
+                method: method.to_string(),
+                allowed: "POST",
+            });
+        }
+        return Ok(match shared.streams.get(&key) {
+            Some(live) => {
+                live.cancel();
+                json_response(
+                    StatusCode::ACCEPTED,
+                    &serde_json::json!({"key": key, "cancelled": true}),
+                )
+            }
+            None => json_response(
+                StatusCode::OK,
+                &serde_json::json!({"key": key, "cancelled": false,
+                "detail": "the stream is not being generated (it is over, or was never here)"}),
+            ),
+        });
+    }
+    if method != http::Method::GET {
+        return Err(crate::Error::MethodNotAllowed {
+            method: method.to_string(),
+            allowed: "GET",
+        });
+    }
+    let last = req
+        .headers()
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_event_id);
+    let meta = journal
+        .stream_meta(&key)
+        .map_err(crate::Error::Journal)?
+        .ok_or_else(|| crate::Error::UnknownStream {
+            key: key.to_string(),
+        })?;
+    let (attempt, after) = match last {
+        Some((a, s)) => (a, Some(s)),
+        None => (meta.attempt, None),
+    };
+    if attempt == meta.attempt
+        && let Some(live) = shared.streams.get(&key)
+        && live.attempt == attempt
+    {
+        let from = after.map_or(0, |s| usize::try_from(s + 1).unwrap_or(usize::MAX));
+        return Ok(with_key(live_response(&live, from, true), &key));
+    }
+    let events = journal
+        .stream_events(&key, attempt, after)
+        .map_err(crate::Error::Journal)?;
+    if events.is_empty() {
+        return Ok(nothing_more());
+    }
+    Ok(with_key(journal_response(events, attempt), &key))
+}
+
+fn json_response(status: StatusCode, v: &serde_json::Value) -> Response<Body> {
+    let mut resp = Response::new(crate::body::full(v.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%'
+            && i + 2 < b.len()
+            && let Some(v) = std::str::from_utf8(&b[i + 1..i + 3])
+                .ok()
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            out.push(v);
+            i += 3;
+            continue;
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}

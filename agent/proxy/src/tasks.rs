@@ -1,0 +1,1515 @@
+//! Task tracking: what each task (the calls carrying one `Outrigger-Task-Id`) did,
+//! what went wrong, and whether it recovered.
+//!
+//! The data plane reports each call as it finishes; the tracker keeps per-task
+//! counters and an ordered timeline in memory and writes changed tasks to the
+//! journal's kv store (`tasks` namespace) when [`Tasks::persist`] runs and at once
+//! when a task ends, so tasks, their start times and their faults survive a restart.
+//! A task that was open when the sidecar stopped is charged a `sidecar_restart` fault
+//! when the next process opens the tracker, and its wall-clock includes the downtime.
+//!
+//! **Recovery.** A task that had a fault (an interrupted stream, an in-doubt tool
+//! call, a sidecar restart, replays that show the agent restarted or retried) has
+//! recovered only if it ended with outcome `success` and its journal shows every side
+//! effect exactly once (see [`check_side_effects`] for the exact rule). "HTTP 200" is
+//! not the test: the journal is.
+//!
+//! Nothing here runs on a timer of its own: the application calls [`Tasks::sweep`]
+//! (idle expiry, retention) and [`Tasks::persist`] periodically.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, SystemTime};
+
+use outrigger_journal::{Filter, Journal, Record, State, TimelineEntry, Timestamp};
+use outrigger_telemetry::Metrics;
+use outrigger_telemetry::slo::{ObjectKind, SloEvent, Slos};
+use outrigger_telemetry::spans::{self, TaskSpan};
+use outrigger_types::{Cause, Outcome, TaskId, ToolClass};
+use serde::{Deserialize, Serialize};
+
+/// The kv namespace tasks persist under.
+pub const NAMESPACE: &str = "tasks";
+/// The persisted task format; bumped on any incompatible change.
+pub const TASK_VERSION: u32 = 1;
+/// Timeline entries kept per task; older ones are dropped (and counted).
+const TIMELINE_CAP: usize = 512;
+
+/// Everything that can go wrong in task tracking.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("no task {0} is known (it never made a call, or its record expired)")]
+    UnknownTask(TaskId),
+    #[error("the task store failed: {0}")]
+    Store(#[from] outrigger_journal::Error),
+    #[error("task {key} could not be encoded: {detail}")]
+    Encode { key: String, detail: String },
+}
+
+/// How a task ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskOutcome {
+    /// The agent says the task did what it was for.
+    Success,
+    /// The agent says it did not.
+    Failure,
+    /// The agent gave the task up (excluded from task SLOs as a client cancel).
+    Cancelled,
+    /// No call arrived for the idle timeout.
+    IdleTimeout,
+}
+
+impl TaskOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Success => "success",
+            Self::Failure => "failure",
+            Self::Cancelled => "cancelled",
+            Self::IdleTimeout => "idle_timeout",
+        }
+    }
+}
+
+/// Something that went wrong inside a task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultKind {
+    /// A model stream broke before its terminal event.
+    StreamInterrupted,
+    /// A tool call may have reached the tool and no answer came.
+    ToolInDoubt,
+    /// The sidecar stopped while the task was open.
+    SidecarRestart,
+    /// The agent repeated calls it had already made (answered from the journal): it
+    /// restarted, or retried after losing an answer. One fault per run of replays.
+    AgentReplay,
+}
+
+impl FaultKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::StreamInterrupted => "stream_interrupted",
+            Self::ToolInDoubt => "tool_in_doubt",
+            Self::SidecarRestart => "sidecar_restart",
+            Self::AgentReplay => "agent_replay",
+        }
+    }
+}
+
+/// Per-provider (optionally per-model) prices, in micro-dollars per million tokens.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Prices {
+    by_target: HashMap<String, (u64, u64)>,
+}
+
+impl Prices {
+    /// Sets the price of `provider`, or of `model` on `provider` (which wins).
+    pub fn set(
+        &mut self,
+        provider: &str,
+        model: Option<&str>,
+        per_mtok_in: u64,
+        per_mtok_out: u64,
+    ) {
+        let key = match model {
+            Some(m) => format!("{provider}/{m}"),
+            None => provider.to_owned(),
+        };
+        self.by_target.insert(key, (per_mtok_in, per_mtok_out));
+    }
+
+    /// Micro-dollars for the tokens; 0 when no price is known.
+    pub fn cost(&self, provider: &str, model: &str, tokens_in: u64, tokens_out: u64) -> u64 {
+        let price = self
+            .by_target
+            .get(&format!("{provider}/{model}"))
+            .or_else(|| self.by_target.get(provider));
+        let Some((p_in, p_out)) = price else {
+            return 0;
+        };
+        let micros = (u128::from(tokens_in) * u128::from(*p_in)
+            + u128::from(tokens_out) * u128::from(*p_out))
+            / 1_000_000;
+        u64::try_from(micros).unwrap_or(u64::MAX)
+    }
+}
+
+/// How the tracker runs.
+#[derive(Debug, Clone)]
+pub struct TasksOptions {
+    pub prices: Prices,
+    /// How long an ended task stays listed (and stored) after it ended.
+    pub retention: Duration,
+}
+
+impl Default for TasksOptions {
+    fn default() -> Self {
+        Self {
+            prices: Prices::default(),
+            retention: Duration::from_secs(24 * 60 * 60),
+        }
+    }
+}
+
+/// One finished model call, as the data plane reports it.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelCallSummary<'a> {
+    pub at: SystemTime,
+    pub request_id: &'a str,
+    /// The provider (target) that finally served it.
+    pub provider: &'a str,
+    /// The model the agent asked for.
+    pub model: &'a str,
+    /// The model the provider reports (the model revision), when it said.
+    pub response_model: Option<&'a str>,
+    pub tokens_in: u64,
+    pub tokens_out: u64,
+    pub retries: u32,
+    pub fallbacks: u32,
+    /// Answered from the journal (a resumed stream or a repeated request).
+    pub replayed: bool,
+    /// Completed without error.
+    pub ok: bool,
+    /// A stream that broke before its terminal event (recorded as a fault).
+    pub interrupted: bool,
+}
+
+/// What became of a tool call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolCallOutcome {
+    /// The tool answered and the answer is journaled (2xx or a definitive failure).
+    Completed,
+    /// Provably not executed (refused before sending, the tool said 408/409/425/429).
+    NotExecuted,
+    /// Sent, no answer: in doubt (recorded as a fault).
+    InDoubt,
+    /// The sidecar refused it (bad request, key misuse, journal unavailable).
+    Refused,
+}
+
+/// One finished tool call, as the data plane reports it.
+#[derive(Debug, Clone, Copy)]
+pub struct ToolCallSummary<'a> {
+    pub at: SystemTime,
+    pub request_id: &'a str,
+    pub tool: &'a str,
+    pub key: Option<&'a str>,
+    pub outcome: ToolCallOutcome,
+    /// Answered from the journal instead of executed.
+    pub replayed: bool,
+    pub retries: u32,
+}
+
+/// Counts of faults by kind.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Faults {
+    pub stream_interrupted: u32,
+    pub tool_in_doubt: u32,
+    pub sidecar_restarts: u32,
+    pub agent_replays: u32,
+}
+
+impl Faults {
+    pub fn total(&self) -> u32 {
+        self.stream_interrupted
+            .saturating_add(self.tool_in_doubt)
+            .saturating_add(self.sidecar_restarts)
+            .saturating_add(self.agent_replays)
+    }
+
+    fn add(&mut self, kind: FaultKind) {
+        let slot = match kind {
+            FaultKind::StreamInterrupted => &mut self.stream_interrupted,
+            FaultKind::ToolInDoubt => &mut self.tool_in_doubt,
+            FaultKind::SidecarRestart => &mut self.sidecar_restarts,
+            FaultKind::AgentReplay => &mut self.agent_replays,
+        };
+        *slot = slot.saturating_add(1);
+    }
+}
+
+/// One entry of a task's timeline, in the order it happened.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum TimelineEvent {
+    Started {
+        at: Timestamp,
+        request_id: String,
+    },
+    ModelCall {
+        at: Timestamp,
+        request_id: String,
+        provider: String,
+        model: String,
+        ok: bool,
+        replayed: bool,
+        retries: u32,
+        fallbacks: u32,
+        tokens_in: u64,
+        tokens_out: u64,
+    },
+    ToolCall {
+        at: Timestamp,
+        request_id: String,
+        tool: String,
+        key: Option<String>,
+        outcome: ToolCallOutcome,
+        replayed: bool,
+    },
+    Fault {
+        at: Timestamp,
+        kind: FaultKind,
+    },
+    /// Progress after faults: the task moved on (a fresh call succeeded).
+    Recovered {
+        at: Timestamp,
+        faults: u32,
+    },
+    /// A call arrived after the task had ended (counted, the task stays ended).
+    AfterEnd {
+        at: Timestamp,
+        request_id: String,
+    },
+    Ended {
+        at: Timestamp,
+        outcome: TaskOutcome,
+    },
+}
+
+/// A side effect that happened more than once.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Duplicate {
+    pub tool: String,
+    pub keys: Vec<String>,
+    pub why: String,
+}
+
+/// What the journal says about a task's side effects.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SideEffects {
+    /// Journal records (idempotency keys) of the task.
+    pub keys: u32,
+    /// Keys with a definitive, journaled outcome.
+    pub completed: u32,
+    pub duplicated: Vec<Duplicate>,
+    /// Requested side effects that never happened: keys left `failed_before_send`
+    /// with no completed record of the same request under another key.
+    pub lost: Vec<String>,
+    /// Keys whose outcome is still unknown or in flight.
+    pub unresolved: Vec<String>,
+}
+
+impl SideEffects {
+    pub fn exactly_once(&self) -> bool {
+        self.duplicated.is_empty() && self.lost.is_empty() && self.unresolved.is_empty()
+    }
+}
+
+/// The verdict on a task that had a fault.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecoveryVerdict {
+    pub succeeded: bool,
+    /// Why, in words.
+    pub reason: String,
+    /// `None` when no journal was available to check (the verdict is then failed).
+    pub side_effects: Option<SideEffects>,
+}
+
+/// Everything tracked about one task (the persisted form, `"v": 1`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Task {
+    pub v: u32,
+    pub id: TaskId,
+    /// The request that opened the task.
+    pub first_request_id: String,
+    pub started_at: Timestamp,
+    pub last_activity: Timestamp,
+    pub ended_at: Option<Timestamp>,
+    pub outcome: Option<TaskOutcome>,
+    pub model_calls: u32,
+    pub tool_calls: u32,
+    pub tokens_in: u64,
+    pub tokens_out: u64,
+    pub cost_micros: u64,
+    pub retries: u32,
+    pub fallbacks: u32,
+    pub replays: u32,
+    pub faults: Faults,
+    /// Faults after which the task made progress again (a fresh call succeeded).
+    pub recoveries: u32,
+    /// Faults not yet followed by progress.
+    pub open_faults: u32,
+    /// The model revision the provider last reported.
+    pub model_revision: Option<String>,
+    pub recovery: Option<RecoveryVerdict>,
+    pub timeline: Vec<TimelineEvent>,
+    /// Timeline entries dropped to keep the last [`TIMELINE_CAP`].
+    pub timeline_dropped: u32,
+    /// Inside a run of replayed calls (one `agent_replay` fault per run).
+    #[serde(default)]
+    in_replay_run: bool,
+}
+
+impl Task {
+    fn new(id: TaskId, request_id: &str, at: Timestamp) -> Self {
+        let mut task = Self {
+            v: TASK_VERSION,
+            id,
+            first_request_id: request_id.to_owned(),
+            started_at: at,
+            last_activity: at,
+            ended_at: None,
+            outcome: None,
+            model_calls: 0,
+            tool_calls: 0,
+            tokens_in: 0,
+            tokens_out: 0,
+            cost_micros: 0,
+            retries: 0,
+            fallbacks: 0,
+            replays: 0,
+            faults: Faults::default(),
+            recoveries: 0,
+            open_faults: 0,
+            model_revision: None,
+            recovery: None,
+            timeline: Vec::new(),
+            timeline_dropped: 0,
+            in_replay_run: false,
+        };
+        task.push(TimelineEvent::Started {
+            at,
+            request_id: request_id.to_owned(),
+        });
+        task
+    }
+
+    /// Wall-clock from the first call to the end (or to `now` while open), downtime
+    /// included.
+    pub fn wall_clock(&self, now: Timestamp) -> Duration {
+        self.ended_at.unwrap_or(now).since(self.started_at)
+    }
+
+    fn push(&mut self, event: TimelineEvent) {
+        if self.timeline.len() >= TIMELINE_CAP {
+            self.timeline.remove(0);
+            self.timeline_dropped = self.timeline_dropped.saturating_add(1);
+        }
+        self.timeline.push(event);
+    }
+
+    fn fault(&mut self, kind: FaultKind, at: Timestamp) {
+        self.faults.add(kind);
+        self.open_faults = self.open_faults.saturating_add(1);
+        self.push(TimelineEvent::Fault { at, kind });
+    }
+
+    fn activity(&mut self, at: Timestamp) {
+        self.last_activity = self.last_activity.max(at);
+    }
+
+    /// A call finished: replay runs and recoveries are decided here.
+    fn progress(&mut self, replayed: bool, ok: bool, at: Timestamp) {
+        if replayed {
+            self.replays = self.replays.saturating_add(1);
+            // Calls include this one, replays too: more calls than replays means a
+            // fresh call came before, so the agent is repeating itself.
+            let had_fresh_calls = self.model_calls.saturating_add(self.tool_calls) > self.replays;
+            if !self.in_replay_run && had_fresh_calls {
+                self.fault(FaultKind::AgentReplay, at);
+            }
+            self.in_replay_run = true;
+            return;
+        }
+        self.in_replay_run = false;
+        if ok && self.open_faults > 0 {
+            self.recoveries = self.recoveries.saturating_add(self.open_faults);
+            self.push(TimelineEvent::Recovered {
+                at,
+                faults: self.open_faults,
+            });
+            self.open_faults = 0;
+        }
+    }
+}
+
+/// A task without its timeline, for `GET /v1/tasks`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TaskSummary {
+    pub id: TaskId,
+    pub started_at: Timestamp,
+    pub last_activity: Timestamp,
+    pub ended_at: Option<Timestamp>,
+    pub outcome: Option<TaskOutcome>,
+    pub wall_clock_ms: u64,
+    pub model_calls: u32,
+    pub tool_calls: u32,
+    pub tokens_in: u64,
+    pub tokens_out: u64,
+    pub cost_micros: u64,
+    pub retries: u32,
+    pub fallbacks: u32,
+    pub replays: u32,
+    pub faults: u32,
+    pub recoveries: u32,
+    /// `None` until the task ends, and for tasks without faults.
+    pub recovered: Option<bool>,
+}
+
+/// A task with its timeline and the journal's view of its tool calls, for
+/// `GET /v1/tasks/{id}` and the answer to `POST /v1/tasks/{id}/end`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TaskReport {
+    #[serde(flatten)]
+    pub task: Task,
+    pub wall_clock_ms: u64,
+    /// The task's journaled tool calls, oldest first.
+    pub journal: Vec<TimelineEntry>,
+}
+
+/// Reads what the journal knows about a task's side effects, and decides whether
+/// each happened exactly once:
+///
+/// - **unresolved**: a record still `in_doubt`, `needs_operator`, `reconciling`,
+///   `claimed` or `dispatched` — its effect is unknown;
+/// - **duplicated (sent twice)**: an `unsafe`-class record with more than one
+///   dispatched attempt, beyond those an operator explicitly allowed with a `retry`
+///   resolution (the journal never does this itself; if it shows, something bypassed
+///   it);
+/// - **duplicated (two keys)**: two or more records of the task for the same tool
+///   with the same request fingerprint (method, path, query, body — the key is not
+///   part of it) that both took effect (completed with a 2xx status). Tools declared
+///   `idempotent` are exempt: repeating them is harmless by declaration. A task that
+///   really means to perform the same request twice must make the requests differ;
+/// - **lost**: a record left `failed_before_send` (provably never executed) with no
+///   record of the same tool and fingerprint that completed — the side effect the
+///   agent asked for never happened.
+///
+/// Records completed with a definitive non-2xx answer (the tool refused) count as
+/// completed: the agent got the tool's answer, exactly once.
+pub fn check_side_effects(records: &[Record]) -> SideEffects {
+    let mut out = SideEffects {
+        keys: u32::try_from(records.len()).unwrap_or(u32::MAX),
+        ..SideEffects::default()
+    };
+    let took_effect = |r: &Record| {
+        matches!(r.state, State::Completed | State::Tombstone)
+            && r.final_status.is_some_and(|s| (200..300).contains(&s))
+    };
+    let mut effects: BTreeMap<(&str, String), Vec<&Record>> = BTreeMap::new();
+    for r in records {
+        match r.state {
+            State::Completed | State::Tombstone => {
+                out.completed = out.completed.saturating_add(1);
+            }
+            State::InDoubt
+            | State::NeedsOperator
+            | State::Reconciling
+            | State::Claimed
+            | State::Dispatched => out.unresolved.push(r.key.to_string()),
+            State::FailedBeforeSend => {}
+        }
+        if r.class == ToolClass::Unsafe {
+            let sent = r
+                .attempts
+                .iter()
+                .filter(|a| a.dispatched_at.is_some())
+                .count();
+            let allowed = 1 + r.resolutions.iter().filter(|x| x.action == "retry").count();
+            if sent > allowed {
+                out.duplicated.push(Duplicate {
+                    tool: r.tool.clone(),
+                    keys: vec![r.key.to_string()],
+                    why: format!("an unsafe call was sent {sent} times"),
+                });
+            }
+        }
+        if took_effect(r) && r.class != ToolClass::Idempotent {
+            effects
+                .entry((r.tool.as_str(), r.fingerprint.to_hex()))
+                .or_default()
+                .push(r);
+        }
+    }
+    for ((tool, _), group) in &effects {
+        if group.len() > 1 {
+            out.duplicated.push(Duplicate {
+                tool: (*tool).to_owned(),
+                keys: group.iter().map(|r| r.key.to_string()).collect(),
+                why: format!("the same request took effect under {} keys", group.len()),
+            });
+        }
+    }
+    for r in records
+        .iter()
+        .filter(|r| r.state == State::FailedBeforeSend)
+    {
+        let done_elsewhere = records.iter().any(|other| {
+            other.tool == r.tool
+                && other.fingerprint == r.fingerprint
+                && matches!(other.state, State::Completed | State::Tombstone)
+        });
+        if !done_elsewhere {
+            out.lost.push(r.key.to_string());
+        }
+    }
+    out
+}
+
+/// Decides recovery for a task that had faults.
+fn verdict(outcome: TaskOutcome, side_effects: Option<SideEffects>) -> RecoveryVerdict {
+    let reason = match (&side_effects, outcome) {
+        (_, o) if o != TaskOutcome::Success => format!("the task ended {}", o.as_str()),
+        (None, _) => "no journal to check the side effects against".to_owned(),
+        (Some(s), _) if !s.duplicated.is_empty() => {
+            format!("{} side effect(s) duplicated", s.duplicated.len())
+        }
+        (Some(s), _) if !s.lost.is_empty() => format!("{} side effect(s) lost", s.lost.len()),
+        (Some(s), _) if !s.unresolved.is_empty() => {
+            format!("{} side effect(s) still unresolved", s.unresolved.len())
+        }
+        (Some(s), _) => format!(
+            "completed; {} side effect(s), each exactly once",
+            s.completed
+        ),
+    };
+    let succeeded = outcome == TaskOutcome::Success
+        && side_effects.as_ref().is_some_and(SideEffects::exactly_once);
+    RecoveryVerdict {
+        succeeded,
+        reason,
+        side_effects,
+    }
+}
+
+struct Entry {
+    task: Task,
+    dirty: bool,
+}
+
+/// The task tracker. Cheap to clone.
+#[derive(Clone)]
+pub struct Tasks {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    options: TasksOptions,
+    journal: Option<Journal>,
+    metrics: Metrics,
+    slos: Option<Arc<Slos>>,
+    tasks: Mutex<HashMap<TaskId, Entry>>,
+}
+
+impl std::fmt::Debug for Tasks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tasks").finish_non_exhaustive()
+    }
+}
+
+impl Tasks {
+    /// Loads the tasks a previous process persisted; those it left open are charged
+    /// a `sidecar_restart` fault now. Without a journal, tasks live in memory only.
+    pub fn open(
+        options: TasksOptions,
+        journal: Option<Journal>,
+        metrics: Metrics,
+        slos: Option<Arc<Slos>>,
+        now: SystemTime,
+    ) -> Result<Self, Error> {
+        let mut tasks = HashMap::new();
+        if let Some(j) = &journal {
+            let at = Timestamp::from_system(now);
+            for (key, bytes) in j.kv_scan(NAMESPACE)? {
+                let mut task: Task = match serde_json::from_slice(&bytes) {
+                    Ok(task) => task,
+                    Err(e) => {
+                        // One unreadable task must not keep the sidecar from starting.
+                        tracing::warn!(task = %key, error = %e, "a persisted task could not be decoded; skipped");
+                        continue;
+                    }
+                };
+                let reopened = task.ended_at.is_none();
+                if reopened {
+                    task.fault(FaultKind::SidecarRestart, at);
+                }
+                tasks.insert(
+                    task.id.clone(),
+                    Entry {
+                        task,
+                        dirty: reopened,
+                    },
+                );
+            }
+        }
+        Ok(Self {
+            inner: Arc::new(Inner {
+                options,
+                journal,
+                metrics,
+                slos,
+                tasks: Mutex::new(tasks),
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<TaskId, Entry>> {
+        self.inner
+            .tasks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn with_task<R>(
+        &self,
+        id: &TaskId,
+        request_id: &str,
+        at: SystemTime,
+        f: impl FnOnce(&mut Task, Timestamp) -> R,
+    ) -> R {
+        let at = Timestamp::from_system(at);
+        let mut tasks = self.lock();
+        let entry = tasks.entry(id.clone()).or_insert_with(|| Entry {
+            task: Task::new(id.clone(), request_id, at),
+            dirty: true,
+        });
+        entry.dirty = true;
+        if entry.task.ended_at.is_some() {
+            entry.task.push(TimelineEvent::AfterEnd {
+                at,
+                request_id: request_id.to_owned(),
+            });
+        }
+        entry.task.activity(at);
+        f(&mut entry.task, at)
+    }
+
+    /// A request of the task arrived (creates the task on its first call).
+    pub fn touch(&self, task: &TaskId, request_id: &str, now: SystemTime) {
+        self.with_task(task, request_id, now, |_, _| ());
+    }
+
+    /// A model call of the task finished.
+    pub fn model_call(&self, task: &TaskId, call: &ModelCallSummary<'_>) {
+        let cost = self.inner.options.prices.cost(
+            call.provider,
+            call.response_model.unwrap_or(call.model),
+            call.tokens_in,
+            call.tokens_out,
+        );
+        self.with_task(task, call.request_id, call.at, |t, at| {
+            t.model_calls = t.model_calls.saturating_add(1);
+            t.tokens_in = t.tokens_in.saturating_add(call.tokens_in);
+            t.tokens_out = t.tokens_out.saturating_add(call.tokens_out);
+            t.cost_micros = t.cost_micros.saturating_add(cost);
+            t.retries = t.retries.saturating_add(call.retries);
+            t.fallbacks = t.fallbacks.saturating_add(call.fallbacks);
+            if let Some(m) = call.response_model {
+                t.model_revision = Some(m.to_owned());
+            }
+            t.push(TimelineEvent::ModelCall {
+                at,
+                request_id: call.request_id.to_owned(),
+                provider: call.provider.to_owned(),
+                model: call.model.to_owned(),
+                ok: call.ok,
+                replayed: call.replayed,
+                retries: call.retries,
+                fallbacks: call.fallbacks,
+                tokens_in: call.tokens_in,
+                tokens_out: call.tokens_out,
+            });
+            if call.interrupted {
+                t.fault(FaultKind::StreamInterrupted, at);
+            }
+            t.progress(call.replayed, call.ok && !call.interrupted, at);
+        });
+    }
+
+    /// A tool call of the task finished.
+    pub fn tool_call(&self, task: &TaskId, call: &ToolCallSummary<'_>) {
+        self.with_task(task, call.request_id, call.at, |t, at| {
+            t.tool_calls = t.tool_calls.saturating_add(1);
+            t.retries = t.retries.saturating_add(call.retries);
+            t.push(TimelineEvent::ToolCall {
+                at,
+                request_id: call.request_id.to_owned(),
+                tool: call.tool.to_owned(),
+                key: call.key.map(str::to_owned),
+                outcome: call.outcome,
+                replayed: call.replayed,
+            });
+            if call.outcome == ToolCallOutcome::InDoubt {
+                t.fault(FaultKind::ToolInDoubt, at);
+            }
+            t.progress(
+                call.replayed,
+                call.outcome == ToolCallOutcome::Completed,
+                at,
+            );
+        });
+    }
+
+    /// A fault the data plane saw outside the summaries above.
+    pub fn fault(&self, task: &TaskId, request_id: &str, kind: FaultKind, now: SystemTime) {
+        self.with_task(task, request_id, now, |t, at| t.fault(kind, at));
+    }
+
+    /// Ends the task (`POST /v1/tasks/{id}/end`, or idle expiry): decides recovery
+    /// from the journal, persists the task, and records its metrics, SLO event and
+    /// `invoke_agent` span. Ending an ended task returns it unchanged.
+    pub async fn end(
+        &self,
+        id: &TaskId,
+        outcome: TaskOutcome,
+        now: SystemTime,
+    ) -> Result<TaskReport, Error> {
+        let at = Timestamp::from_system(now);
+        {
+            let tasks = self.lock();
+            let entry = tasks
+                .get(id)
+                .ok_or_else(|| Error::UnknownTask(id.clone()))?;
+            if entry.task.ended_at.is_some() {
+                let task = entry.task.clone();
+                drop(tasks);
+                return Ok(self.report(task, at));
+            }
+        }
+        // Read the journal without holding the lock: it is a disk scan.
+        let side_effects = match &self.inner.journal {
+            Some(j) => Some(check_side_effects(&j.list(&Filter {
+                task: Some(id.clone()),
+                ..Filter::default()
+            })?)),
+            None => None,
+        };
+        let task = {
+            let mut tasks = self.lock();
+            let entry = tasks
+                .get_mut(id)
+                .ok_or_else(|| Error::UnknownTask(id.clone()))?;
+            let t = &mut entry.task;
+            if t.ended_at.is_none() {
+                t.ended_at = Some(at.max(t.started_at));
+                t.outcome = Some(outcome);
+                t.push(TimelineEvent::Ended { at, outcome });
+                // Faults recorded while the journal was read are judged too.
+                if t.faults.total() > 0 {
+                    t.recovery = Some(verdict(outcome, side_effects));
+                }
+                entry.dirty = true;
+            }
+            entry.task.clone()
+        };
+        self.save(&task).await?;
+        self.observe_end(&task);
+        Ok(self.report(task, at))
+    }
+
+    fn observe_end(&self, task: &Task) {
+        let (Some(ended_at), Some(outcome)) = (task.ended_at, task.outcome) else {
+            return;
+        };
+        let wall_clock = task.wall_clock(ended_at);
+        let recovered = task.recovery.as_ref().map(|r| r.succeeded);
+        let m = &self.inner.metrics;
+        m.task_ended(wall_clock, outcome.as_str(), recovered);
+        if let Some(ok) = recovered {
+            m.recovery(ok);
+        }
+        if let Some(slos) = &self.inner.slos {
+            let duplicated = task
+                .recovery
+                .as_ref()
+                .and_then(|r| r.side_effects.as_ref())
+                .is_some_and(|s| !s.duplicated.is_empty());
+            let slo_outcome = match (outcome, recovered) {
+                (TaskOutcome::Cancelled, _) => {
+                    Outcome::Excluded(outrigger_types::Exclusion::ClientCancelled)
+                }
+                (_, Some(false)) if duplicated => Outcome::Bad(Cause::Release),
+                (_, Some(false)) => Outcome::Bad(Cause::Unknown),
+                _ => Outcome::Good,
+            };
+            let mut event = SloEvent::new(ObjectKind::Tasks, slo_outcome, ended_at.to_system());
+            event.wall_clock = Some(wall_clock);
+            event.recovered = recovered;
+            slos.record(&event);
+        }
+        spans::emit_task(&TaskSpan {
+            task_id: task.id.as_str(),
+            request_id: &task.first_request_id,
+            started_at: task.started_at.to_system(),
+            ended_at: ended_at.to_system(),
+            outcome: outcome.as_str(),
+            recovered,
+            faults: task.faults.total(),
+            model_calls: task.model_calls,
+            tool_calls: task.tool_calls,
+            tokens_in: task.tokens_in,
+            tokens_out: task.tokens_out,
+            model_revision: task.model_revision.as_deref(),
+            policy_versions: None,
+            gpu_id: None,
+        });
+    }
+
+    fn report(&self, task: Task, now: Timestamp) -> TaskReport {
+        let journal = self
+            .inner
+            .journal
+            .as_ref()
+            .and_then(|j| j.timeline(&task.id).ok())
+            .unwrap_or_default();
+        TaskReport {
+            wall_clock_ms: u64::try_from(task.wall_clock(now).as_millis()).unwrap_or(u64::MAX),
+            task,
+            journal,
+        }
+    }
+
+    /// Ends tasks idle for longer than `idle_timeout` (outcome `idle_timeout`) and
+    /// forgets ended tasks past retention. Returns the tasks it ended.
+    pub async fn sweep(
+        &self,
+        now: SystemTime,
+        idle_timeout: Duration,
+    ) -> Result<Vec<TaskReport>, Error> {
+        let at = Timestamp::from_system(now);
+        let (idle, expired): (Vec<TaskId>, Vec<TaskId>) = {
+            let mut tasks = self.lock();
+            let idle = tasks
+                .values()
+                .filter(|e| e.task.ended_at.is_none())
+                .filter(|e| at.since(e.task.last_activity) > idle_timeout)
+                .map(|e| e.task.id.clone())
+                .collect();
+            let expired: Vec<TaskId> = tasks
+                .values()
+                .filter(|e| {
+                    e.task
+                        .ended_at
+                        .is_some_and(|end| at.since(end) > self.inner.options.retention)
+                })
+                .map(|e| e.task.id.clone())
+                .collect();
+            for id in &expired {
+                tasks.remove(id);
+            }
+            (idle, expired)
+        };
+        if let Some(j) = &self.inner.journal {
+            for id in &expired {
+                j.kv_delete(NAMESPACE, id.as_str()).await?;
+            }
+        }
+        let mut ended = Vec::with_capacity(idle.len());
+        for id in idle {
+            ended.push(self.end(&id, TaskOutcome::IdleTimeout, now).await?);
+        }
+        Ok(ended)
+    }
+
+    /// Writes the tasks changed since the last call. Returns how many.
+    pub async fn persist(&self) -> Result<usize, Error> {
+        let changed: Vec<Task> = {
+            let mut tasks = self.lock();
+            tasks
+                .values_mut()
+                .filter(|e| e.dirty)
+                .map(|e| {
+                    e.dirty = false;
+                    e.task.clone()
+                })
+                .collect()
+        };
+        let mut written = 0;
+        for task in &changed {
+            if let Err(e) = self.save(task).await {
+                // Write it again next time.
+                for t in &changed {
+                    if let Some(entry) = self.lock().get_mut(&t.id) {
+                        entry.dirty = true;
+                    }
+                }
+                return Err(e);
+            }
+            written += 1;
+        }
+        Ok(written)
+    }
+
+    async fn save(&self, task: &Task) -> Result<(), Error> {
+        let Some(j) = &self.inner.journal else {
+            return Ok(());
+        };
+        let bytes = serde_json::to_vec(task).map_err(|e| Error::Encode {
+            key: task.id.to_string(),
+            detail: e.to_string(),
+        })?;
+        j.kv_put(NAMESPACE, task.id.as_str(), bytes).await?;
+        Ok(())
+    }
+
+    /// Every known task, newest first.
+    pub fn list(&self, now: SystemTime) -> Vec<TaskSummary> {
+        let now = Timestamp::from_system(now);
+        let tasks = self.lock();
+        let mut out: Vec<TaskSummary> = tasks
+            .values()
+            .map(|e| {
+                let t = &e.task;
+                TaskSummary {
+                    id: t.id.clone(),
+                    started_at: t.started_at,
+                    last_activity: t.last_activity,
+                    ended_at: t.ended_at,
+                    outcome: t.outcome,
+                    wall_clock_ms: u64::try_from(t.wall_clock(now).as_millis()).unwrap_or(u64::MAX),
+                    model_calls: t.model_calls,
+                    tool_calls: t.tool_calls,
+                    tokens_in: t.tokens_in,
+                    tokens_out: t.tokens_out,
+                    cost_micros: t.cost_micros,
+                    retries: t.retries,
+                    fallbacks: t.fallbacks,
+                    replays: t.replays,
+                    faults: t.faults.total(),
+                    recoveries: t.recoveries,
+                    recovered: t.recovery.as_ref().map(|r| r.succeeded),
+                }
+            })
+            .collect();
+        out.sort_by(|a, b| b.started_at.cmp(&a.started_at).then(a.id.cmp(&b.id)));
+        out
+    }
+
+    /// One task with its timeline and journaled tool calls.
+    pub fn get(&self, id: &TaskId, now: SystemTime) -> Option<TaskReport> {
+        let task = self.lock().get(id).map(|e| e.task.clone())?;
+        Some(self.report(task, Timestamp::from_system(now)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use outrigger_journal::{
+        Begin, Headers, Intent, KeySource, Options, RedactedRequest, StoredResponse,
+    };
+    use outrigger_types::{Fingerprint, IdempotencyKey, RequestId};
+
+    use super::*;
+
+    type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+    /// A journal in a fresh temporary directory, removed on drop.
+    struct TempJournal {
+        journal: Journal,
+        writer: tokio::task::JoinHandle<()>,
+        dir: PathBuf,
+    }
+
+    impl TempJournal {
+        fn open() -> Result<Self, Box<dyn std::error::Error>> {
+            static N: AtomicU32 = AtomicU32::new(0);
+            let dir = std::env::temp_dir().join(format!(
+                "outrigger-tasks-test-{}-{}",
+                std::process::id(),
+                N.fetch_add(1, Ordering::Relaxed)
+            ));
+            let (journal, writer, _) = Journal::open(Options::new(dir.join("journal")))?;
+            let writer = tokio::spawn(writer.run());
+            Ok(Self {
+                journal,
+                writer,
+                dir,
+            })
+        }
+    }
+
+    impl Drop for TempJournal {
+        fn drop(&mut self) {
+            self.writer.abort();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn task() -> TaskId {
+        match TaskId::new("task-1") {
+            Ok(t) => t,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    fn t(secs: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_800_000_000 + secs)
+    }
+
+    /// Journals one tool call of `task-1` and drives it to `end`.
+    async fn tool_call(
+        journal: &Journal,
+        key: &str,
+        body: &str,
+        class: ToolClass,
+        end: State,
+    ) -> TestResult {
+        let intent = Intent {
+            key: IdempotencyKey::new(key)?,
+            fingerprint: Fingerprint(sha(body)),
+            tool: "payments".into(),
+            class,
+            method: "POST".into(),
+            target: "/charges".into(),
+            task_id: Some(task()),
+            request_id: RequestId::from_generated(format!("req-{key}")),
+            downstream_key: key.into(),
+            request: RedactedRequest::new(Headers::default(), body),
+            policy_versions: Vec::new(),
+            model_revision: None,
+            derived_from: KeySource::Header,
+        };
+        let Begin::Execute { ticket, .. } = journal.begin(intent).await? else {
+            return Err("expected to execute".into());
+        };
+        match end {
+            State::Completed => {
+                journal
+                    .complete(&ticket, StoredResponse::new(201, Headers::default(), "{}"))
+                    .await?;
+            }
+            State::FailedBeforeSend => {
+                journal
+                    .failed_before_send(&ticket, "connect refused")
+                    .await?
+            }
+            State::InDoubt => {
+                journal.in_doubt(&ticket, "timeout").await?;
+            }
+            other => return Err(format!("no test path to {other}").into()),
+        }
+        Ok(())
+    }
+
+    fn sha(body: &str) -> [u8; 32] {
+        // Distinct bodies, distinct fingerprints: a cheap stand-in for SHA-256.
+        let mut out = [0u8; 32];
+        for (i, b) in body.bytes().enumerate() {
+            out[i % 32] ^= b.wrapping_add(u8::try_from(i % 251).unwrap_or(0));
+        }
+        out
+    }
+
+    fn tools_summary(
+        at: SystemTime,
+        key: &str,
+        outcome: ToolCallOutcome,
+        replayed: bool,
+    ) -> ToolCallSummary<'_> {
+        ToolCallSummary {
+            at,
+            request_id: "req",
+            tool: "payments",
+            key: Some(key),
+            outcome,
+            replayed,
+            retries: 0,
+        }
+    }
+
+    fn model(
+        at: SystemTime,
+        ok: bool,
+        interrupted: bool,
+        replayed: bool,
+    ) -> ModelCallSummary<'static> {
+        ModelCallSummary {
+            at,
+            request_id: "req-m",
+            provider: "openai",
+            model: "gpt-4o",
+            response_model: Some("gpt-4o-2024-08-06"),
+            tokens_in: 1000,
+            tokens_out: 500,
+            retries: 1,
+            fallbacks: 0,
+            replayed,
+            ok,
+            interrupted,
+        }
+    }
+
+    fn tracker(journal: Option<Journal>, metrics: Metrics) -> Result<Tasks, Error> {
+        let mut prices = Prices::default();
+        prices.set("openai", None, 2_500_000, 10_000_000);
+        Tasks::open(
+            TasksOptions {
+                prices,
+                ..TasksOptions::default()
+            },
+            journal,
+            metrics,
+            None,
+            t(0),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_task_that_recovered_cleanly_is_a_recovery() -> TestResult {
+        let j = TempJournal::open()?;
+        let metrics = Metrics::new();
+        let tasks = tracker(Some(j.journal.clone()), metrics.clone())?;
+        let id = task();
+        tasks.touch(&id, "req-0", t(0));
+        tool_call(
+            &j.journal,
+            "k1",
+            "charge 5",
+            ToolClass::Keyed,
+            State::Completed,
+        )
+        .await?;
+        tasks.tool_call(
+            &id,
+            &tools_summary(t(1), "k1", ToolCallOutcome::Completed, false),
+        );
+        tasks.model_call(&id, &model(t(2), false, true, false));
+        tasks.model_call(&id, &model(t(3), true, false, false));
+        tool_call(
+            &j.journal,
+            "k2",
+            "charge 7",
+            ToolClass::Keyed,
+            State::Completed,
+        )
+        .await?;
+        tasks.tool_call(
+            &id,
+            &tools_summary(t(4), "k2", ToolCallOutcome::Completed, false),
+        );
+
+        let report = tasks.end(&id, TaskOutcome::Success, t(10)).await?;
+        let task = &report.task;
+        assert_eq!(task.faults.stream_interrupted, 1);
+        assert_eq!(task.recoveries, 1);
+        assert_eq!((task.model_calls, task.tool_calls), (2, 2));
+        assert_eq!(
+            (task.tokens_in, task.tokens_out, task.retries),
+            (2000, 1000, 2)
+        );
+        // 2000 × $2.50/M + 1000 × $10/M = 5000 + 10000 micro-dollars.
+        assert_eq!(task.cost_micros, 15_000);
+        assert_eq!(report.wall_clock_ms, 10_000);
+        let verdict = task.recovery.as_ref().ok_or("no verdict")?;
+        assert!(verdict.succeeded, "{verdict:?}");
+        assert_eq!(verdict.side_effects.as_ref().map(|s| s.completed), Some(2));
+        assert_eq!(
+            report.journal.len(),
+            2,
+            "the journal's view of the task's tool calls"
+        );
+        let kinds: Vec<&str> = task
+            .timeline
+            .iter()
+            .map(|e| match e {
+                TimelineEvent::Started { .. } => "started",
+                TimelineEvent::ModelCall { .. } => "model",
+                TimelineEvent::ToolCall { .. } => "tool",
+                TimelineEvent::Fault { .. } => "fault",
+                TimelineEvent::Recovered { .. } => "recovered",
+                TimelineEvent::AfterEnd { .. } => "after_end",
+                TimelineEvent::Ended { .. } => "ended",
+            })
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                "started",
+                "tool",
+                "model",
+                "fault",
+                "model",
+                "recovered",
+                "tool",
+                "ended"
+            ]
+        );
+        let text = metrics.encode();
+        assert!(
+            text.contains("outrigger_task_recoveries_total{result=\"success\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "outrigger_task_duration_seconds_count{outcome=\"success\",recovered=\"true\"} 1"
+            ),
+            "{text}"
+        );
+
+        // Ending again changes nothing.
+        let again = tasks.end(&id, TaskOutcome::Failure, t(20)).await?;
+        assert_eq!(again.task.outcome, Some(TaskOutcome::Success));
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_duplicated_side_effect_fails_the_recovery() -> TestResult {
+        let j = TempJournal::open()?;
+        let metrics = Metrics::new();
+        let tasks = tracker(Some(j.journal.clone()), metrics.clone())?;
+        let id = task();
+        tool_call(
+            &j.journal,
+            "k1",
+            "charge 5",
+            ToolClass::Keyed,
+            State::Completed,
+        )
+        .await?;
+        tasks.tool_call(
+            &id,
+            &tools_summary(t(1), "k1", ToolCallOutcome::Completed, false),
+        );
+        tasks.fault(&id, "req", FaultKind::SidecarRestart, t(2));
+        // After the restart the agent sends the same charge under a new key.
+        tool_call(
+            &j.journal,
+            "k1-again",
+            "charge 5",
+            ToolClass::Keyed,
+            State::Completed,
+        )
+        .await?;
+        tasks.tool_call(
+            &id,
+            &tools_summary(t(3), "k1-again", ToolCallOutcome::Completed, false),
+        );
+
+        let report = tasks.end(&id, TaskOutcome::Success, t(4)).await?;
+        let verdict = report.task.recovery.ok_or("no verdict")?;
+        assert!(!verdict.succeeded);
+        let effects = verdict.side_effects.ok_or("not checked")?;
+        assert_eq!(effects.duplicated.len(), 1);
+        assert_eq!(effects.duplicated[0].keys, ["k1", "k1-again"]);
+        assert!(verdict.reason.contains("duplicated"), "{}", verdict.reason);
+        let text = metrics.encode();
+        assert!(
+            text.contains("outrigger_task_recoveries_total{result=\"failure\"} 1"),
+            "{text}"
+        );
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn lost_unresolved_and_idempotent_repeats() -> TestResult {
+        let j = TempJournal::open()?;
+        let tasks = tracker(Some(j.journal.clone()), Metrics::new())?;
+        let id = task();
+        tasks.touch(&id, "req", t(0));
+        tasks.fault(&id, "req", FaultKind::ToolInDoubt, t(1));
+        // Never sent, never redone: lost.
+        tool_call(
+            &j.journal,
+            "k-lost",
+            "refund 3",
+            ToolClass::Keyed,
+            State::FailedBeforeSend,
+        )
+        .await?;
+        // Never sent, but redone under another key: not lost.
+        tool_call(
+            &j.journal,
+            "k-retry-1",
+            "refund 4",
+            ToolClass::Keyed,
+            State::FailedBeforeSend,
+        )
+        .await?;
+        tool_call(
+            &j.journal,
+            "k-retry-2",
+            "refund 4",
+            ToolClass::Keyed,
+            State::Completed,
+        )
+        .await?;
+        // Sent with no answer: unresolved.
+        tool_call(
+            &j.journal,
+            "k-doubt",
+            "refund 5",
+            ToolClass::Keyed,
+            State::InDoubt,
+        )
+        .await?;
+        // The same upsert twice: harmless by declaration.
+        tool_call(
+            &j.journal,
+            "k-up-1",
+            "set x",
+            ToolClass::Idempotent,
+            State::Completed,
+        )
+        .await?;
+        tool_call(
+            &j.journal,
+            "k-up-2",
+            "set x",
+            ToolClass::Idempotent,
+            State::Completed,
+        )
+        .await?;
+
+        let report = tasks.end(&id, TaskOutcome::Success, t(5)).await?;
+        let verdict = report.task.recovery.ok_or("no verdict")?;
+        let effects = verdict.side_effects.ok_or("not checked")?;
+        assert_eq!(effects.lost, ["k-lost"]);
+        assert_eq!(effects.unresolved, ["k-doubt"]);
+        assert!(effects.duplicated.is_empty(), "{:?}", effects.duplicated);
+        assert_eq!((effects.keys, effects.completed), (6, 3));
+        assert!(!verdict.succeeded);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn a_failed_task_never_counts_as_recovered_and_faultless_tasks_have_no_verdict()
+    -> TestResult {
+        let j = TempJournal::open()?;
+        let tasks = tracker(Some(j.journal.clone()), Metrics::new())?;
+        let failed = task();
+        tasks.model_call(&failed, &model(t(0), false, true, false));
+        let report = tasks.end(&failed, TaskOutcome::Failure, t(1)).await?;
+        let verdict = report.task.recovery.ok_or("no verdict")?;
+        assert!(!verdict.succeeded);
+        assert_eq!(verdict.reason, "the task ended failure");
+
+        let clean = TaskId::new("task-2")?;
+        tasks.model_call(&clean, &model(t(0), true, false, false));
+        assert_eq!(
+            tasks
+                .end(&clean, TaskOutcome::Success, t(1))
+                .await?
+                .task
+                .recovery,
+            None
+        );
+        assert!(matches!(
+            tasks
+                .end(&TaskId::new("nope")?, TaskOutcome::Success, t(1))
+                .await,
+            Err(Error::UnknownTask(_))
+        ));
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn replays_mark_an_agent_restart_once_per_run() -> TestResult {
+        let tasks = tracker(None, Metrics::new())?;
+        let id = task();
+        tasks.model_call(&id, &model(t(0), true, false, false));
+        tasks.tool_call(
+            &id,
+            &tools_summary(t(1), "k1", ToolCallOutcome::Completed, false),
+        );
+        // The agent restarts and walks the same trajectory: answered from the journal.
+        tasks.model_call(&id, &model(t(2), true, false, true));
+        tasks.tool_call(
+            &id,
+            &tools_summary(t(3), "k1", ToolCallOutcome::Completed, true),
+        );
+        tasks.model_call(&id, &model(t(4), true, false, false));
+        let report = tasks.get(&id, t(5)).ok_or("unknown task")?;
+        assert_eq!(report.task.replays, 2);
+        assert_eq!(report.task.faults.agent_replays, 1);
+        assert_eq!(report.task.recoveries, 1);
+        // Without a journal the side effects cannot be checked: not a recovery.
+        let ended = tasks.end(&id, TaskOutcome::Success, t(6)).await?;
+        let verdict = ended.task.recovery.ok_or("no verdict")?;
+        assert!(!verdict.succeeded && verdict.side_effects.is_none());
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn tasks_survive_a_restart_with_the_downtime_counted() -> TestResult {
+        let j = TempJournal::open()?;
+        let first = tracker(Some(j.journal.clone()), Metrics::new())?;
+        let id = task();
+        first.model_call(&id, &model(t(0), true, false, false));
+        assert_eq!(first.persist().await?, 1);
+        assert_eq!(first.persist().await?, 0, "nothing changed since");
+        drop(first);
+
+        // The next process finds the task open: the restart is a fault.
+        let second = Tasks::open(
+            TasksOptions::default(),
+            Some(j.journal.clone()),
+            Metrics::new(),
+            None,
+            t(600),
+        )?;
+        let report = second.get(&id, t(600)).ok_or("task lost in the restart")?;
+        assert_eq!(report.task.faults.sidecar_restarts, 1);
+        assert_eq!(report.task.model_calls, 1);
+        second.model_call(&id, &model(t(610), true, false, false));
+        let ended = second.end(&id, TaskOutcome::Success, t(620)).await?;
+        assert_eq!(
+            ended.wall_clock_ms, 620_000,
+            "wall-clock includes the downtime"
+        );
+        assert!(ended.task.recovery.is_some_and(|r| r.succeeded));
+        let third = Tasks::open(
+            TasksOptions::default(),
+            Some(j.journal.clone()),
+            Metrics::new(),
+            None,
+            t(700),
+        )?;
+        let stored = third.get(&id, t(700)).ok_or("ended task not persisted")?;
+        assert_eq!(
+            stored.task.faults.sidecar_restarts, 1,
+            "an ended task is not charged again"
+        );
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn sweep_ends_idle_tasks_and_forgets_old_ones() -> TestResult {
+        let j = TempJournal::open()?;
+        let tasks = tracker(Some(j.journal.clone()), Metrics::new())?;
+        let idle = task();
+        let busy = TaskId::new("task-busy")?;
+        tasks.touch(&idle, "r1", t(0));
+        tasks.touch(&busy, "r2", t(0));
+        tasks.touch(&busy, "r3", t(250));
+        let ended = tasks.sweep(t(301), Duration::from_secs(300)).await?;
+        assert_eq!(ended.len(), 1);
+        assert_eq!(ended[0].task.id, idle);
+        assert_eq!(ended[0].task.outcome, Some(TaskOutcome::IdleTimeout));
+        assert_eq!(tasks.list(t(301)).len(), 2);
+        // A day after it ended, the idle task is forgotten, here and in the store.
+        tasks
+            .sweep(t(301 + 86_401), Duration::from_secs(1_000_000))
+            .await?;
+        assert!(tasks.get(&idle, t(0)).is_none());
+        assert!(j.journal.kv_get(NAMESPACE, idle.as_str())?.is_none());
+        Ok(())
+    }
+
+    #[test]
+    fn prices_prefer_the_model_then_the_provider() {
+        let mut prices = Prices::default();
+        prices.set("openai", None, 1_000_000, 2_000_000);
+        prices.set("openai", Some("gpt-4o-mini"), 150_000, 600_000);
+        assert_eq!(
+            prices.cost("openai", "gpt-4o", 1_000_000, 1_000_000),
+            3_000_000
+        );
+        assert_eq!(prices.cost("openai", "gpt-4o-mini", 1_000_000, 0), 150_000);
+        assert_eq!(prices.cost("anthropic", "x", 1_000_000, 1_000_000), 0);
+    }
+}

@@ -1,0 +1,101 @@
+"""A small agent that books a multi-city trip: it asks the model what to do, and the
+model answers with one tool call per step (checking each city), until it is done.
+
+It talks to the sidecar exactly as it would talk to OpenAI and to its own tools:
+the stock OpenAI SDK with its base URL pointed at the sidecar, plain HTTP for the
+tools, and one extra header, Outrigger-Task-Id, naming the task. Nothing else in the
+agent knows about crashes.
+
+Kill it at any point and start it again with the same task id: the model calls it
+repeats are answered from the sidecar's journal (the same tool_call_ids come back),
+and the tool calls it repeats are deduplicated by keys the sidecar derives from
+those ids, so every side effect happens exactly once.
+
+    OUTRIGGER_URL=http://127.0.0.1:7070 TASK_ID=trip-42 python3 agent.py
+
+For the crash-recovery test, AGENT_CRASH_AFTER_TOOL_CALLS=N makes the agent kill
+itself (SIGKILL) right after its N-th tool call returned.
+"""
+
+import json
+import os
+import signal
+import sys
+import urllib.request
+
+from openai import OpenAI
+
+SIDECAR = os.environ.get("OUTRIGGER_URL", "http://127.0.0.1:7070")
+TASK_ID = os.environ.get("TASK_ID", "trip-42")
+MODEL = os.environ.get("MODEL", "gpt-mock")
+CRASH_AFTER = int(os.environ.get("AGENT_CRASH_AFTER_TOOL_CALLS", "0"))
+
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Checks a city and books it when the weather is fine (a side effect).",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}]
+
+
+def call_tool(tool_call):
+    """POSTs one tool call to the sidecar's tool route. No idempotency key is sent:
+    the sidecar derives it from the task and the model's tool_call_id."""
+    request = urllib.request.Request(
+        f"{SIDECAR}/tools/booking/{tool_call.function.name}",
+        data=tool_call.function.arguments.encode(),
+        method="POST",
+        headers={
+            "content-type": "application/json",
+            "outrigger-task-id": TASK_ID,
+            "outrigger-tool-call-id": tool_call.id,
+        },
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        replayed = response.headers.get("outrigger-replayed") == "true"
+        return json.loads(response.read()), replayed
+
+
+def main():
+    client = OpenAI(
+        base_url=f"{SIDECAR}/v1",
+        api_key="unused-the-sidecar-holds-the-key",
+        default_headers={"outrigger-task-id": TASK_ID},
+        max_retries=0,
+    )
+    messages = [
+        {"role": "system", "content": "You plan trips. Check every city with get_weather."},
+        {"role": "user", "content": "Plan my trip and book what you can."},
+    ]
+    tool_calls_done = 0
+    for step in range(20):
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, tools=TOOLS)
+        completion = raw.parse()
+        replayed = raw.headers.get("outrigger-replayed") == "true"
+        message = completion.choices[0].message
+        print(f"step {step}: model {'replayed from the journal' if replayed else 'generated'}", flush=True)
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            print(f"done: {message.content}", flush=True)
+            return 0
+        for tool_call in message.tool_calls:
+            result, replayed = call_tool(tool_call)
+            tool_calls_done += 1
+            print(f"  tool {tool_call.function.name}({tool_call.function.arguments}) "
+                  f"-> effect {result.get('effect')}{' (replayed)' if replayed else ''}", flush=True)
+            messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": json.dumps(result)})
+            if CRASH_AFTER and tool_calls_done == CRASH_AFTER:
+                print("crashing now", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+    print("gave up after 20 steps", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+//! The crash-recovery example (`examples/agent/agent.py`, the stock OpenAI Python
+//! SDK) killed mid-task and restarted from scratch: the task completes, every side
+//! effect happened exactly once, and the model calls it repeated came from the
+//! journal.
+//!
+//! Needs the example's virtual environment (`examples/agent/setup.sh`, which
+//! `cargo xtask test` runs). Without it the test says so and passes only when
+//! `OUTRIGGER_REQUIRE_EXAMPLES` is unset; CI sets it.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use outrigger_testing::provider::{Behaviour, MockProvider};
+use outrigger_testing::tool::{MockTool, ToolBehaviour};
+
+use crate::support::*;
+
+fn python() -> Option<PathBuf> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/agent/.venv/bin/python");
+    if p.exists() {
+        return Some(p);
+    }
+    assert!(
+        std::env::var_os("OUTRIGGER_REQUIRE_EXAMPLES").is_none(),
+        "examples/agent/.venv is missing: run examples/agent/setup.sh (cargo xtask test does)"
+    );
+    eprintln!("skipping the example agent: run examples/agent/setup.sh to set it up");
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_agent_survives_being_killed_mid_task() {
+    let Some(python) = python() else { return };
+    let steps = 4;
+    let model = MockProvider::start(Behaviour {
+        agent_steps: Some(steps),
+        chunks: 3,
+        ..Behaviour::default()
+    })
+    .await
+    .expect("provider");
+    let tool = MockTool::start(ToolBehaviour::default())
+        .await
+        .expect("tool");
+    let config = format!(
+        "[[providers]]\nname = \"mock\"\nkind = \"openai\"\nbase_url = \"{}\"\nmodels = [\"*\"]\n\
+         [[tools]]\nname = \"booking\"\nkind = \"http\"\nbase_url = \"{}\"\nclass = \"unsafe\"\nkey_required = true\n",
+        model.openai_base(),
+        tool.url()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let agent = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/agent/agent.py");
+    let run = |crash_after: usize| {
+        let mut cmd = Command::new(&python);
+        cmd.arg(&agent)
+            .env("OUTRIGGER_URL", format!("http://{}", sidecar.data))
+            .env("TASK_ID", "trip-e2e")
+            .env("PYTHONUNBUFFERED", "1");
+        if crash_after > 0 {
+            cmd.env("AGENT_CRASH_AFTER_TOOL_CALLS", crash_after.to_string());
+        }
+        let out = cmd.output().expect("run the agent");
+        (
+            out.status,
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // First run: killed right after its second side effect.
+    let (status, out, err) = tokio::task::block_in_place(|| run(2));
+    assert!(
+        !status.success(),
+        "the agent should have been killed:\n{out}\n{err}"
+    );
+    assert!(out.contains("crashing now"), "{out}\n{err}");
+    assert_eq!(tool.effects().len(), 2);
+    let generated_before_restart = model.generation_count();
+    assert_eq!(generated_before_restart, 2);
+
+    // Restarted from scratch, same task: it completes.
+    let (status, out, err) = tokio::task::block_in_place(|| run(0));
+    assert!(status.success(), "{out}\n{err}");
+    assert!(out.contains("done:"), "{out}");
+    // The two model turns it had already seen were served from the journal…
+    assert_eq!(out.matches("replayed from the journal").count(), 2, "{out}");
+    // …so its first two tool calls were deduplicated, and every effect happened once.
+    assert_eq!(out.matches("(replayed)").count(), 2, "{out}");
+    let by_key = tool.effects_by_key();
+    assert_eq!(tool.effects().len(), steps, "{by_key:?}");
+    assert!(by_key.values().all(|n| *n == 1), "{by_key:?}");
+    assert!(
+        by_key
+            .keys()
+            .all(|k| k.as_deref().is_some_and(|k| k.starts_with("tc-"))),
+        "{by_key:?}"
+    );
+    // Only the turns it had not seen were generated: steps + the final answer.
+    assert_eq!(model.generation_count(), steps as u64 + 1);
+}

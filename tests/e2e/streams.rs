@@ -1,0 +1,453 @@
+//! Journaled model streams: replay, resume after a client drop (detach, don't
+//! cancel), interruptions at every event boundary and inside events in both dialects
+//! (never a partial tool call; a typed error event), deterministic replay inside a
+//! task, cancellation, and a SIGKILL of the sidecar mid-stream.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Method, StatusCode};
+use outrigger_testing::provider::{Behaviour, MockProvider, StreamEnd};
+use outrigger_testing::sse::{self as mock_sse, Generation};
+use serde_json::json;
+
+use crate::support::*;
+
+async fn setup(behaviour: Behaviour) -> (MockProvider, Sidecar) {
+    let mock = MockProvider::start(behaviour).await.expect("mock");
+    let config = format!(
+        r#"
+# Retry budgets and breakers are tested elsewhere; here every cut before the first
+# event must be retried invisibly, however many there are.
+[resilience]
+breaker_failures = 1000
+retry_budget_min = 1000
+
+[[providers]]
+name = "oa"
+kind = "openai"
+base_url = "{}"
+models = ["gpt-mock"]
+
+[[providers]]
+name = "an"
+kind = "anthropic"
+base_url = "{}"
+models = ["claude-mock"]
+"#,
+        mock.openai_base(),
+        mock.anthropic_base()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    (mock, sidecar)
+}
+
+#[derive(Clone, Copy, Debug)]
+enum D {
+    OpenAi,
+    Anthropic,
+}
+
+impl D {
+    fn path(self) -> &'static str {
+        match self {
+            D::OpenAi => "/v1/chat/completions",
+            D::Anthropic => "/v1/messages",
+        }
+    }
+    fn body(self, stream: bool) -> serde_json::Value {
+        match self {
+            D::OpenAi => {
+                json!({"model": "gpt-mock", "stream": stream, "messages": [{"role": "user", "content": "go"}]})
+            }
+            D::Anthropic => json!({"model": "claude-mock", "stream": stream, "max_tokens": 99,
+                                   "messages": [{"role": "user", "content": "go"}]}),
+        }
+    }
+}
+
+/// Events of an SSE body (split on blank lines; the mock and the sidecar use LF).
+fn events(body: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(body)
+        .split_inclusive("\n\n")
+        .map(str::to_string)
+        .collect()
+}
+
+fn strip_id(ev: &str) -> &str {
+    match ev.strip_prefix("id: ") {
+        Some(rest) => rest.split_once('\n').map(|(_, r)| r).unwrap_or(""),
+        None => ev,
+    }
+}
+
+/// Reads a streaming response until it holds `n` events, then drops it.
+async fn read_events(
+    req: http::Request<http_body_util::Full<Bytes>>,
+    n: usize,
+) -> (String, Vec<u8>) {
+    let resp = open(req).await;
+    let key = resp
+        .headers()
+        .get("outrigger-stream-key")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    let mut body = resp.into_body();
+    let mut got = Vec::new();
+    while events(&got).iter().filter(|e| e.ends_with("\n\n")).count() < n {
+        match next_chunk(&mut body).await {
+            Some(Ok(c)) => got.extend_from_slice(&c),
+            _ => break,
+        }
+    }
+    // Keep only whole events (a frame may hold several).
+    let whole: Vec<String> = events(&got)
+        .into_iter()
+        .filter(|e| e.ends_with("\n\n"))
+        .take(n)
+        .collect();
+    (key, whole.concat().into_bytes())
+}
+
+fn post(
+    sidecar: &Sidecar,
+    d: D,
+    key: Option<&str>,
+    extra: &[(&str, &str)],
+) -> http::Request<http_body_util::Full<Bytes>> {
+    let mut h = vec![("content-type", "application/json")];
+    if let Some(k) = key {
+        h.push(("idempotency-key", k));
+    }
+    h.extend_from_slice(extra);
+    request(
+        Method::POST,
+        &sidecar.url(d.path()),
+        &h,
+        d.body(true).to_string(),
+    )
+}
+
+#[tokio::test]
+async fn a_journaled_stream_replays_byte_identical() {
+    let (mock, sidecar) = setup(Behaviour {
+        chunks: 10,
+        tool_calls: 2,
+        ..Behaviour::default()
+    })
+    .await;
+    for d in [D::OpenAi, D::Anthropic] {
+        let key = format!("replay-{d:?}");
+        let first = send(post(&sidecar, d, Some(&key), &[])).await;
+        assert_eq!(first.status, StatusCode::OK);
+        assert_eq!(first.header("outrigger-replayed"), None);
+        let evs = events(&first.body);
+        for (i, e) in evs.iter().enumerate() {
+            assert!(e.starts_with(&format!("id: 1:{i}\n")), "{e}");
+        }
+        // Without the ids, exactly what the provider sent.
+        let upstream = mock.exchanges().last().unwrap().response_bytes();
+        let stripped: String = evs.iter().map(|e| strip_id(e)).collect();
+        assert_eq!(stripped.as_bytes(), upstream.as_slice());
+        let generations = mock.generation_count();
+        let again = send(post(&sidecar, d, Some(&key), &[])).await;
+        assert_eq!(again.header("outrigger-replayed"), Some("true"));
+        assert_eq!(again.body, first.body, "{d:?}: replay is byte-identical");
+        assert_eq!(mock.generation_count(), generations, "not generated again");
+    }
+}
+
+#[tokio::test]
+async fn a_client_that_drops_at_any_event_boundary_resumes_byte_identical() {
+    let (mock, sidecar) = setup(Behaviour {
+        chunks: 6,
+        tool_calls: 1,
+        chunk_delay: Duration::from_millis(15),
+        ..Behaviour::default()
+    })
+    .await;
+    for d in [D::OpenAi, D::Anthropic] {
+        let reference = send(post(&sidecar, d, Some(&format!("ref-{d:?}")), &[]))
+            .await
+            .body;
+        let total = events(&reference).len();
+        for cut in 1..total {
+            let key = format!("drop-{d:?}-{cut}");
+            let (stream_key, prefix) = read_events(post(&sidecar, d, Some(&key), &[]), cut).await;
+            assert_eq!(events(&prefix).len(), cut);
+            let last_id = events(&prefix)
+                .last()
+                .unwrap()
+                .lines()
+                .next()
+                .unwrap()
+                .trim_start_matches("id: ")
+                .to_string();
+            // Resume through the resume endpoint, after the last event seen.
+            let url = sidecar.url(&format!("/v1/streams/{}", stream_key.replace('/', "%2F")));
+            let rest = send(request(
+                Method::GET,
+                &url,
+                &[("last-event-id", &last_id)],
+                Bytes::new(),
+            ))
+            .await;
+            assert_eq!(
+                rest.status,
+                StatusCode::OK,
+                "{d:?} cut {cut}: {}",
+                rest.text()
+            );
+            let mut whole = prefix.clone();
+            whole.extend_from_slice(&rest.body);
+            // The same stream whole, as a re-POST with the key gets it.
+            let replay = send(post(&sidecar, d, Some(&key), &[])).await.body;
+            assert_eq!(whole, replay.to_vec(), "{d:?} cut {cut}");
+            // …and with the ids stripped it is exactly what the provider generated.
+            let stripped: String = events(&whole)
+                .iter()
+                .map(|e| strip_id(e).to_string())
+                .collect();
+            assert!(
+                mock.exchanges()
+                    .iter()
+                    .any(|e| e.response_bytes() == stripped.as_bytes()),
+                "{d:?} cut {cut}: the resumed stream is not the provider's"
+            );
+        }
+    }
+    // Every generation ran to its end although its first client went away.
+    assert!(
+        mock.exchanges()
+            .iter()
+            .all(|e| e.stream_end() == Some(StreamEnd::Completed))
+    );
+}
+
+/// No client ever sees part of a tool call: for every cut, each tool call the
+/// client saw is complete, and the stream ends with a typed error event.
+#[tokio::test]
+async fn an_upstream_cut_anywhere_never_forwards_a_partial_tool_call() {
+    let (mock, sidecar) = setup(Behaviour {
+        chunks: 3,
+        tool_calls: 2,
+        ..Behaviour::default()
+    })
+    .await;
+    for d in [D::OpenAi, D::Anthropic] {
+        let g = Generation {
+            n: 1,
+            model: "m".into(),
+            chunks: 3,
+            tool_calls: 2,
+            prompt_tokens: 1,
+            include_usage: false,
+            content_filtered: false,
+        };
+        let reference: Vec<String> = match d {
+            D::OpenAi => mock_sse::openai_stream(&g),
+            D::Anthropic => mock_sse::anthropic_stream(&g),
+        };
+        let total_bytes: usize = reference.iter().map(String::len).sum();
+        // Cuts at every event boundary, and inside events (every 37 bytes).
+        let mut cuts: Vec<usize> = Vec::new();
+        let mut acc = 0;
+        for e in &reference {
+            acc += e.len();
+            cuts.push(acc);
+        }
+        cuts.extend((1..total_bytes).step_by(37));
+        cuts.retain(|c| *c < total_bytes && *c > 0);
+        for (i, cut) in cuts.iter().enumerate() {
+            mock.push(Behaviour {
+                chunks: 3,
+                tool_calls: 2,
+                cut_bytes: Some(*cut),
+                ..Behaviour::default()
+            });
+            let journaled = i % 2 == 0;
+            let key = format!("cut-{d:?}-{cut}");
+            let r = send(post(&sidecar, d, journaled.then_some(key.as_str()), &[])).await;
+            if r.status != StatusCode::OK {
+                // Broke before the first event: retried invisibly (the next attempt gets
+                // the default, uncut stream).
+                let logs = sidecar.logs();
+                let tail: Vec<&str> = logs.lines().rev().take(30).collect();
+                panic!(
+                    "{d:?} cut {cut}: status {}: {}\n{}",
+                    r.status,
+                    r.text(),
+                    tail.join("\n")
+                );
+            }
+            let evs: Vec<String> = events(&r.body)
+                .iter()
+                .map(|e| strip_id(e).to_string())
+                .collect();
+            assert_no_partial_tool_call(d, &evs, *cut);
+            let last = evs.last().cloned().unwrap_or_default();
+            let complete = last.contains("[DONE]") || last.contains("message_stop");
+            if !complete {
+                match d {
+                    D::OpenAi => assert!(
+                        last.contains("\"type\":\"stream_interrupted\""),
+                        "{d:?} cut {cut}: {last}"
+                    ),
+                    D::Anthropic => assert!(
+                        last.starts_with("event: error") && last.contains("\"api_error\""),
+                        "{d:?} cut {cut}: {last}"
+                    ),
+                }
+                assert!(
+                    !evs.iter()
+                        .any(|e| e.contains("[DONE]") || e.contains("message_stop")),
+                    "no faked terminal event"
+                );
+            }
+        }
+    }
+}
+
+fn assert_no_partial_tool_call(d: D, evs: &[String], cut: usize) {
+    match d {
+        D::OpenAi => {
+            let tool_events = evs
+                .iter()
+                .filter(|e| e.contains("\"tool_calls\":["))
+                .count();
+            let finished = evs
+                .iter()
+                .any(|e| e.contains("\"finish_reason\":\"tool_calls\""));
+            // All tool-call deltas arrive together with the finish that completes them.
+            assert!(
+                tool_events == 0 || finished,
+                "cut {cut}: tool-call deltas without their finish: {evs:?}"
+            );
+            if finished {
+                assert_eq!(tool_events, 2 * 5, "cut {cut}: every delta of both calls");
+            }
+        }
+        D::Anthropic => {
+            let starts = evs
+                .iter()
+                .filter(|e| e.contains("\"type\":\"tool_use\""))
+                .count();
+            let stops: usize = evs
+                .iter()
+                .filter(|e| {
+                    e.starts_with("event: content_block_stop") && !e.contains("\"index\":0")
+                })
+                .count();
+            assert_eq!(
+                starts, stops,
+                "cut {cut}: a tool_use block without its stop: {evs:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_restarted_agent_gets_the_same_turn_from_the_journal_inside_a_task() {
+    let (mock, sidecar) = setup(Behaviour {
+        chunks: 4,
+        tool_calls: 1,
+        ..Behaviour::default()
+    })
+    .await;
+    let task = [("outrigger-task-id", "agent-run-1")];
+    for stream in [false, true] {
+        let body = D::OpenAi.body(stream);
+        let a = post_json(&sidecar.url("/v1/chat/completions"), &task, &body).await;
+        let b = post_json(&sidecar.url("/v1/chat/completions"), &task, &body).await;
+        assert_eq!(a.status, StatusCode::OK);
+        assert_eq!(
+            b.header("outrigger-replayed"),
+            Some("true"),
+            "stream={stream}"
+        );
+        assert_eq!(a.body, b.body, "the same tool_call_ids");
+        // Asking for a fresh sample gets one.
+        let mut h = task.to_vec();
+        h.push(("cache-control", "no-cache"));
+        let c = post_json(&sidecar.url("/v1/chat/completions"), &h, &body).await;
+        assert_eq!(c.header("outrigger-replayed"), None);
+        assert_ne!(c.body, a.body);
+    }
+    // Another task does not see this task's turns.
+    let other = post_json(
+        &sidecar.url("/v1/chat/completions"),
+        &[("outrigger-task-id", "other")],
+        &D::OpenAi.body(false),
+    )
+    .await;
+    assert_eq!(other.header("outrigger-replayed"), None);
+    assert_eq!(mock.generation_count(), 5);
+}
+
+#[tokio::test]
+async fn a_stream_can_be_cancelled_explicitly() {
+    let (mock, sidecar) = setup(Behaviour {
+        chunks: 200,
+        chunk_delay: Duration::from_millis(20),
+        ..Behaviour::default()
+    })
+    .await;
+    let (key, _prefix) = read_events(post(&sidecar, D::Anthropic, Some("to-cancel"), &[]), 3).await;
+    let url = sidecar.url(&format!("/v1/streams/{}/cancel", key.replace('/', "%2F")));
+    let r = send(request(Method::POST, &url, &[], Bytes::new())).await;
+    assert_eq!(r.status, StatusCode::ACCEPTED, "{}", r.text());
+    let dropped = eventually(Duration::from_secs(5), || {
+        mock.exchanges().last().and_then(|e| e.stream_end()) == Some(StreamEnd::Dropped)
+    })
+    .await;
+    assert!(dropped, "the upstream was not released");
+    // The journaled stream ends with a typed error naming the cancel.
+    let whole = send(request(
+        Method::GET,
+        &sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F"))),
+        &[],
+        Bytes::new(),
+    ))
+    .await;
+    let last = events(&whole.body).last().cloned().unwrap_or_default();
+    assert!(
+        last.contains("event: error") && last.contains("cancelled"),
+        "{last}"
+    );
+    // Unknown streams say so.
+    let unknown = send(request(
+        Method::GET,
+        &sidecar.url("/v1/streams/m%2Fnope"),
+        &[],
+        Bytes::new(),
+    ))
+    .await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn a_sidecar_killed_mid_stream_gives_a_fresh_generation_on_retry() {
+    let (mock, mut sidecar) = setup(Behaviour {
+        chunks: 100,
+        tool_calls: 1,
+        chunk_delay: Duration::from_millis(20),
+        ..Behaviour::default()
+    })
+    .await;
+    let (_key, prefix) = read_events(post(&sidecar, D::OpenAi, Some("killed"), &[]), 5).await;
+    assert_eq!(events(&prefix).len(), 5);
+    sidecar.kill();
+    sidecar.spawn().await;
+    // The open attempt was abandoned at start-up; the same request generates afresh.
+    let r = send(post(&sidecar, D::OpenAi, Some("killed"), &[])).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.header("outrigger-replayed"), None);
+    let evs = events(&r.body);
+    assert!(evs[0].starts_with("id: 2:0\n"), "attempt 2: {}", evs[0]);
+    assert!(evs.last().unwrap().contains("[DONE]"));
+    assert_eq!(mock.generation_count(), 2);
+    // From now on it replays.
+    let again = send(post(&sidecar, D::OpenAi, Some("killed"), &[])).await;
+    assert_eq!(again.body, r.body);
+}
