@@ -3,10 +3,17 @@
 
 mod support;
 
+mod config_corpus;
 mod crash;
+mod drill;
 mod example_agent;
+mod faults;
 mod foundation;
 mod gpu;
+mod languages;
+mod matrix;
 mod policies;
+mod security;
 mod streams;
+mod telemetry;
 mod tools;

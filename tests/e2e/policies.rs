@@ -167,11 +167,13 @@ price_out = 30.0
     let task = [("outrigger-task-id", "budget-task")];
     let mut models = Vec::new();
     let mut statuses = Vec::new();
-    for _ in 0..6 {
+    for turn in 0..6 {
+        // Each turn asks something new: an identical request in a task would be
+        // answered from the journal, at no cost to the budget.
         let r = post_json(
             &sidecar.url("/v1/chat/completions"),
             &task,
-            &chat("gpt-mock"),
+            &json!({"model": "gpt-mock", "messages": [{"role": "user", "content": format!("turn {turn}")}]}),
         )
         .await;
         statuses.push(r.status.as_u16());

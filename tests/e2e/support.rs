@@ -46,12 +46,23 @@ pub struct Sidecar {
     pub dir: tempfile::TempDir,
     config_path: PathBuf,
     env: Vec<(String, String)>,
+    /// How long start-up may take (cold WebAssembly compiles are slow).
+    ready_within: Duration,
 }
 
 impl Sidecar {
     /// Starts `outrigger serve` with `config` (TOML; listeners default to port 0) and
     /// extra environment variables.
     pub async fn start(config: &str, env: &[(&str, &str)]) -> Sidecar {
+        Self::start_within(config, env, Duration::from_secs(60)).await
+    }
+
+    /// As [`Sidecar::start`], allowing `ready_within` for start-up.
+    pub async fn start_within(
+        config: &str,
+        env: &[(&str, &str)],
+        ready_within: Duration,
+    ) -> Sidecar {
         let dir = tempfile::tempdir().expect("temp dir");
         let data_dir = dir.path().join("data");
         let mut text = String::new();
@@ -78,6 +89,7 @@ impl Sidecar {
             dir,
             config_path,
             env,
+            ready_within,
         };
         sidecar.spawn().await;
         sidecar
@@ -111,7 +123,7 @@ impl Sidecar {
             cmd.env(k, v);
         }
         let mut child = cmd.spawn().expect("spawn outrigger");
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = Instant::now() + self.ready_within;
         loop {
             if let Ok(text) = std::fs::read_to_string(&ready)
                 && let Ok(doc) = serde_json::from_str::<serde_json::Value>(&text)

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use http::{Method, StatusCode};
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::Full;
 use outrigger_testing::checker::{self, Outcome};
 use outrigger_testing::mcp::{META_KEY, MockMcp};
 use outrigger_testing::provider::{Behaviour, MockProvider};
@@ -152,6 +154,26 @@ async fn a_completed_call_is_replayed_not_repeated() {
         "the key is forwarded downstream"
     );
     assert_eq!(e.tool.effects()[0].path, "/charge");
+
+    // The record names the policy versions in force when it was journaled.
+    let key = first.header("outrigger-journal-key").expect("journal key");
+    let encoded: String = key
+        .bytes()
+        .map(|b| match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect();
+    let record = get(&e.sidecar.admin_url(&format!("/v1/journal/{encoded}"))).await;
+    assert_eq!(record.status, StatusCode::OK, "{}", record.text());
+    let versions = record.json()["policy_versions"].clone();
+    let versions = versions.as_array().expect("policy_versions array").clone();
+    assert!(
+        versions
+            .iter()
+            .any(|v| v.as_str().is_some_and(|v| v.starts_with("retry@"))),
+        "{versions:?}"
+    );
 }
 
 #[tokio::test]
@@ -301,6 +323,17 @@ async fn missing_keys_are_refused_or_counted_per_tool() {
     let read = get(&e.sidecar.url("/tools/payments/lookup?id=1")).await;
     assert_eq!(read.status, StatusCode::OK);
     assert_eq!(read.json()["read"], "/lookup");
+    assert!(read.json()["key"].is_null());
+    // The agent's own key travels with an unjournaled call: it is the tool's only guard.
+    let keyed_read = send(
+        Request::get(e.sidecar.url("/tools/payments/lookup?id=2"))
+            .header("idempotency-key", "agent-read-1")
+            .body(Full::new(Bytes::new()))
+            .expect("request"),
+    )
+    .await;
+    assert_eq!(keyed_read.status, StatusCode::OK);
+    assert_eq!(keyed_read.json()["key"], "agent-read-1");
     let unknown = call(&e.sidecar, "/tools/nope/x", Some("k"), &json!({}), &[]).await;
     assert_eq!(unknown.status, StatusCode::NOT_FOUND);
     assert!(unknown.text().contains("payments"));

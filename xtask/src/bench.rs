@@ -39,7 +39,9 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
     let mut o = Options {
         duration: Duration::from_secs(8),
         rounds: 3,
-        suites: vec!["models".into(), "streams".into(), "tools".into()],
+        suites: ["models", "streams", "ttfb", "resume", "tools"]
+            .map(String::from)
+            .to_vec(),
         out: None,
     };
     let mut it = args.iter();
@@ -55,7 +57,8 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
             "--suite" => o.suites = val()?.split(',').map(str::to_string).collect(),
             "--out" => o.out = Some(PathBuf::from(val()?)),
             other => bail!(
-                "unknown argument {other:?}; usage: cargo xtask bench [--duration SECS] [--rounds N] [--suite models,streams] [--out FILE]"
+                "unknown argument {other:?}; usage: cargo xtask bench [--duration SECS] [--rounds N] \
+                 [--suite models,streams,ttfb,resume,tools,policies] [--out FILE]"
             ),
         }
     }
@@ -84,7 +87,14 @@ struct Targets {
 }
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
-    let opts = parse(args)?;
+    let mut opts = parse(args)?;
+    if opts.suites.iter().any(|s| s == "policies") {
+        policies()?;
+        opts.suites.retain(|s| s != "policies");
+        if opts.suites.is_empty() {
+            return Ok(());
+        }
+    }
     let bins = procs::build_bins("release", &["outrigger", "outrigger-testing"])?;
     let work = tempdir()?;
 
@@ -255,35 +265,49 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             (Some(x), Some(y)) if f(y) > 0.0 => Some(f(x) / f(y)),
             _ => None,
         };
-        let sidecar_name = if rows.contains_key("journaled") {
-            "journaled"
-        } else {
-            "sidecar"
-        };
-        let cpu_vs_nginx = ratio(sidecar_name, "nginx", |r| r.cpu_us_per_unit);
-        let cpu_vs_floor = ratio(sidecar_name, "floor", |r| r.cpu_us_per_unit);
-        let tput_vs_nginx = ratio(sidecar_name, "nginx", |r| r.throughput);
-        let tput_vs_unjournaled = ratio("journaled", "unjournaled", |r| r.throughput);
-        let p50_added = match (rows.get(sidecar_name), rows.get("direct")) {
-            (Some(s), Some(d)) => Some(s.p50_ms - d.p50_ms),
+        let added = |a: &str| match (rows.get(a), rows.get("direct")) {
+            (Some(x), Some(d)) => Some(x.p50_ms - d.p50_ms),
             _ => None,
         };
-        println!(
-            "  ratios: {sidecar_name}/nginx cpu {}  throughput {}   {sidecar_name}/floor cpu {}   journaled/unjournaled throughput {}   added p50 {}",
-            fmt_ratio(cpu_vs_nginx),
-            fmt_ratio(tput_vs_nginx),
-            fmt_ratio(cpu_vs_floor),
-            fmt_ratio(tput_vs_unjournaled),
-            p50_added
-                .map(|p| format!("{p:.3} ms"))
-                .unwrap_or_else(|| "n/a".into()),
-        );
+        let mut ratios = serde_json::Map::new();
+        for name in ["sidecar", "journaled", "unjournaled", "replayed"] {
+            if !rows.contains_key(name) {
+                continue;
+            }
+            let cpu_nginx = ratio(name, "nginx", |r| r.cpu_us_per_unit);
+            let cpu_floor = ratio(name, "floor", |r| r.cpu_us_per_unit);
+            let tput_nginx = ratio(name, "nginx", |r| r.throughput);
+            // Added latency over direct, against nginx's (the TTFB target is a ratio of
+            // what each proxy adds).
+            let added_vs_nginx = match (added(name), added("nginx")) {
+                (Some(a), Some(n)) if n > 0.0 => Some(a / n),
+                _ => None,
+            };
+            println!(
+                "  ratios {name}: cpu/nginx {}  cpu/floor {}  throughput/nginx {}  added p50 {} (vs nginx's {})",
+                fmt_ratio(cpu_nginx),
+                fmt_ratio(cpu_floor),
+                fmt_ratio(tput_nginx),
+                added(name)
+                    .map(|p| format!("{p:.3} ms"))
+                    .unwrap_or_else(|| "n/a".into()),
+                fmt_ratio(added_vs_nginx),
+            );
+            ratios.insert(
+                name.to_string(),
+                json!({"cpu_vs_nginx": cpu_nginx, "cpu_vs_floor": cpu_floor,
+                       "throughput_vs_nginx": tput_nginx, "added_p50_ms": added(name),
+                       "added_p50_vs_nginx": added_vs_nginx}),
+            );
+        }
+        if let Some(r) = ratio("journaled", "unjournaled", |r| r.throughput) {
+            println!("  journaled/unjournaled throughput {}", fmt_ratio(Some(r)));
+            ratios.insert("journaled_vs_unjournaled_throughput".into(), json!(r));
+        }
         report.push(json!({
             "scenario": sc.name, "unit": sc.unit,
             "results": rows.iter().map(|(k, r)| (k.to_string(), r.to_json())).collect::<serde_json::Map<_, _>>(),
-            "ratios": {"sidecar_nginx_cpu": cpu_vs_nginx, "sidecar_nginx_throughput": tput_vs_nginx,
-                       "sidecar_floor_cpu": cpu_vs_floor, "journaled_unjournaled_throughput": tput_vs_unjournaled,
-                       "added_p50_ms": p50_added},
+            "ratios": ratios,
         }));
     }
     let doc =
@@ -315,6 +339,8 @@ struct Scenario {
     headers: Vec<(&'static str, String)>,
     /// Events per response (streams), for per-event CPU.
     events: u64,
+    /// Latency is time to the first body byte rather than to the last.
+    ttfb: bool,
 }
 
 fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
@@ -343,6 +369,7 @@ fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
                         body: Bytes::from(body.to_string()),
                         headers: vec![],
                         events: 1,
+                        ttfb: false,
                     });
                 }
             }
@@ -350,9 +377,13 @@ fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
                 let body = json!({"model": "gpt-mock", "stream": true,
                                   "messages": [{"role": "user", "content": "stream"}]});
                 // 197 text deltas + role + finish + [DONE] = 200 events.
+                // The sidecar twice: relaying only, and journaling every event (a fresh
+                // Idempotency-Key per request makes each a new journaled generation).
                 for (label, delay, c) in [("burst", 0, 8), ("2 ms apart", 2, 32)] {
+                    let mut targets = proxies();
+                    targets.push(journaled(&t.sidecar));
                     out.push(Scenario {
-                        targets: proxies(),
+                        targets,
                         name: format!("stream of 200 events, {label}, concurrency {c}"),
                         unit: "event",
                         concurrency: c,
@@ -360,8 +391,53 @@ fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
                         body: Bytes::from(body.to_string()),
                         headers: vec![("x-mock", format!("chunks=197,delay_ms={delay}"))],
                         events: 200,
+                        ttfb: false,
                     });
                 }
+            }
+            "ttfb" => {
+                // Time to the first byte of a stream, one request at a time.
+                let body = json!({"model": "gpt-mock", "stream": true,
+                                  "messages": [{"role": "user", "content": "first byte"}]});
+                let mut targets = proxies();
+                targets.push(journaled(&t.sidecar));
+                out.push(Scenario {
+                    targets,
+                    name: "stream time to first byte, concurrency 1".into(),
+                    unit: "req",
+                    concurrency: 1,
+                    path: "/v1/chat/completions",
+                    body: Bytes::from(body.to_string()),
+                    headers: vec![("x-mock", "chunks=20".into())],
+                    events: 1,
+                    ttfb: true,
+                });
+            }
+            "resume" => {
+                // A 1,000-event stream journaled once (the warm-up's first request),
+                // then served from the journal to the last byte, again and again.
+                let body = json!({"model": "gpt-mock", "stream": true,
+                                  "messages": [{"role": "user", "content": "resume me"}]});
+                out.push(Scenario {
+                    targets: vec![Measured {
+                        name: "replayed",
+                        ..t.sidecar.clone()
+                    }],
+                    name: "replay of a journaled 1,000-event stream, concurrency 1".into(),
+                    unit: "req",
+                    concurrency: 1,
+                    path: "/v1/chat/completions",
+                    body: Bytes::from(body.to_string()),
+                    headers: vec![
+                        ("x-mock", "chunks=997".into()),
+                        (
+                            "idempotency-key",
+                            format!("bench-resume-{}", std::process::id()),
+                        ),
+                    ],
+                    events: 1000,
+                    ttfb: false,
+                });
             }
             "tools" => {
                 // The same tool call direct, through nginx, through the sidecar without a
@@ -393,13 +469,51 @@ fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
                         body: Bytes::from(body.to_string()),
                         headers: vec![],
                         events: 1,
+                        ttfb: false,
                     });
                 }
             }
-            other => bail!("unknown suite {other:?}; expected models, streams or tools"),
+            other => bail!(
+                "unknown suite {other:?}; expected models, streams, ttfb, resume, tools or policies"
+            ),
         }
     }
     Ok(out)
+}
+
+/// The sidecar target with journaling on (a fresh `Idempotency-Key` per request).
+fn journaled(sidecar: &Measured) -> Measured {
+    Measured {
+        name: "journaled",
+        unique_key: true,
+        ..sidecar.clone()
+    }
+}
+
+/// The per-language policy table: builds the example policies and runs the policy
+/// host's benchmark on them and on the built-ins.
+fn policies() -> anyhow::Result<()> {
+    let out = procs::target_dir().join("example-policies");
+    procs::run(
+        Command::new("bash")
+            .arg(procs::root().join("examples/policies/build-all.sh"))
+            .arg(&out),
+    )?;
+    procs::run(
+        procs::cargo()
+            .args([
+                "run",
+                "--release",
+                "-p",
+                "outrigger-policy",
+                "--example",
+                "policy_bench",
+                "--",
+            ])
+            .arg(out.join("budget_py.wasm"))
+            .arg(out.join("retry_js.wasm"))
+            .arg(out.join("deadline_retry.wasm")),
+    )
 }
 
 struct Row {
@@ -468,6 +582,7 @@ async fn load(
     let stop = Arc::new(AtomicBool::new(false));
     let url = format!("{}{}", t.url, sc.path);
     let unique = t.unique_key;
+    let ttfb = sc.ttfb;
     let mut tasks = Vec::new();
     for worker in 0..sc.concurrency {
         let client = client.clone();
@@ -497,6 +612,18 @@ async fn load(
                     h.push(("idempotency-key", key.as_str()));
                 }
                 let started = Instant::now();
+                if ttfb {
+                    let mut first = None;
+                    let status = client::stream(&client, &url, &h, body.clone(), |_| {
+                        first.get_or_insert_with(|| started.elapsed());
+                    })
+                    .await;
+                    match (status, first) {
+                        (Ok(200), Some(f)) => lat.push(f.as_micros() as u64),
+                        _ => errors += 1,
+                    }
+                    continue;
+                }
                 match client::send(&client, Method::POST, &url, &h, body.clone()).await {
                     Ok(r) if r.status == 200 => lat.push(started.elapsed().as_micros() as u64),
                     _ => errors += 1,

@@ -309,12 +309,12 @@ fn list(source: &Source, filters: &Filters) -> anyhow::Result<Vec<Value>> {
 
 fn print_table(records: &[Value]) {
     println!(
-        "{:<24} {:<18} {:<14} {:>3} {:>6}  {:<20} KEY",
+        "{:<27} {:<18} {:<14} {:>3} {:>6}  {:<20} KEY",
         "CREATED", "STATE", "TOOL", "ATT", "STATUS", "TASK"
     );
     for r in records {
         println!(
-            "{:<24} {:<18} {:<14} {:>3} {:>6}  {:<20} {}",
+            "{:<27} {:<18} {:<14} {:>3} {:>6}  {:<20} {}",
             r["created_at"].as_str().unwrap_or("-"),
             r["state"].as_str().unwrap_or("-"),
             r["tool"].as_str().unwrap_or("-"),

@@ -28,6 +28,9 @@ const ENV_SECTIONS: &[&str] = &[
     "resilience",
     "budget",
     "gpu",
+    "streams",
+    "telemetry",
+    "tasks",
 ];
 
 /// Everything `outrigger serve` needs, validated.
@@ -43,8 +46,28 @@ pub struct Config {
     pub gpu: outrigger_gpu::Options,
     pub drain_deadline: Duration,
     pub log: LogOptions,
+    pub telemetry: TelemetryConfig,
+    pub slos: Vec<outrigger_telemetry::slo::Slo>,
+    pub tasks: TasksConfig,
+    /// Faults injected from the start (drills only; off by default).
+    pub faults: Vec<outrigger_proxy::faults::Fault>,
     /// Where the configuration came from, for the startup log.
     pub source: String,
+}
+
+/// `[telemetry]`, validated.
+#[derive(Debug, Clone)]
+pub struct TelemetryConfig {
+    pub otlp: Option<outrigger_telemetry::OtlpOptions>,
+    pub content: bool,
+    pub service_name: String,
+}
+
+/// `[tasks]`, validated.
+#[derive(Debug, Clone)]
+pub struct TasksConfig {
+    pub idle_timeout: Duration,
+    pub retention: Duration,
 }
 
 #[derive(Debug, Clone)]
@@ -129,15 +152,18 @@ pub fn load(path: Option<&Path>, env: &[(String, String)]) -> Result<Config, Err
     apply_env_overrides(&mut table, env, &mut problems);
 
     let mut unknown = Vec::new();
-    let raw: raw::Config = match serde_ignored::deserialize(toml::Value::Table(table), |p| {
-        unknown.push(p.to_string())
-    }) {
-        Ok(raw) => raw,
-        Err(e) => {
-            problems.add("(types)", e.to_string().trim().replace('\n', " "));
-            return Err(fail(problems.0));
-        }
-    };
+    let raw: raw::Config =
+        match serde_ignored::deserialize(toml::Value::Table(table.clone()), |p| {
+            unknown.push(p.to_string())
+        }) {
+            Ok(raw) => raw,
+            Err(_) => {
+                // Deserializing stops at the first wrong type: go key by key to report
+                // every one of them (and every unknown key) with its path.
+                type_problems(&table, &mut problems);
+                return Err(fail(problems.0));
+            }
+        };
     for key in unknown {
         problems.add(
             key,
@@ -149,6 +175,71 @@ pub fn load(path: Option<&Path>, env: &[(String, String)]) -> Result<Config, Err
         config.ok_or_else(|| fail(Vec::new()))
     } else {
         Err(fail(problems.0))
+    }
+}
+
+/// Every wrong type and unknown key, each with its path, found by deserializing
+/// each key of each section on its own.
+fn type_problems(table: &toml::Table, problems: &mut Problems) {
+    let check = |section: &str, value: toml::Value, path: String, problems: &mut Problems| {
+        let mut doc = toml::Table::new();
+        doc.insert(section.to_owned(), value);
+        let mut unknown = Vec::new();
+        let result: Result<raw::Config, _> =
+            serde_ignored::deserialize(toml::Value::Table(doc), |p| unknown.push(p.to_string()));
+        match result {
+            Ok(_) => {
+                for key in unknown {
+                    problems.add(
+                        key,
+                        "unknown key (check the spelling against the README's config reference)",
+                    );
+                }
+            }
+            Err(e) => {
+                // The path is ours, more exact than the one in the message.
+                let text = e.to_string().replace('\n', " ");
+                let message = text.split(" in `").next().unwrap_or(&text).trim();
+                problems.add(path, message);
+            }
+        }
+    };
+    let single = |key: &str, value: &toml::Value| {
+        let mut t = toml::Table::new();
+        t.insert(key.to_owned(), value.clone());
+        toml::Value::Table(t)
+    };
+    for (section, value) in table {
+        match value {
+            toml::Value::Table(keys) => {
+                for (key, v) in keys {
+                    check(
+                        section,
+                        single(key, v),
+                        format!("{section}.{key}"),
+                        problems,
+                    );
+                }
+            }
+            toml::Value::Array(items) if items.iter().all(toml::Value::is_table) => {
+                for (i, item) in items.iter().enumerate() {
+                    let Some(keys) = item.as_table() else {
+                        continue;
+                    };
+                    for (key, v) in keys {
+                        let element = toml::Value::Array(vec![single(key, v)]);
+                        check(section, element, format!("{section}[{i}].{key}"), problems);
+                    }
+                }
+            }
+            other => check(section, other.clone(), section.clone(), problems),
+        }
+    }
+    if problems.0.is_empty() {
+        problems.add(
+            "(types)",
+            "the configuration does not have the expected shape",
+        );
     }
 }
 
@@ -165,11 +256,7 @@ fn apply_env_overrides(table: &mut toml::Table, env: &[(String, String)], proble
             continue;
         };
         let key = &rest[section.len() + 1..];
-        let parsed = value
-            .parse::<i64>()
-            .map(toml::Value::Integer)
-            .or_else(|_| value.parse::<bool>().map(toml::Value::Boolean))
-            .unwrap_or_else(|_| toml::Value::String(value.clone()));
+        let parsed = env_value(section, key, value);
         match table
             .entry(section.to_string())
             .or_insert_with(|| toml::Value::Table(toml::Table::new()))
@@ -183,6 +270,30 @@ fn apply_env_overrides(table: &mut toml::Table, env: &[(String, String)], proble
             ),
         }
     }
+}
+
+/// An environment value as the type its key takes: the first of integer, float,
+/// boolean and string that the key accepts (`OUTRIGGER_ADMIN_TOKEN=123456` stays a
+/// string, `OUTRIGGER_RESILIENCE_RETRY_BUDGET_RATIO=0.3` becomes a float). A value no
+/// type fits is kept as a string, so validation names the key.
+fn env_value(section: &str, key: &str, value: &str) -> toml::Value {
+    let candidates = [
+        value.parse::<i64>().ok().map(toml::Value::Integer),
+        value.parse::<f64>().ok().map(toml::Value::Float),
+        value.parse::<bool>().ok().map(toml::Value::Boolean),
+    ];
+    let accepts = |v: &toml::Value| {
+        let mut inner = toml::Table::new();
+        inner.insert(key.to_owned(), v.clone());
+        let mut doc = toml::Table::new();
+        doc.insert(section.to_owned(), toml::Value::Table(inner));
+        toml::Value::Table(doc).try_into::<raw::Config>().is_ok()
+    };
+    candidates
+        .into_iter()
+        .flatten()
+        .find(accepts)
+        .unwrap_or_else(|| toml::Value::String(value.to_owned()))
 }
 
 fn env_var<'a>(env: &'a [(String, String)], name: &str) -> Option<&'a str> {
@@ -308,7 +419,19 @@ fn validate(
             .limits
             .max_event_bytes
             .unwrap_or(outrigger_proxy::sse::DEFAULT_MAX_EVENT_BYTES),
+        client_stall_timeout: duration(
+            p,
+            "limits.client_stall_timeout",
+            &raw.limits.client_stall_timeout,
+            Duration::from_secs(30),
+        ),
     };
+    if limits.client_stall_timeout.is_zero() {
+        p.add(
+            "limits.client_stall_timeout",
+            "must be greater than 0 (a stalled client would be cut at once)",
+        );
+    }
     if limits.max_body_bytes == 0 {
         p.add("limits.max_body_bytes", "must be greater than 0");
     }
@@ -355,6 +478,60 @@ fn validate(
         },
         filter: raw.log.level.clone().unwrap_or_else(|| "info".into()),
     };
+    if let Err(e) = tracing_subscriber::EnvFilter::try_new(&log.filter) {
+        p.add(
+            "log.level",
+            format!(
+                "{:?} is not a log filter ({e}); e.g. \"info\" or \"info,outrigger=debug\"",
+                log.filter
+            ),
+        );
+    }
+    let telemetry = telemetry(&raw.telemetry, env, p);
+    let slos = match outrigger_telemetry::slo::Slo::from_specs(&raw.slos, "slos") {
+        Ok(slos) => slos,
+        Err(outrigger_telemetry::Error::SloConfig(problems)) => {
+            for problem in problems {
+                p.add(problem.path, problem.message);
+            }
+            Vec::new()
+        }
+        Err(e) => {
+            p.add("slos", e.to_string());
+            Vec::new()
+        }
+    };
+    let td = outrigger_proxy::tasks::TasksOptions::default();
+    let tasks = TasksConfig {
+        idle_timeout: duration(
+            p,
+            "tasks.idle_timeout",
+            &raw.tasks.idle_timeout,
+            Duration::from_secs(30 * 60),
+        ),
+        retention: duration(p, "tasks.retention", &raw.tasks.retention, td.retention),
+    };
+    if tasks.idle_timeout.is_zero() {
+        p.add("tasks.idle_timeout", "must be greater than 0");
+    }
+
+    let proxy = popts::Options {
+        providers,
+        tools,
+        limits,
+        budget,
+        resilience,
+        streams,
+    };
+    let faults = match outrigger_proxy::faults::Fault::from_specs(&raw.faults, &proxy, "faults") {
+        Ok(f) => f,
+        Err(problems) => {
+            for problem in problems {
+                p.add(problem.path, problem.message);
+            }
+            Vec::new()
+        }
+    };
 
     Some(Config {
         data_addr,
@@ -362,20 +539,48 @@ fn validate(
         admin_token,
         data_dir,
         journal,
-        proxy: popts::Options {
-            providers,
-            tools,
-            limits,
-            budget,
-            resilience,
-            streams,
-        },
+        proxy,
         policies,
         gpu,
         drain_deadline,
         log,
+        telemetry,
+        slos,
+        tasks,
+        faults,
         source,
     })
+}
+
+fn telemetry(raw: &raw::Telemetry, env: &[(String, String)], p: &mut Problems) -> TelemetryConfig {
+    let mut otlp = outrigger_telemetry::OtlpOptions::resolve(raw.otlp_endpoint.as_deref(), env);
+    if let Some(o) = &mut otlp {
+        match o.endpoint.parse::<Uri>() {
+            Ok(uri) if matches!(uri.scheme_str(), Some("http" | "https")) => {}
+            _ => p.add(
+                "telemetry.otlp_endpoint",
+                format!(
+                    "{:?} is not an http(s) URL (e.g. \"http://127.0.0.1:4318\")",
+                    o.endpoint
+                ),
+            ),
+        }
+        for (name, value) in &raw.otlp_headers {
+            match value.as_str() {
+                Some(v) => o.headers.push((name.clone(), v.to_owned())),
+                None => p.add(format!("telemetry.otlp_headers.{name}"), "must be a string"),
+            }
+        }
+    }
+    TelemetryConfig {
+        otlp,
+        content: raw.content.unwrap_or(false),
+        service_name: raw
+            .service_name
+            .clone()
+            .filter(|s| !s.trim().is_empty())
+            .unwrap_or_else(|| outrigger_telemetry::names::SERVICE_NAME_DEFAULT.to_owned()),
+    }
 }
 
 fn journal_options(
@@ -638,19 +843,36 @@ fn policies(raw: &raw::Policies, data_dir: &Path, p: &mut Problems) -> outrigger
     }
     outrigger_policy::Options {
         dir: raw.dir.as_ref().map(PathBuf::from),
-        cache_dir: Some(data_dir.join("policy-cache")),
+        cache_dir: Some(
+            raw.cache_dir
+                .as_ref()
+                .map(PathBuf::from)
+                .unwrap_or_else(|| data_dir.join("policy-cache")),
+        ),
         bindings,
         deadline: duration(p, "policies.deadline", &raw.deadline, d.deadline),
         memory_limit_bytes: raw
             .memory_limit_mb
             .map(|m| m << 20)
             .unwrap_or(d.memory_limit_bytes),
-        max_retry_delay: duration(
-            p,
-            "policies.max_retry_delay",
-            &raw.max_retry_delay,
-            d.max_retry_delay,
-        ),
+        max_retry_delay: {
+            let max = duration(
+                p,
+                "policies.max_retry_delay",
+                &raw.max_retry_delay,
+                d.max_retry_delay,
+            );
+            if max > outrigger_proxy::decider::MAX_RETRY_DELAY {
+                p.add(
+                    "policies.max_retry_delay",
+                    format!(
+                        "at most {:?}: the data plane caps every retry delay there",
+                        outrigger_proxy::decider::MAX_RETRY_DELAY
+                    ),
+                );
+            }
+            max
+        },
         seed: raw.seed,
         warm_instances: d.warm_instances,
     }

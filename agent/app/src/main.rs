@@ -7,6 +7,7 @@
 mod admin;
 mod audit;
 mod config;
+mod drill;
 mod policies;
 mod serve;
 mod tools_cli;
@@ -50,6 +51,9 @@ enum Command {
     },
     /// Print local GPU health once (says so plainly when there is no NVIDIA driver).
     Gpu(tools_cli::GpuArgs),
+    /// Run fault drills against a sidecar started on a derived config, and write a
+    /// record of each (exit 0: all passed, 1: one failed, 2: usage or config error).
+    Drill(drill::Args),
     /// Validate a configuration file and print what it configures.
     Config {
         #[command(subcommand)]
@@ -78,7 +82,15 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            init_logging(&config.log);
+            let metrics =
+                outrigger_telemetry::Metrics::with_options(&serve::metrics_options(&config));
+            let _telemetry = match init_telemetry(&config, &env, &metrics) {
+                Ok(guard) => guard,
+                Err(e) => {
+                    eprintln!("outrigger: cannot start telemetry: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
             let runtime = match tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
@@ -89,7 +101,7 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
-            match runtime.block_on(serve::run(config, serve::ServeArgs { ready_file })) {
+            match runtime.block_on(serve::run(config, metrics, serve::ServeArgs { ready_file })) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     tracing::error!("{e:#}");
@@ -101,6 +113,7 @@ fn main() -> ExitCode {
         Command::Journal { command } => audit::run(command),
         Command::Policy { command } => tools_cli::policy(command),
         Command::Gpu(args) => tools_cli::gpu(args),
+        Command::Drill(args) => drill::run(args),
         Command::Config {
             command: ConfigCommand::Check { config },
         } => match config::load(config.as_deref(), &env) {
@@ -140,21 +153,38 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging(log: &config::LogOptions) {
-    use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_new(&log.filter).unwrap_or_else(|e| {
-        eprintln!(
-            "log.level {:?} is not a valid filter ({e}); using \"info\"",
-            log.filter
-        );
-        EnvFilter::new("info")
-    });
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if log.json {
-        builder.json().init();
-    } else {
-        builder.init();
+/// Installs logging (stderr) and, when an OTLP endpoint is configured, span export.
+fn init_telemetry(
+    config: &config::Config,
+    env: &[(String, String)],
+    metrics: &outrigger_telemetry::Metrics,
+) -> Result<outrigger_telemetry::TelemetryGuard, outrigger_telemetry::Error> {
+    let host = env
+        .iter()
+        .find(|(k, _)| k == "HOSTNAME")
+        .map(|(_, v)| v.as_str())
+        .filter(|v| !v.is_empty())
+        .unwrap_or("outrigger");
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or_default();
+    let options = outrigger_telemetry::TelemetryOptions {
+        service_name: config.telemetry.service_name.clone(),
+        instance_id: format!("{host}-{}-{started:x}", std::process::id()),
+        log_filter: config.log.filter.clone(),
+        log_format: if config.log.json {
+            outrigger_telemetry::LogFormat::Json
+        } else {
+            outrigger_telemetry::LogFormat::Text
+        },
+        otlp: config.telemetry.otlp.clone(),
+        content: config.telemetry.content,
+        ..outrigger_telemetry::TelemetryOptions::default()
+    };
+    let guard = outrigger_telemetry::init(&options, metrics)?;
+    if let Some(otlp) = &config.telemetry.otlp {
+        tracing::info!(endpoint = %otlp.endpoint, "exporting spans over OTLP/HTTP");
     }
+    Ok(guard)
 }

@@ -3,14 +3,17 @@
 //! policy directory, `POST /v1/policies/reload`, SIGHUP). Every trigger runs the one
 //! reload path, off the async threads; startup was the first run of it.
 
+use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use outrigger_policy::{Registry, ReloadReport};
+use outrigger_policy::{Registry, ReloadOutcome, ReloadReport};
 use outrigger_proxy::decider::Decider;
+use outrigger_telemetry::{Metrics, PolicyEventKind};
 use outrigger_types::{
-    BudgetDecision, BudgetRequest, CallContext, Decided, Failure, FallbackRequest, RetryDecision,
+    BudgetDecision, BudgetRequest, CallContext, Decided, Failure, FallbackRequest, PolicyVersion,
+    RetryDecision,
 };
 
 /// The registry as the data plane's [`Decider`].
@@ -27,6 +30,10 @@ impl Decider for PolicyDecider {
 
     fn budget(&self, req: &BudgetRequest) -> Decided<BudgetDecision> {
         self.0.budget(req)
+    }
+
+    fn versions(&self) -> Vec<PolicyVersion> {
+        self.0.versions()
     }
 }
 
@@ -59,8 +66,33 @@ pub fn start(options: outrigger_policy::Options) -> anyhow::Result<Registry> {
     Ok(registry)
 }
 
-/// Runs a reload off the async threads and logs what changed.
-pub async fn reload(registry: &Registry, why: &str) -> ReloadReport {
+/// Folds the host's per-binding fault counters into the metrics (as deltas since the
+/// last call): the host counts traps, deadlines and refused decisions itself.
+#[derive(Default)]
+pub struct FaultCounters {
+    seen: Mutex<HashMap<(&'static str, &'static str), u64>>,
+}
+
+impl FaultCounters {
+    pub fn sync(&self, registry: &Registry, metrics: &Metrics) {
+        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        for status in registry.status() {
+            let hook = status.hook.as_str();
+            for (kind, total) in [
+                (PolicyEventKind::Trap, status.traps + status.memory_exceeded),
+                (PolicyEventKind::Deadline, status.timeouts),
+                (PolicyEventKind::Invalid, status.invalid_decisions),
+            ] {
+                let last = seen.entry((hook, kind.as_str())).or_insert(0);
+                metrics.policy_events(hook, kind, total.saturating_sub(*last));
+                *last = total.max(*last);
+            }
+        }
+    }
+}
+
+/// Runs a reload off the async threads, logs what changed and counts the swaps.
+pub async fn reload(registry: &Registry, metrics: &Metrics, why: &str) -> ReloadReport {
     let r = registry.clone();
     let report = match tokio::task::spawn_blocking(move || r.reload()).await {
         Ok(report) => report,
@@ -74,25 +106,38 @@ pub async fn reload(registry: &Registry, why: &str) -> ReloadReport {
     };
     for b in &report.bindings {
         tracing::info!(trigger = why, hook = b.hook.as_str(), outcome = ?b.outcome, "policy reload");
+        match b.outcome {
+            ReloadOutcome::Loaded { .. } => {
+                metrics.policy_event(b.hook.as_str(), PolicyEventKind::Swap)
+            }
+            ReloadOutcome::Failed { .. } => {
+                metrics.policy_event(b.hook.as_str(), PolicyEventKind::SwapFailed);
+            }
+            ReloadOutcome::Unchanged { .. } => {}
+        }
     }
     report
 }
 
 /// Reloads on SIGHUP, forever.
-pub async fn on_sighup(registry: Registry) {
+pub async fn on_sighup(registry: Registry, metrics: Metrics) {
     use tokio::signal::unix::{SignalKind, signal};
     let Ok(mut hup) = signal(SignalKind::hangup()) else {
         tracing::warn!("cannot listen for SIGHUP; reload through the admin API instead");
         return;
     };
     while hup.recv().await.is_some() {
-        reload(&registry, "SIGHUP").await;
+        reload(&registry, &metrics, "SIGHUP").await;
     }
 }
 
 /// Watches the policy directory and reloads (debounced) when a `.wasm` in it
 /// changes. The returned watcher must be kept alive.
-pub fn watch(dir: &Path, registry: Registry) -> anyhow::Result<notify::RecommendedWatcher> {
+pub fn watch(
+    dir: &Path,
+    registry: Registry,
+    metrics: Metrics,
+) -> anyhow::Result<notify::RecommendedWatcher> {
     use notify::{RecursiveMode, Watcher};
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
@@ -113,7 +158,7 @@ pub fn watch(dir: &Path, registry: Registry) -> anyhow::Result<notify::Recommend
             // Let a copy finish (and coalesce its several events) before reloading.
             tokio::time::sleep(Duration::from_millis(200)).await;
             while rx.try_recv().is_ok() {}
-            reload(&registry, "policy directory changed").await;
+            reload(&registry, &metrics, "policy directory changed").await;
         }
     });
     Ok(watcher)

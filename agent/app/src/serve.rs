@@ -8,7 +8,9 @@ use std::sync::atomic::Ordering;
 use anyhow::Context;
 use outrigger_proxy::Proxy;
 use outrigger_proxy::server::serve;
-use outrigger_telemetry::Metrics;
+use outrigger_proxy::tasks::{Prices, Tasks, TasksOptions};
+use outrigger_telemetry::slo::Slos;
+use outrigger_telemetry::{Metrics, MetricsOptions};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -21,8 +23,38 @@ pub struct ServeArgs {
     pub ready_file: Option<PathBuf>,
 }
 
-pub async fn run(config: Config, args: ServeArgs) -> anyhow::Result<()> {
-    let metrics = Metrics::new();
+/// The label values the metrics know up front (others are learned up to a cap).
+pub fn metrics_options(config: &Config) -> MetricsOptions {
+    let mut models = Vec::new();
+    for p in &config.proxy.providers {
+        models.extend(
+            p.models
+                .iter()
+                .map(ToString::to_string)
+                .filter(|m| !m.contains('*')),
+        );
+        models.extend(p.caps.default_model.iter().cloned());
+    }
+    models.sort();
+    models.dedup();
+    MetricsOptions {
+        models,
+        tools: config.proxy.tools.iter().map(|t| t.name.clone()).collect(),
+        providers: config
+            .proxy
+            .providers
+            .iter()
+            .map(|p| p.name.clone())
+            .collect(),
+        bindings: outrigger_policy::Hook::ALL
+            .iter()
+            .map(|h| h.as_str().to_owned())
+            .collect(),
+        ..MetricsOptions::default()
+    }
+}
+
+pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::Result<()> {
     let readiness = Arc::new(Readiness::default());
 
     let data = TcpListener::bind(config.data_addr)
@@ -61,7 +93,7 @@ pub async fn run(config: Config, args: ServeArgs) -> anyhow::Result<()> {
         Ordering::Release,
     );
     let _watcher = match &config.policies.dir {
-        Some(dir) => match crate::policies::watch(dir, registry.clone()) {
+        Some(dir) => match crate::policies::watch(dir, registry.clone(), metrics.clone()) {
             Ok(w) => Some(w),
             Err(e) => {
                 tracing::warn!(dir = %dir.display(), error = %e, "cannot watch the policy directory; reload with SIGHUP or the admin API");
@@ -70,17 +102,42 @@ pub async fn run(config: Config, args: ServeArgs) -> anyhow::Result<()> {
         },
         None => None,
     };
-    tokio::spawn(crate::policies::on_sighup(registry.clone()));
+    tokio::spawn(crate::policies::on_sighup(
+        registry.clone(),
+        metrics.clone(),
+    ));
+
+    let slos = Arc::new(Slos::new(config.slos.clone(), metrics.clone()));
+    if let Some(j) = &journal {
+        match slos.restore(j) {
+            Ok(n) => tracing::debug!(buckets = n, "SLO counts restored"),
+            Err(e) => {
+                tracing::warn!(error = %e, "SLO counts could not be restored; they start from zero")
+            }
+        }
+    }
+    let tasks = open_tasks(&config, journal.clone(), &metrics, &slos);
+    keep_books(
+        journal.clone(),
+        tasks.clone(),
+        slos.clone(),
+        config.tasks.idle_timeout,
+    );
 
     let (gpu, _gpu_threads) = outrigger_gpu::Monitor::launch(config.gpu.clone());
     let gpu_rx = gpu.subscribe();
 
+    let faults = Arc::new(outrigger_proxy::faults::Injector::new(metrics.clone()));
+    faults.set(config.faults.clone());
     let proxy = Proxy::new(
         config.proxy.clone(),
         outrigger_proxy::Components {
             metrics: metrics.clone(),
             journal: journal.clone(),
             decider: Arc::new(crate::policies::PolicyDecider(registry.clone())),
+            tasks: tasks.clone(),
+            slos: slos.clone(),
+            faults: faults.clone(),
         },
     );
     follow_gpu(gpu_rx.clone(), proxy.clone(), readiness.clone());
@@ -89,15 +146,19 @@ pub async fn run(config: Config, args: ServeArgs) -> anyhow::Result<()> {
         metrics: metrics.clone(),
         token: config.admin_token.clone(),
         journal: journal.clone(),
-        faults: crate::admin::Faults::default(),
+        faults: crate::admin::Faults::new(faults.clone(), config.proxy.clone()),
         policies: registry.clone(),
+        policy_faults: crate::policies::FaultCounters::default(),
         gpu: gpu_rx,
+        tasks: tasks.clone(),
+        slos: slos.clone(),
     });
 
     let (drain_tx, drain_rx) = watch::channel(false);
     let (admin_stop_tx, admin_stop_rx) = watch::channel(false);
 
-    let data_task = tokio::spawn(serve(
+    let stall_limit = config.proxy.limits.client_stall_timeout;
+    let data_task = tokio::spawn(outrigger_proxy::server::serve_with_stall_limit(
         data,
         move |req, peer| {
             let proxy = proxy.clone();
@@ -105,6 +166,7 @@ pub async fn run(config: Config, args: ServeArgs) -> anyhow::Result<()> {
         },
         wait_for(drain_rx),
         config.drain_deadline,
+        Some(stall_limit),
     ));
     let admin_task = tokio::spawn(serve(
         admin,
@@ -141,8 +203,106 @@ pub async fn run(config: Config, args: ServeArgs) -> anyhow::Result<()> {
     }
     let _ = admin_stop_tx.send(true);
     let _ = admin_task.await;
+    persist_books(journal.as_ref(), tasks.as_ref(), &slos).await;
     tracing::info!("outrigger stopped");
     Ok(())
+}
+
+/// Opens the task tracker over the journal (tasks then survive a restart), or in
+/// memory when there is no journal.
+fn open_tasks(
+    config: &Config,
+    journal: Option<outrigger_journal::Journal>,
+    metrics: &Metrics,
+    slos: &Arc<Slos>,
+) -> Option<Tasks> {
+    let mut prices = Prices::default();
+    for p in &config.proxy.providers {
+        if p.caps.price_in > 0 || p.caps.price_out > 0 {
+            prices.set(&p.name, None, p.caps.price_in, p.caps.price_out);
+        }
+    }
+    let options = TasksOptions {
+        prices,
+        retention: config.tasks.retention,
+    };
+    match Tasks::open(
+        options,
+        journal,
+        metrics.clone(),
+        Some(slos.clone()),
+        std::time::SystemTime::now(),
+    ) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::error!(error = %e, "the task tracker cannot start: tasks are not tracked");
+            None
+        }
+    }
+}
+
+/// Every 10 s: persists what changed in tasks and SLO counts, and ends idle tasks.
+fn keep_books(
+    journal: Option<outrigger_journal::Journal>,
+    tasks: Option<Tasks>,
+    slos: Arc<Slos>,
+    idle_timeout: std::time::Duration,
+) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(10));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let changed = async {
+                match &tasks {
+                    Some(t) => t.changed().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = changed => {
+                    // A change is saved at once, so a crash loses little; the pause
+                    // after it batches a busy sidecar's changes into one save per
+                    // 100 ms.
+                    if let Some(t) = &tasks
+                        && let Err(e) = t.persist().await
+                    {
+                        tracing::warn!(error = %e, "tasks could not be persisted");
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            }
+            if let Some(t) = &tasks {
+                match t.sweep(std::time::SystemTime::now(), idle_timeout).await {
+                    Ok(ended) => {
+                        for r in ended {
+                            tracing::info!(task = %r.task.id, "task ended after {idle_timeout:?} idle");
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "task sweep failed"),
+                }
+            }
+            persist_books(journal.as_ref(), tasks.as_ref(), &slos).await;
+        }
+    });
+}
+
+async fn persist_books(
+    journal: Option<&outrigger_journal::Journal>,
+    tasks: Option<&Tasks>,
+    slos: &Slos,
+) {
+    if let Some(t) = tasks
+        && let Err(e) = t.persist().await
+    {
+        tracing::warn!(error = %e, "tasks could not be persisted");
+    }
+    if let Some(j) = journal
+        && let Err(e) = slos.persist(j, std::time::SystemTime::now()).await
+    {
+        tracing::warn!(error = %e, "SLO counts could not be persisted");
+    }
 }
 
 /// Feeds each new GPU snapshot to the data plane (fallback input, hardware cause)
@@ -227,14 +387,44 @@ fn open_journal(
         tracing::error!("the journal writer stopped");
     });
     readiness.journal.store(true, Ordering::Release);
+    // While writes fail, readiness says so; a small write each second lets it flip
+    // back once the disk recovers even when no traffic arrives to try.
+    let prober = journal.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            if prober.writes_failing() {
+                let now = humantime::format_rfc3339_millis(std::time::SystemTime::now());
+                if let Err(e) = prober
+                    .kv_put("health", "write-probe", now.to_string().into_bytes())
+                    .await
+                {
+                    tracing::debug!(error = %e, "journal write probe failed");
+                }
+            }
+        }
+    });
     let sweeper = journal.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
         loop {
             tick.tick().await;
-            match sweeper.reap(std::time::SystemTime::now()).await {
-                Ok(report) => tracing::debug!(?report, "retention sweep"),
-                Err(e) => tracing::warn!(error = %e, "retention sweep failed"),
+            // One call handles a bounded batch; keep going while it says more is due
+            // so a large backlog drains within one tick instead of one batch a minute.
+            for _ in 0..1_000 {
+                match sweeper.reap(std::time::SystemTime::now()).await {
+                    Ok(report) => {
+                        tracing::debug!(?report, "retention sweep");
+                        if !report.more {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "retention sweep failed");
+                        break;
+                    }
+                }
             }
         }
     });

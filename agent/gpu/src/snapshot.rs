@@ -741,6 +741,7 @@ fn summarize(nvml: &NvmlStatus, gpus: &[GpuHealth], problems: &[Reason]) -> GpuS
             .map(|gpu| gpu.uuid.clone())
             .collect(),
         present: !watched.is_empty(),
+        ids: watched.iter().map(|gpu| gpu.uuid.clone()).collect(),
     }
 }
 

@@ -1,6 +1,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
@@ -329,6 +330,12 @@ impl Journal {
         self.inner.reader.log_entries(from_seq, limit)
     }
 
+    /// Whether the last commit or flush failed with no successful flush since:
+    /// durable writes are being refused now.
+    pub fn writes_failing(&self) -> bool {
+        self.inner.shared.failing.load(Ordering::Relaxed)
+    }
+
     pub fn stats(&self) -> Stats {
         self.inner
             .shared
@@ -385,7 +392,6 @@ impl Journal {
         .await
     }
 
-    /// Ends an attempt; durable before return.
     /// Queues a lazily journaled event without waiting for the writer to take it in.
     ///
     /// Commands reach the single writer in the order they are sent, so events queued
@@ -415,6 +421,7 @@ impl Journal {
             .map_err(|_| Error::Unavailable("the journal writer is not running".to_owned()))
     }
 
+    /// Ends an attempt; durable before return.
     pub async fn stream_end(
         &self,
         key: &StreamKey,
@@ -430,6 +437,7 @@ impl Journal {
         .await
     }
 
+    /// The stream's metadata (attempts, how each ended), if the key is known.
     pub fn stream_meta(&self, key: &StreamKey) -> Result<Option<StreamMeta>, Error> {
         self.inner.reader.stream_meta(key)
     }

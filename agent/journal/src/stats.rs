@@ -1,4 +1,4 @@
-use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, Ordering};
 
 use serde::Serialize;
 use tokio::sync::watch;
@@ -57,6 +57,8 @@ pub struct Stats {
     /// Flushes the writer performed (sled's own 500 ms background flush not counted).
     pub flushes: u64,
     pub flush_errors: u64,
+    /// Whether the last commit or flush failed (no successful flush since).
+    pub failing: bool,
     /// Requests answered from the journal instead of executed.
     pub replays: u64,
     pub states: StateCounts,
@@ -83,6 +85,8 @@ pub(crate) struct Shared {
     pub(crate) batches: AtomicU64,
     pub(crate) flushes: AtomicU64,
     pub(crate) flush_errors: AtomicU64,
+    /// Set by a failed commit or flush, cleared by the next successful flush.
+    pub(crate) failing: AtomicBool,
     pub(crate) replays: AtomicU64,
     pub(crate) states: [AtomicI64; 8],
     fault: AtomicU8,
@@ -100,6 +104,7 @@ impl Shared {
             batches: AtomicU64::new(0),
             flushes: AtomicU64::new(0),
             flush_errors: AtomicU64::new(0),
+            failing: AtomicBool::new(false),
             replays: AtomicU64::new(0),
             states: states.map(AtomicI64::new),
             fault: AtomicU8::new(0),
@@ -136,6 +141,7 @@ impl Shared {
             batches: load(&self.batches),
             flushes: load(&self.flushes),
             flush_errors: load(&self.flush_errors),
+            failing: self.failing.load(Ordering::Relaxed),
             replays: load(&self.replays),
             states: StateCounts {
                 claimed: state(State::Claimed),

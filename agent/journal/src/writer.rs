@@ -792,6 +792,7 @@ impl Core {
         match self.store.flush() {
             Ok(()) => {
                 self.shared.flushes.fetch_add(1, Ordering::Relaxed);
+                self.shared.failing.store(false, Ordering::Relaxed);
                 Ok(())
             }
             Err(e) => Err(e.to_string()),
@@ -828,6 +829,7 @@ impl Core {
         };
         if let Err(reason) = applied {
             self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
+            self.shared.failing.store(true, Ordering::Relaxed);
             self.head = batch.head_before;
             tracing::error!(%reason, "journal batch not applied; failing its waiters");
             fail(batch, &reason);
@@ -858,6 +860,7 @@ impl Core {
             }
             Err(reason) => {
                 self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
+                self.shared.failing.store(true, Ordering::Relaxed);
                 self.head = batch.head_before;
                 let undo = std::mem::take(&mut batch.before);
                 if let Err(e) = self
@@ -907,6 +910,7 @@ impl Core {
             Ok(()) => self.dirty_since = None,
             Err(reason) => {
                 self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
+                self.shared.failing.store(true, Ordering::Relaxed);
                 // Try again one delay later; the lazy writes stay applied.
                 self.dirty_since = Some(Instant::now());
                 tracing::warn!(%reason, "flushing lazy journal writes failed");

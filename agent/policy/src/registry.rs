@@ -669,6 +669,21 @@ impl Registry {
         }
     }
 
+    /// The active version of every bound hook, in hook order: what journal records
+    /// name as the policies in force. Cheap (no locks), called once per journaled call.
+    pub fn versions(&self) -> Vec<PolicyVersion> {
+        self.inner
+            .slots
+            .iter()
+            .filter_map(|slot| {
+                slot.active
+                    .load()
+                    .as_ref()
+                    .map(|a| a.current.version.clone())
+            })
+            .collect()
+    }
+
     /// Every binding's version, hooks, load errors and counters.
     pub fn status(&self) -> Vec<BindingStatus> {
         self.inner

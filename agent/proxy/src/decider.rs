@@ -16,6 +16,11 @@ pub trait Decider: Send + Sync + 'static {
     fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<String>>;
     /// Admit, reject or downgrade a call before it is sent.
     fn budget(&self, req: &BudgetRequest) -> Decided<BudgetDecision>;
+    /// The policy versions in force now, which journal records name. Empty when
+    /// no component is bound (host defaults decide).
+    fn versions(&self) -> Vec<PolicyVersion> {
+        Vec::new()
+    }
 }
 
 /// Decides without any policy: never retries, keeps the configured order, admits

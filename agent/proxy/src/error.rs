@@ -137,7 +137,8 @@ impl Error {
                 "No such route",
                 format!(
                     "Nothing is served at {path}. The data plane serves POST /v1/chat/completions, \
-                     POST /v1/messages, GET /v1/models, /tools/{{tool}}/… and POST /mcp/{{server}}."
+                     POST /v1/messages, GET /v1/models, GET /v1/streams/{{key}}, \
+                     /tools/{{tool}}/… and POST /mcp/{{server}}."
                 ),
             ),
             Self::UnknownTool { tool, known } => Problem::new(

@@ -50,7 +50,7 @@ pub struct ReportedUsage {
 /// Follows one streamed turn event by event.
 #[derive(Debug)]
 pub struct Turn {
-    dialect: Dialect,
+    pub dialect: Dialect,
     /// Open and completed blocks by index (OpenAI: tool-call index).
     blocks: BTreeMap<u64, Partial>,
     pub usage: Option<ReportedUsage>,
@@ -59,6 +59,9 @@ pub struct Turn {
     pub response_id: Option<String>,
     pub terminal: bool,
     pub errored: bool,
+    /// The provider ended a choice (`finish_reason` other than `tool_calls`, e.g.
+    /// `length`) while one of its tool calls was still open.
+    pub truncated_tool_call: Option<String>,
 }
 
 impl Turn {
@@ -72,6 +75,7 @@ impl Turn {
             response_id: None,
             terminal: false,
             errored: false,
+            truncated_tool_call: None,
         }
     }
 
@@ -183,6 +187,8 @@ impl Turn {
                     .collect();
                 if reason == "tool_calls" && !closed.is_empty() {
                     kind = Kind::ToolComplete(closed);
+                } else if !closed.is_empty() {
+                    self.truncated_tool_call = Some(reason.to_string());
                 }
             }
         }
@@ -315,6 +321,8 @@ impl Turn {
 pub struct Gate {
     pub turn: Turn,
     held: Vec<bytes::Bytes>,
+    /// The turn was ended with a typed error event: nothing more goes out.
+    closed: bool,
 }
 
 /// Events the gate lets through.
@@ -330,11 +338,29 @@ impl Gate {
         Self {
             turn: Turn::new(dialect),
             held: Vec::new(),
+            closed: false,
         }
     }
 
     pub fn push(&mut self, raw: bytes::Bytes) -> Release {
+        if self.closed {
+            return Release::default();
+        }
         let kind = self.turn.observe(&raw);
+        if let Some(reason) = &self.turn.truncated_tool_call {
+            // The provider stopped inside a tool call: its half never goes out, and
+            // the agent gets a typed error instead of a silent end.
+            let detail = format!(
+                "the provider ended its turn (finish_reason {reason:?}) inside a tool call"
+            );
+            self.closed = true;
+            self.held.clear();
+            self.turn.errored = true;
+            return Release {
+                events: vec![interruption_event(self.turn.dialect, &detail)],
+                durable: true,
+            };
+        }
         let durable = matches!(kind, Kind::ToolComplete(_) | Kind::Terminal | Kind::Error);
         if self.held.is_empty() && kind != Kind::ToolPart {
             return Release {
@@ -389,6 +415,37 @@ mod tests {
 
     fn named(name: &str, data: &Value) -> Vec<u8> {
         format!("event: {name}\ndata: {data}\n\n").into_bytes()
+    }
+
+    #[test]
+    fn a_tool_call_cut_by_finish_reason_length_becomes_a_typed_error() {
+        let mut g = Gate::new(Dialect::OpenAi);
+        let text =
+            g.push(ev(&json!({"choices": [{"index": 0, "delta": {"content": "hi"}}]})).into());
+        assert_eq!(text.events.len(), 1);
+        let part = g.push(
+            ev(&json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "call_1", "function": {"name": "pay", "arguments": "{\"a\":"}}]}}]}))
+            .into(),
+        );
+        assert!(part.events.is_empty());
+        let end = g.push(
+            ev(&json!({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})).into(),
+        );
+        assert_eq!(end.events.len(), 1);
+        let text = String::from_utf8_lossy(&end.events[0]);
+        assert!(
+            text.contains("stream_interrupted") && text.contains("length"),
+            "{text}"
+        );
+        assert!(!text.contains("pay"));
+        assert!(g.turn.errored);
+        assert!(
+            g.push(bytes::Bytes::from_static(b"data: [DONE]\n\n"))
+                .events
+                .is_empty()
+        );
+        assert!(!g.turn.terminal);
     }
 
     #[test]

@@ -8,6 +8,10 @@ use crate::options::{Dialect, Secret};
 pub const TASK_ID: &str = "outrigger-task-id";
 pub const REQUEST_ID: &str = "outrigger-request-id";
 pub const REPLAYED: &str = "outrigger-replayed";
+/// On model-call answers: the upstream attempts it took (retries and fallbacks included).
+pub const ATTEMPTS: &str = "outrigger-attempts";
+/// Marks an answer the sidecar's fault injector made up.
+pub const FAULT_INJECTED: &str = "outrigger-fault-injected";
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) plus the ones the sidecar owns.
@@ -100,7 +104,8 @@ pub fn is_event_stream(headers: &HeaderMap) -> bool {
     headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("text/event-stream"))
+        .and_then(|v| v.trim_start().get(.."text/event-stream".len()))
+        .is_some_and(|v| v.eq_ignore_ascii_case("text/event-stream"))
 }
 
 #[cfg(test)]

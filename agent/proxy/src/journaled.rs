@@ -9,15 +9,19 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http::header::RETRY_AFTER;
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
-use outrigger_journal::{Begin, Intent, Journal, Record, StoredResponse, Ticket};
+use outrigger_journal::{Begin, Intent, Journal, Record, State, StoredResponse, Ticket};
 use outrigger_types::{IdempotencyKey, ToolClass};
 
 use crate::Shared;
 use crate::body::{self, Body};
 use crate::error::Error;
+use crate::faults::Kind as FaultKind;
+use crate::headers;
 use crate::options::Tool;
+use crate::tasks::ToolCallOutcome;
 use crate::tools;
 
 /// How one protocol builds a tool request and words its answers.
@@ -38,6 +42,99 @@ pub(crate) trait Protocol {
     fn tombstoned(&self, record: &Record) -> Response<Body>;
     /// The attempt reached the tool but no answer came back; the call is now `state`.
     fn in_doubt(&self, key: &IdempotencyKey, cause: &str, state: &str) -> Response<Body>;
+    /// What to tell the tool when the agent gives up on a call in flight (MCP's
+    /// `notifications/cancelled`); `None` where the protocol has no such message.
+    fn cancellation(&self) -> Option<Request<Full<Bytes>>> {
+        None
+    }
+}
+
+/// Armed while a call is at the tool. If the agent goes away first (its request,
+/// and with it this future, is dropped), the call is journaled in doubt at once
+/// instead of staying in flight until a restart, and the tool is told where the
+/// protocol allows it.
+struct Abandonment {
+    armed: Option<(Journal, Ticket)>,
+    cancel: Option<(crate::upstream::Upstream, Request<Full<Bytes>>, Duration)>,
+}
+
+impl Abandonment {
+    fn disarm(mut self) {
+        self.armed = None;
+        self.cancel = None;
+    }
+}
+
+impl Drop for Abandonment {
+    fn drop(&mut self) {
+        let Some((journal, ticket)) = self.armed.take() else {
+            return;
+        };
+        let cancel = self.cancel.take();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            let cause = "the agent went away before the tool answered";
+            if let Err(e) = journal.in_doubt(&ticket, cause).await {
+                tracing::debug!(key = %ticket.key(), error = %e, "could not journal an abandoned call");
+            }
+            if let Some((upstream, req, timeout)) = cancel
+                && let Err(e) = upstream.send(req, timeout).await
+            {
+                tracing::debug!(error = %e, "could not tell the tool a call was cancelled");
+            }
+        });
+    }
+}
+
+/// How a journaled call settled, for the side channels.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settled {
+    pub outcome: ToolCallOutcome,
+    /// The journal state the call rests in (`unjournaled` for pass-through calls).
+    pub state: &'static str,
+    /// Answered from the journal rather than executed.
+    pub replayed: bool,
+}
+
+impl Settled {
+    /// Refused by the sidecar before anything was journaled.
+    pub(crate) const REFUSED: Settled = Settled {
+        outcome: ToolCallOutcome::Refused,
+        state: "none",
+        replayed: false,
+    };
+
+    pub(crate) fn of(state: State) -> Self {
+        let outcome = match state {
+            State::Completed | State::Tombstone => ToolCallOutcome::Completed,
+            State::FailedBeforeSend | State::Claimed => ToolCallOutcome::NotExecuted,
+            State::Dispatched | State::InDoubt | State::Reconciling | State::NeedsOperator => {
+                ToolCallOutcome::InDoubt
+            }
+        };
+        Self {
+            outcome,
+            state: state.as_str(),
+            replayed: false,
+        }
+    }
+
+    fn refused(state: State) -> Self {
+        Self {
+            outcome: ToolCallOutcome::Refused,
+            state: state.as_str(),
+            replayed: false,
+        }
+    }
+
+    fn replayed(state: State) -> Self {
+        Self {
+            replayed: true,
+            ..Self::of(state)
+        }
+    }
 }
 
 /// Runs one journaled call to completion.
@@ -48,7 +145,7 @@ pub(crate) async fn run(
     intent: Intent,
     wait: Option<Duration>,
     proto: &impl Protocol,
-) -> Result<Response<Body>, Error> {
+) -> Result<(Response<Body>, Settled), Error> {
     let key = intent.key.clone();
     let downstream = intent.downstream_key.clone();
     let mut begin = journal
@@ -61,7 +158,9 @@ pub(crate) async fn run(
             Begin::Execute { ticket, resend } => {
                 return execute(shared, journal, tool, &ticket, &downstream, resend, proto).await;
             }
-            Begin::Replay(record) => return Ok(proto.replay(&record)),
+            Begin::Replay(record) => {
+                return Ok((proto.replay(&record), Settled::replayed(record.state)));
+            }
             Begin::InFlight { record } => match wait {
                 Some(wait) if !waited => {
                     waited = true;
@@ -74,11 +173,21 @@ pub(crate) async fn run(
                         .await
                         .map_err(Error::Journal)?
                 }
-                _ => return Ok(proto.in_flight(&record)),
+                _ => return Ok((proto.in_flight(&record), Settled::refused(record.state))),
             },
-            Begin::Mismatch { record } => return Ok(proto.mismatch(&record)),
-            Begin::OutcomeUnknown { record } => return Ok(proto.outcome_unknown(&record)),
-            Begin::Tombstoned { record } => return Ok(proto.tombstoned(&record)),
+            Begin::Mismatch { record } => {
+                return Ok((proto.mismatch(&record), Settled::refused(record.state)));
+            }
+            Begin::OutcomeUnknown { record } => {
+                // Asked again about a call already in doubt: no new fault.
+                return Ok((
+                    proto.outcome_unknown(&record),
+                    Settled::refused(record.state),
+                ));
+            }
+            Begin::Tombstoned { record } => {
+                return Ok((proto.tombstoned(&record), Settled::refused(record.state)));
+            }
             Begin::Probe { ticket } => match probe(shared, tool, &downstream).await {
                 Probed::Found(resp) => journal
                     .reconciled(&ticket, Some(resp))
@@ -90,10 +199,15 @@ pub(crate) async fn run(
                     .map_err(Error::Journal)?,
                 Probed::Failed(detail) => {
                     tracing::warn!(tool = %tool.name, %key, %detail, "probe failed; the call stays in doubt");
-                    return match journal.get(&key).map_err(Error::Journal)? {
-                        Some(record) => Ok(proto.outcome_unknown(&record)),
-                        None => Ok(proto.in_doubt(&key, &detail, "in_doubt")),
-                    };
+                    // Back to in doubt (not left reconciling): the next request probes again.
+                    let state = journal
+                        .in_doubt(&ticket, &format!("the probe failed: {detail}"))
+                        .await
+                        .map_err(Error::Journal)?;
+                    return Ok((
+                        proto.in_doubt(&key, &detail, state.as_str()),
+                        Settled::of(state),
+                    ));
                 }
             },
         };
@@ -108,7 +222,7 @@ async fn execute(
     downstream: &str,
     resend: bool,
     proto: &impl Protocol,
-) -> Result<Response<Body>, Error> {
+) -> Result<(Response<Body>, Settled), Error> {
     if tool.class == ToolClass::Unsafe {
         // Unsafe tools take two durable writes: a crash between the claim and this
         // one is then provably "never sent" rather than in doubt.
@@ -119,8 +233,76 @@ async fn execute(
             "re-sending a call whose earlier attempt may have reached the tool (same downstream key)");
     }
     let req = proto.build(downstream)?;
+    let guard = Abandonment {
+        armed: Some((journal.clone(), ticket.clone())),
+        cancel: proto
+            .cancellation()
+            .map(|c| (shared.upstream.clone(), c, tool.timeout)),
+    };
+    let settled = send(shared, journal, tool, ticket, req, proto).await;
+    guard.disarm();
+    settled
+}
+
+/// Sends one attempt and journals how it ended.
+async fn send(
+    shared: &Shared,
+    journal: &Journal,
+    tool: &Tool,
+    ticket: &Ticket,
+    req: Request<Full<Bytes>>,
+    proto: &impl Protocol,
+) -> Result<(Response<Body>, Settled), Error> {
+    let fault = shared.faults.tool(&tool.name);
+    match fault {
+        Some(FaultKind::Delay { delay }) => tokio::time::sleep(delay).await,
+        Some(FaultKind::RateLimit { retry_after }) => {
+            let mut h = HeaderMap::new();
+            h.insert(RETRY_AFTER, HeaderValue::from(retry_after.as_secs().max(1)));
+            h.insert(headers::FAULT_INJECTED, HeaderValue::from_static("true"));
+            return answer(
+                journal,
+                ticket,
+                proto,
+                StatusCode::TOO_MANY_REQUESTS,
+                &h,
+                Bytes::from_static(b"fault injected by the sidecar: 429"),
+            )
+            .await;
+        }
+        Some(FaultKind::ServerError { status }) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+            let mut h = HeaderMap::new();
+            h.insert(headers::FAULT_INJECTED, HeaderValue::from_static("true"));
+            return answer(
+                journal,
+                ticket,
+                proto,
+                status,
+                &h,
+                Bytes::from_static(b"fault injected by the sidecar: 5xx"),
+            )
+            .await;
+        }
+        _ => {}
+    }
+    let sent_at = tokio::time::Instant::now();
     let resp = match shared.upstream.send(req, tool.timeout).await {
-        Ok(resp) => resp,
+        Ok(resp) => match fault {
+            // The tool got the request (its effect happened); its answer is lost.
+            Some(FaultKind::ToolTimeout) => {
+                drop(resp);
+                tokio::time::sleep_until(sent_at + tool.timeout).await;
+                let cause = format!("fault injected: no answer within {:?}", tool.timeout);
+                return in_doubt(journal, ticket, &cause, proto).await;
+            }
+            Some(FaultKind::ToolResetAfterEffect) => {
+                drop(resp);
+                let cause = "fault injected: the connection was reset after the request was sent";
+                return in_doubt(journal, ticket, cause, proto).await;
+            }
+            _ => resp,
+        },
         Err(e) if !e.may_have_been_sent() => {
             journal
                 .failed_before_send(ticket, &e.to_string())
@@ -155,13 +337,25 @@ async fn execute(
             return in_doubt(journal, ticket, &cause, proto).await;
         }
     };
-    let (stored, answer) = proto.answer(parts.status, &parts.headers, bytes);
-    // The outcome is durable before the agent sees it.
-    journal
+    answer(journal, ticket, proto, parts.status, &parts.headers, bytes).await
+}
+
+/// Journals the tool's answer, then hands it over: the outcome is durable before the
+/// agent sees it.
+async fn answer(
+    journal: &Journal,
+    ticket: &Ticket,
+    proto: &impl Protocol,
+    status: StatusCode,
+    headers: &HeaderMap,
+    bytes: Bytes,
+) -> Result<(Response<Body>, Settled), Error> {
+    let (stored, answer) = proto.answer(status, headers, bytes);
+    let state = journal
         .complete(ticket, stored)
         .await
         .map_err(Error::Journal)?;
-    Ok(answer)
+    Ok((answer, Settled::of(state)))
 }
 
 async fn in_doubt(
@@ -169,12 +363,15 @@ async fn in_doubt(
     ticket: &Ticket,
     cause: &str,
     proto: &impl Protocol,
-) -> Result<Response<Body>, Error> {
+) -> Result<(Response<Body>, Settled), Error> {
     let state = journal
         .in_doubt(ticket, cause)
         .await
         .map_err(Error::Journal)?;
-    Ok(proto.in_doubt(ticket.key(), cause, state.as_str()))
+    Ok((
+        proto.in_doubt(ticket.key(), cause, state.as_str()),
+        Settled::of(state),
+    ))
 }
 
 enum Probed {
@@ -189,7 +386,7 @@ async fn probe(shared: &Shared, tool: &Tool, downstream: &str) -> Probed {
     let Some(path) = &tool.probe_path else {
         return Probed::Failed(format!("tool {} has no probe_path", tool.name));
     };
-    let rest = path.replace("{key}", downstream);
+    let rest = path.replace("{key}", &encode_segment(downstream));
     let req = match tools::build(
         tool,
         &rest,
@@ -224,6 +421,40 @@ async fn probe(shared: &Shared, tool: &Tool, downstream: &str) -> Probed {
     }
 }
 
+/// Percent-encodes what may not appear in an RFC 3986 path segment (`/`, `?`, `#`,
+/// `%`, spaces…), so any key stays one segment of the probe URL.
+fn encode_segment(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        let pchar = b.is_ascii_alphanumeric()
+            || matches!(
+                b,
+                b'-' | b'.'
+                    | b'_'
+                    | b'~'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b','
+                    | b';'
+                    | b'='
+                    | b':'
+                    | b'@'
+            );
+        if pchar {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
 /// `Prefer: wait=N` (RFC 7240), capped at 60 s.
 pub(crate) fn prefer_wait(h: &HeaderMap) -> Option<Duration> {
     h.get_all("prefer")
@@ -239,6 +470,12 @@ pub(crate) fn prefer_wait(h: &HeaderMap) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn probe_keys_stay_one_segment() {
+        assert_eq!(encode_segment("payments:abc-1"), "payments:abc-1");
+        assert_eq!(encode_segment("a/b?c#d%e f"), "a%2Fb%3Fc%23d%25e%20f");
+    }
 
     #[test]
     fn prefer_wait_parses_rfc7240() {

@@ -151,7 +151,8 @@ impl Correlator {
     }
 
     /// The id of the tool call in `task` whose arguments match (and, when given,
-    /// whose name matches): the newest response first, its calls in order.
+    /// whose name matches), searching from the most recently recorded call back;
+    /// identical calls therefore resolve to the newest one.
     pub fn find(
         &self,
         task: &TaskId,

@@ -18,11 +18,13 @@ pub mod body;
 pub mod decider;
 mod error;
 pub mod events;
+pub mod faults;
 pub mod headers;
 mod journaled;
 pub mod keys;
 mod mcp;
 mod model;
+mod observe;
 pub mod options;
 pub mod problem;
 pub mod relay;
@@ -30,8 +32,10 @@ pub mod resilience;
 pub mod server;
 pub mod sse;
 pub mod streams;
+pub mod tasks;
 mod tools;
 pub mod upstream;
+pub mod upstream_body;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -66,6 +70,10 @@ pub(crate) struct Shared {
     pub gpu: arc_swap::ArcSwap<outrigger_types::GpuSummary>,
     /// Generations running in this process, by stream key.
     pub streams: streams::Registry,
+    /// Tasks by `Outrigger-Task-Id` (`None` without a journal to keep them in).
+    pub tasks: Option<tasks::Tasks>,
+    pub slos: Arc<outrigger_telemetry::slo::Slos>,
+    pub faults: Arc<faults::Injector>,
 }
 
 /// What the binary plugs into the data plane.
@@ -73,6 +81,27 @@ pub struct Components {
     pub metrics: Metrics,
     pub journal: Option<outrigger_journal::Journal>,
     pub decider: Arc<dyn decider::Decider>,
+    pub tasks: Option<tasks::Tasks>,
+    pub slos: Arc<outrigger_telemetry::slo::Slos>,
+    /// Faults injected on purpose (none unless configured).
+    pub faults: Arc<faults::Injector>,
+}
+
+impl Components {
+    /// The minimum: no policies (built-in behaviour), no task tracking, no SLOs.
+    pub fn new(metrics: Metrics, journal: Option<outrigger_journal::Journal>) -> Self {
+        Self {
+            slos: Arc::new(outrigger_telemetry::slo::Slos::new(
+                Vec::new(),
+                metrics.clone(),
+            )),
+            faults: Arc::new(faults::Injector::new(metrics.clone())),
+            metrics,
+            journal,
+            decider: Arc::new(decider::NoPolicy),
+            tasks: None,
+        }
+    }
 }
 
 /// The data plane. Cheap to clone; one per process.
@@ -112,6 +141,9 @@ impl Proxy {
                 ledger: Arc::new(resilience::Ledger::default()),
                 gpu: arc_swap::ArcSwap::from_pointee(outrigger_types::GpuSummary::default()),
                 streams: streams::Registry::default(),
+                tasks: components.tasks,
+                slos: components.slos,
+                faults: components.faults,
                 options,
             }),
         }
@@ -133,6 +165,9 @@ impl Proxy {
         let result = match parse_task_id(&req) {
             Err(e) => Err(e),
             Ok(task_id) => {
+                if let (Some(tasks), Some(t)) = (&self.shared.tasks, &task_id) {
+                    tasks.touch(t, request_id.as_str(), std::time::SystemTime::now());
+                }
                 let ctx = RequestContext {
                     request_id: request_id.clone(),
                     task_id,
@@ -184,15 +219,7 @@ impl Proxy {
                     Dialect::Anthropic
                 };
                 let mut routed = None;
-                let span = tracing::debug_span!(
-                    "model_call",
-                    request_id = %ctx.request_id,
-                    task_id = ctx.task_id.as_ref().map(|t| t.as_str()).unwrap_or(""),
-                    dialect = dialect.as_str(),
-                );
-                let result = model::call(&self.shared, req, dialect, ctx, &mut routed)
-                    .instrument(span)
-                    .await;
+                let result = model::call(&self.shared, req, dialect, ctx, &mut routed).await;
                 if let Some(r) = routed {
                     *target = r.provider;
                 }

@@ -13,6 +13,8 @@
 //! `-32012` expired, `-32013` journal unavailable, `-32602` missing key) or, for an
 //! outcome the model should reason about, a `CallToolResult` with `isError: true`.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
@@ -22,10 +24,12 @@ use outrigger_journal::{
 };
 use outrigger_types::IdempotencyKey;
 use serde_json::{Value, json};
+use tracing::Instrument;
 
 use crate::body::{self, Body};
 use crate::error::Error;
-use crate::journaled::{self, Protocol};
+use crate::journaled::{self, Protocol, Settled};
+use crate::observe::ToolCall;
 use crate::options::{Tool, ToolKind};
 use crate::tools::{self, KeyChoice};
 use crate::{RequestContext, Shared, headers, keys, sse};
@@ -34,7 +38,7 @@ use crate::{RequestContext, Shared, headers, keys, sse};
 pub const META_KEY: &str = "outrigger/idempotency-key";
 
 pub async fn call(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     req: Request<Incoming>,
     ctx: &RequestContext,
     target: &mut String,
@@ -80,7 +84,25 @@ pub async fn call(
     let Some(message) = message.filter(|_| is_tool_call) else {
         return pass_through(shared, server, method, &parts.headers, bytes).await;
     };
+    let rec = ToolCall::start(shared, ctx, &server.name, "mcp", &parts.headers);
+    let span = rec.span.clone();
+    let result = tool_call(shared, ctx, server, &parts.headers, bytes, &message)
+        .instrument(span)
+        .await;
+    tools::finish(rec, &result);
+    result.map(|(resp, _, _)| resp)
+}
 
+/// A `tools/call`: journaled when it has (or can be given) a key.
+async fn tool_call(
+    shared: &Shared,
+    ctx: &RequestContext,
+    server: &Tool,
+    agent: &HeaderMap,
+    bytes: Bytes,
+    message: &Value,
+) -> Result<(Response<Body>, Settled, Option<String>), Error> {
+    let refused = |resp| Ok((resp, Settled::REFUSED, None));
     let id = message["id"].clone();
     let tool_name = message["params"]["name"]
         .as_str()
@@ -92,7 +114,7 @@ pub async fn call(
         Some(k) => match IdempotencyKey::new(k) {
             Ok(k) => Some(k),
             Err(e) => {
-                return Ok(rpc_error(
+                return refused(rpc_error(
                     &id,
                     -32602,
                     &format!("params._meta[\"{META_KEY}\"]: {e}"),
@@ -103,7 +125,7 @@ pub async fn call(
     };
     let choice = match tools::choose_key(
         shared,
-        &parts.headers,
+        agent,
         ctx,
         server,
         Some((meta_key, &tool_name, &arguments)),
@@ -111,7 +133,7 @@ pub async fn call(
     ) {
         Ok(c) => c,
         Err(Error::BadHeader { detail, .. }) => {
-            return Ok(rpc_error(
+            return refused(rpc_error(
                 &id,
                 -32602,
                 &format!("Idempotency-Key: {detail}"),
@@ -127,7 +149,7 @@ pub async fn call(
     } = choice
     else {
         if server.key_required {
-            return Ok(rpc_error(
+            return refused(rpc_error(
                 &id,
                 -32602,
                 &format!(
@@ -140,10 +162,12 @@ pub async fn call(
         }
         shared.metrics.unprotected_tool_call(&server.name);
         tracing::warn!(server = %server.name, tool = %tool_name, "MCP tools/call without an idempotency key passed through unprotected");
-        return pass_through(shared, server, method, &parts.headers, bytes).await;
+        let resp = pass_through(shared, server, Method::POST, agent, bytes).await?;
+        let settled = tools::unjournaled(resp.status());
+        return Ok((resp, settled, None));
     };
     let Some(journal) = shared.journal.as_ref() else {
-        return Ok(journal_unavailable(&id, "the journal is not open"));
+        return refused(journal_unavailable(&id, "the journal is not open"));
     };
     let intent = Intent {
         key: journal_key,
@@ -155,22 +179,23 @@ pub async fn call(
         task_id: ctx.task_id.clone(),
         request_id: ctx.request_id.clone(),
         downstream_key: downstream,
-        request: RedactedRequest::new(tools::redacted_headers(&parts.headers), bytes.clone()),
-        policy_versions: Vec::new(),
+        request: RedactedRequest::new(tools::redacted_headers(agent), bytes.clone()),
+        policy_versions: shared.decider.versions(),
         model_revision: None,
         derived_from: source,
     };
+    let journal_key = intent.key.to_string();
     let proto = McpCall {
         server,
-        agent: &parts.headers,
-        message: &message,
+        agent,
+        message,
         id: &id,
     };
-    let wait = journaled::prefer_wait(&parts.headers);
+    let wait = journaled::prefer_wait(agent);
     match journaled::run(shared, journal, server, intent, wait, &proto).await {
-        Ok(resp) => Ok(resp),
+        Ok((resp, settled)) => Ok((resp, settled, Some(journal_key))),
         Err(Error::Journal(journal::Error::Unavailable(detail))) => {
-            Ok(journal_unavailable(&id, &detail))
+            refused(journal_unavailable(&id, &detail))
         }
         Err(e) => Err(e),
     }
@@ -219,6 +244,11 @@ impl Protocol for McpCall<'_> {
             message["params"]["_meta"] = json!({});
         }
         message["params"]["_meta"][META_KEY] = json!(downstream);
+        // The server's spans join the sidecar's `execute_tool` span (MCP carries trace
+        // context in `_meta`, not in HTTP headers).
+        if let Some(tp) = outrigger_telemetry::spans::current_traceparent() {
+            message["params"]["_meta"]["traceparent"] = json!(tp);
+        }
         let mut req = build(
             self.server,
             Method::POST,
@@ -230,6 +260,23 @@ impl Protocol for McpCall<'_> {
         }
         req.headers_mut().remove(header::CONTENT_LENGTH);
         Ok(req)
+    }
+
+    fn cancellation(&self) -> Option<Request<Full<Bytes>>> {
+        let note = json!({
+            "jsonrpc": "2.0",
+            "method": "notifications/cancelled",
+            "params": {"requestId": self.id, "reason": "the agent cancelled the request"},
+        });
+        let mut req = build(
+            self.server,
+            Method::POST,
+            self.agent,
+            Bytes::from(note.to_string()),
+        );
+        req.headers_mut().remove(header::CONTENT_LENGTH);
+        req.headers_mut().remove(headers::IDEMPOTENCY_KEY);
+        Some(req)
     }
 
     fn answer(
@@ -251,33 +298,47 @@ impl Protocol for McpCall<'_> {
             }
             None => {
                 // Not a JSON-RPC answer: keep the HTTP status so the journal can tell a
-                // definitive refusal from an ambiguous 5xx.
+                // definitive refusal from an ambiguous 5xx, and pass it on as it came.
                 let stored =
                     StoredResponse::new(status.as_u16(), tools::redacted_headers(h), body.clone());
                 let mut resp = Response::new(body::full(body));
                 *resp.status_mut() = status;
+                if let Some(ct) = h.get(header::CONTENT_TYPE) {
+                    resp.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+                }
                 (stored, resp)
             }
         }
     }
 
     fn replay(&self, record: &Record) -> Response<Body> {
+        // Only what `answer` stored as a JSON-RPC outcome is re-wrapped with the new
+        // request's id; anything else is replayed as it came (status, type, bytes).
         let outcome = record
             .response
             .as_ref()
-            .filter(|r| r.status == 200)
+            .filter(|r| r.status == 200 && r.headers.get(OUTCOME_MARK).is_some())
             .and_then(|r| serde_json::from_slice::<Value>(r.body.bytes()).ok());
         match outcome {
             Some(outcome) => rpc_response(self.id, &outcome, true),
             None => {
-                let (status, body) = record
+                let (status, body, content_type) = record
                     .response
                     .as_ref()
-                    .map(|r| (r.status, r.body.bytes().clone()))
-                    .unwrap_or((500, Bytes::new()));
+                    .map(|r| {
+                        (
+                            r.status,
+                            r.body.bytes().clone(),
+                            r.headers.get("content-type").map(str::to_owned),
+                        )
+                    })
+                    .unwrap_or((500, Bytes::new(), None));
                 let mut resp = Response::new(body::full(body));
                 *resp.status_mut() =
                     StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                if let Some(ct) = content_type.and_then(|c| HeaderValue::from_str(&c).ok()) {
+                    resp.headers_mut().insert(header::CONTENT_TYPE, ct);
+                }
                 resp.headers_mut()
                     .insert(headers::REPLAYED, HeaderValue::from_static("true"));
                 resp
@@ -388,8 +449,15 @@ fn find_response(h: &HeaderMap, body: &[u8], id: &Value) -> Option<Value> {
     }
 }
 
+/// Marks a stored answer as a JSON-RPC outcome (`{"result"}` or `{"error"}` without
+/// its id), which a replay re-wraps with the id of the request it answers.
+const OUTCOME_MARK: &str = "outrigger-jsonrpc-outcome";
+
 fn json_headers() -> Headers {
-    Headers::redacted([("content-type".to_string(), "application/json".to_string())])
+    Headers::redacted([
+        ("content-type".to_string(), "application/json".to_string()),
+        (OUTCOME_MARK.to_string(), "1".to_string()),
+    ])
 }
 
 /// `{"jsonrpc":"2.0","id":…}` plus the stored `result` or `error`.

@@ -188,6 +188,9 @@ pub struct Limits {
     pub first_byte_timeout: Duration,
     /// Longest SSE event accepted from an upstream.
     pub max_event_bytes: usize,
+    /// A client connection whose writes make no progress this long (the agent
+    /// stopped reading) is closed, releasing its upstream.
+    pub client_stall_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -197,6 +200,7 @@ impl Default for Limits {
             connect_timeout: Duration::from_secs(5),
             first_byte_timeout: Duration::from_secs(120),
             max_event_bytes: crate::sse::DEFAULT_MAX_EVENT_BYTES,
+            client_stall_timeout: Duration::from_secs(30),
         }
     }
 }

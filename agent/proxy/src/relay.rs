@@ -15,7 +15,7 @@ use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame};
 
 use crate::body::BoxError;
-use crate::events::{Gate, interruption_event};
+use crate::events::{Gate, Turn, interruption_event};
 use crate::options::Dialect;
 use crate::sse::Framer;
 
@@ -24,13 +24,22 @@ use crate::sse::Framer;
 pub trait StreamObserver: Send + Unpin + 'static {
     fn on_event(&mut self, raw: &Bytes, at: Instant);
     /// The stream ended: `Ok` when the upstream finished, `Err` with a description
-    /// when it broke.
-    fn on_end(&mut self, outcome: Result<(), &str>);
+    /// when it broke; `turn` is what the gate followed of it.
+    fn on_end(&mut self, outcome: Result<(), &str>, turn: Option<&Turn>);
+}
+
+impl StreamObserver for Box<dyn StreamObserver> {
+    fn on_event(&mut self, raw: &Bytes, at: Instant) {
+        (**self).on_event(raw, at);
+    }
+    fn on_end(&mut self, outcome: Result<(), &str>, turn: Option<&Turn>) {
+        (**self).on_end(outcome, turn);
+    }
 }
 
 impl StreamObserver for () {
     fn on_event(&mut self, _: &Bytes, _: Instant) {}
-    fn on_end(&mut self, _: Result<(), &str>) {}
+    fn on_end(&mut self, _: Result<(), &str>, _: Option<&Turn>) {}
 }
 
 pub struct SseRelay<B, O> {
@@ -91,7 +100,8 @@ impl<B, O> SseRelay<B, O> {
         O: StreamObserver,
     {
         self.done = true;
-        self.observer.on_end(Err(detail));
+        self.observer
+            .on_end(Err(detail), self.gate.as_ref().map(|g| &g.turn));
         match &self.gate {
             Some(gate) if !gate.turn.terminal => {
                 self.ready
@@ -174,13 +184,19 @@ where
                     let tail = this.framer.finish(&mut this.scratch);
                     let events: Vec<Bytes> = this.scratch.drain(..).collect();
                     this.release(events, Instant::now());
-                    let complete = this.gate.as_ref().is_none_or(|g| g.turn.terminal);
+                    // A turn the provider (or the gate) ended with an error event is
+                    // over: no second error event.
+                    let complete = this
+                        .gate
+                        .as_ref()
+                        .is_none_or(|g| g.turn.terminal || g.turn.errored);
                     if complete {
                         this.done = true;
                         if let Some(tail) = tail.filter(|_| this.gate.is_none()) {
                             this.ready.push_back(tail);
                         }
-                        this.observer.on_end(Ok(()));
+                        this.observer
+                            .on_end(Ok(()), this.gate.as_ref().map(|g| &g.turn));
                     } else {
                         let _ = this
                             .interrupt("the upstream ended before its final event", "eof".into());

@@ -21,11 +21,11 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use crate::upstream_body::UpstreamBody;
 use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
 use http_body::{Body as HttpBody, Frame};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use outrigger_journal::{Journal, StreamEnd, StreamKey};
 use outrigger_types::TaskId;
 use tokio::sync::{Notify, watch};
@@ -335,9 +335,6 @@ impl Registry {
 
 // === The producer ===
 
-/// Called once when a generation ends, with its gate (turn, usage, tool calls).
-pub(crate) type OnEnd = Box<dyn FnOnce(&Gate, Ended) + Send>;
-
 /// What the producer needs besides the upstream body.
 pub(crate) struct Production {
     pub shared: Arc<Shared>,
@@ -346,11 +343,15 @@ pub(crate) struct Production {
     pub gate: Gate,
     pub framer: Framer,
     pub first_events: Vec<Bytes>,
-    /// Settles the budget and meters the turn when it ends.
-    pub on_end: OnEnd,
+    /// Sees every forwarded event and the end (metering, budget, observation).
+    pub observer: Box<dyn crate::relay::StreamObserver>,
     /// The provider's limiter slot, held for the whole generation.
     pub permit: Option<crate::resilience::Permit>,
 }
+
+/// The reason a generation ends with when its agent cancelled it (the last client
+/// left under `cancel_on_disconnect`, or `POST /v1/streams/{key}/cancel`).
+pub(crate) const CANCELLED: &str = "cancelled";
 
 /// How a generation ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -368,13 +369,13 @@ pub(crate) fn spawn(
     shared: &Arc<Shared>,
     live: Arc<Live>,
     production: Production,
-    upstream: Incoming,
+    upstream: UpstreamBody,
 ) {
     shared.streams.insert(live);
     tokio::spawn(produce(production, upstream));
 }
 
-async fn produce(p: Production, mut upstream: Incoming) {
+async fn produce(p: Production, mut upstream: UpstreamBody) {
     let Production {
         shared,
         journal,
@@ -382,7 +383,7 @@ async fn produce(p: Production, mut upstream: Incoming) {
         mut gate,
         mut framer,
         first_events,
-        on_end,
+        mut observer,
         permit,
     } = p;
     let max_bytes = shared.options.streams.max_stream_bytes;
@@ -416,6 +417,7 @@ async fn produce(p: Production, mut upstream: Incoming) {
                         journal_ok = false;
                     }
                 }
+                observer.on_event(&ev, std::time::Instant::now());
                 out.push(with_id(live.attempt, seq, &ev));
                 seq += 1;
             }
@@ -439,7 +441,7 @@ async fn produce(p: Production, mut upstream: Incoming) {
         let frame = tokio::select! {
             f = upstream.frame() => f,
             () = live.cancel.notified() => {
-                break 'relay Ended::Abandoned("cancelled".into());
+                break 'relay Ended::Abandoned(CANCELLED.into());
             }
             () = sleep_until_opt(idle_deadline) => {
                 break 'relay Ended::Abandoned(format!("no client for {detach:?}"));
@@ -448,7 +450,7 @@ async fn produce(p: Production, mut upstream: Incoming) {
             () = tokio::time::sleep(Duration::from_millis(500)) => continue,
         };
         if live.cancelled.load(Ordering::Acquire) {
-            break 'relay Ended::Abandoned("cancelled".into());
+            break 'relay Ended::Abandoned(CANCELLED.into());
         }
         match frame {
             Some(Ok(f)) => {
@@ -506,7 +508,12 @@ async fn produce(p: Production, mut upstream: Incoming) {
     }
     live.finish();
     shared.streams.remove(&live);
-    on_end(&gate, ended);
+    let outcome = match &ended {
+        Ended::Completed => Ok(()),
+        Ended::Failed => Err("the provider reported an error"),
+        Ended::Abandoned(reason) => Err(reason.as_str()),
+    };
+    observer.on_end(outcome, Some(&gate.turn));
 }
 
 async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {

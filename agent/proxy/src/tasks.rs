@@ -388,8 +388,12 @@ impl Task {
 
     /// Wall-clock from the first call to the end (or to `now` while open), downtime
     /// included.
+    /// A `now` before the last activity (the wall clock stepped back) counts as the
+    /// last activity, so the figure never shrinks.
     pub fn wall_clock(&self, now: Timestamp) -> Duration {
-        self.ended_at.unwrap_or(now).since(self.started_at)
+        self.ended_at
+            .unwrap_or_else(|| now.max(self.last_activity))
+            .since(self.started_at)
     }
 
     fn push(&mut self, event: TimelineEvent) {
@@ -587,6 +591,9 @@ fn verdict(outcome: TaskOutcome, side_effects: Option<SideEffects>) -> RecoveryV
 struct Entry {
     task: Task,
     dirty: bool,
+    /// The last activity on the monotonic clock: idleness is a duration, and a step
+    /// of the wall clock (NTP, a resumed VM) must not end a live task.
+    seen: tokio::time::Instant,
 }
 
 /// The task tracker. Cheap to clone.
@@ -601,6 +608,7 @@ struct Inner {
     metrics: Metrics,
     slos: Option<Arc<Slos>>,
     tasks: Mutex<HashMap<TaskId, Entry>>,
+    changed: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Tasks {
@@ -633,6 +641,7 @@ impl Tasks {
                 };
                 let reopened = task.ended_at.is_none();
                 if reopened {
+                    let at = at.max(task.last_activity);
                     task.fault(FaultKind::SidecarRestart, at);
                 }
                 tasks.insert(
@@ -640,6 +649,7 @@ impl Tasks {
                     Entry {
                         task,
                         dirty: reopened,
+                        seen: tokio::time::Instant::now(),
                     },
                 );
             }
@@ -651,6 +661,7 @@ impl Tasks {
                 metrics,
                 slos,
                 tasks: Mutex::new(tasks),
+                changed: tokio::sync::Notify::new(),
             }),
         })
     }
@@ -674,8 +685,12 @@ impl Tasks {
         let entry = tasks.entry(id.clone()).or_insert_with(|| Entry {
             task: Task::new(id.clone(), request_id, at),
             dirty: true,
+            seen: tokio::time::Instant::now(),
         });
         entry.dirty = true;
+        entry.seen = tokio::time::Instant::now();
+        // Stamps never run backwards within a task, whatever the wall clock does.
+        let at = at.max(entry.task.last_activity);
         if entry.task.ended_at.is_some() {
             entry.task.push(TimelineEvent::AfterEnd {
                 at,
@@ -683,7 +698,17 @@ impl Tasks {
             });
         }
         entry.task.activity(at);
-        f(&mut entry.task, at)
+        let out = f(&mut entry.task, at);
+        drop(tasks);
+        self.inner.changed.notify_one();
+        out
+    }
+
+    /// Resolves when a task changed since the last call: the owner then calls
+    /// [`Tasks::persist`] (soon, so a crash loses little; debounced, so a busy
+    /// sidecar does not save on every call).
+    pub async fn changed(&self) {
+        self.inner.changed.notified().await;
     }
 
     /// A request of the task arrived (creates the task on its first call).
@@ -793,7 +818,8 @@ impl Tasks {
                 .ok_or_else(|| Error::UnknownTask(id.clone()))?;
             let t = &mut entry.task;
             if t.ended_at.is_none() {
-                t.ended_at = Some(at.max(t.started_at));
+                let at = at.max(t.last_activity);
+                t.ended_at = Some(at);
                 t.outcome = Some(outcome);
                 t.push(TimelineEvent::Ended { at, outcome });
                 // Faults recorded while the journal was read are judged too.
@@ -884,7 +910,7 @@ impl Tasks {
             let idle = tasks
                 .values()
                 .filter(|e| e.task.ended_at.is_none())
-                .filter(|e| at.since(e.task.last_activity) > idle_timeout)
+                .filter(|e| e.seen.elapsed() > idle_timeout)
                 .map(|e| e.task.id.clone())
                 .collect();
             let expired: Vec<TaskId> = tasks
@@ -1477,7 +1503,7 @@ mod tests {
         Ok(())
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn sweep_ends_idle_tasks_and_forgets_old_ones() -> TestResult {
         let j = TempJournal::open()?;
         let tasks = tracker(Some(j.journal.clone()), Metrics::new())?;
@@ -1485,7 +1511,11 @@ mod tests {
         let busy = TaskId::new("task-busy")?;
         tasks.touch(&idle, "r1", t(0));
         tasks.touch(&busy, "r2", t(0));
+        // Idleness is measured on the monotonic clock (paused here), not on the wall
+        // clock the calls carry.
+        tokio::time::advance(Duration::from_secs(250)).await;
         tasks.touch(&busy, "r3", t(250));
+        tokio::time::advance(Duration::from_secs(51)).await;
         let ended = tasks.sweep(t(301), Duration::from_secs(300)).await?;
         assert_eq!(ended.len(), 1);
         assert_eq!(ended[0].task.id, idle);

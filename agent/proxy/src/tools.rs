@@ -6,6 +6,8 @@
 //! 503 when the journal cannot write. `GET` passes through unjournaled unless the
 //! tool sets `journal_get`.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
@@ -14,14 +16,17 @@ use outrigger_journal::{
     self as journal, Headers, Intent, KeySource, Record, RedactedRequest, StoredResponse,
 };
 use outrigger_types::IdempotencyKey;
+use tracing::Instrument;
 
 use crate::body::{self, Body};
 use crate::error::Error;
 use crate::headers::{self, IDEMPOTENCY_KEY};
-use crate::journaled::{self, Protocol};
+use crate::journaled::{self, Protocol, Settled};
 use crate::keys;
+use crate::observe::{ToolCall, ToolEnd};
 use crate::options::{Tool, ToolKind};
 use crate::problem::Problem;
+use crate::tasks::ToolCallOutcome;
 use crate::{RequestContext, Shared};
 
 pub const TOOL_CALL_ID: &str = "outrigger-tool-call-id";
@@ -73,7 +78,7 @@ fn address<'a>(shared: &'a Shared, path_and_query: &str) -> Result<Address<'a>, 
 }
 
 pub async fn call(
-    shared: &Shared,
+    shared: &Arc<Shared>,
     req: Request<Incoming>,
     ctx: &RequestContext,
     target: &mut String,
@@ -86,6 +91,64 @@ pub async fn call(
         .to_string();
     let addr = address(shared, &pq)?;
     *target = addr.tool.name.clone();
+    let rec = ToolCall::start(shared, ctx, &addr.tool.name, "http", req.headers());
+    let span = rec.span.clone();
+    let result = journal_call(shared, req, ctx, &addr).instrument(span).await;
+    finish(rec, &result);
+    result.map(|(resp, _, _)| resp)
+}
+
+/// Records how a tool call (HTTP or MCP) ended.
+pub(crate) fn finish(
+    rec: ToolCall,
+    result: &Result<(Response<Body>, Settled, Option<String>), Error>,
+) {
+    match result {
+        Ok((resp, settled, key)) => {
+            let status = resp.status();
+            rec.finish(ToolEnd {
+                outcome: settled.outcome,
+                journal_state: settled.state,
+                key: key.as_deref(),
+                replayed: settled.replayed,
+                error_type: (!status.is_success()).then(|| status.as_str()),
+            })
+        }
+        Err(e) => rec.finish(ToolEnd {
+            outcome: match e {
+                Error::Upstream { source, .. } if !source.may_have_been_sent() => {
+                    ToolCallOutcome::NotExecuted
+                }
+                Error::Upstream { .. } => ToolCallOutcome::InDoubt,
+                _ => ToolCallOutcome::Refused,
+            },
+            journal_state: "none",
+            key: None,
+            replayed: false,
+            error_type: Some(crate::observe::error_type_of(e)),
+        }),
+    }
+}
+
+/// An unjournaled call's outcome, from its status.
+pub(crate) fn unjournaled(status: StatusCode) -> Settled {
+    Settled {
+        outcome: if status.is_server_error() {
+            ToolCallOutcome::InDoubt
+        } else {
+            ToolCallOutcome::Completed
+        },
+        state: "unjournaled",
+        replayed: false,
+    }
+}
+
+async fn journal_call(
+    shared: &Shared,
+    req: Request<Incoming>,
+    ctx: &RequestContext,
+    addr: &Address<'_>,
+) -> Result<(Response<Body>, Settled, Option<String>), Error> {
     let tool = addr.tool;
     let method = req.method().clone();
     let journaled = match method {
@@ -122,7 +185,13 @@ pub async fn call(
             tracing::warn!(tool = %tool.name, request_id = %ctx.request_id,
                 "tool call without an idempotency key passed through unprotected");
         }
-        let upstream = build(tool, &addr.rest, method, &parts.headers, bytes, None)?;
+        // Nothing is journaled here, so the agent's own key (if any) is the only
+        // protection the tool gets: pass it through unchanged.
+        let agent_key = parts
+            .headers
+            .get(IDEMPOTENCY_KEY)
+            .and_then(|v| v.to_str().ok());
+        let upstream = build(tool, &addr.rest, method, &parts.headers, bytes, agent_key)?;
         let resp = shared
             .upstream
             .send(upstream, tool.timeout)
@@ -133,7 +202,8 @@ pub async fn call(
             })?;
         let (mut p, b) = resp.into_parts();
         headers::strip_hop_by_hop(&mut p.headers);
-        return Ok(Response::from_parts(p, body::stream(b)));
+        let settled = unjournaled(p.status);
+        return Ok((Response::from_parts(p, body::stream(b)), settled, None));
     };
 
     let Some(journal) = shared.journal.as_ref() else {
@@ -166,7 +236,7 @@ pub async fn call(
         request_id: ctx.request_id.clone(),
         downstream_key: downstream,
         request: RedactedRequest::new(redacted_headers(&parts.headers), bytes.clone()),
-        policy_versions: Vec::new(),
+        policy_versions: shared.decider.versions(),
         model_revision: None,
         derived_from: source,
     };
@@ -178,8 +248,12 @@ pub async fn call(
         body: &bytes,
     };
     let wait = journaled::prefer_wait(&parts.headers);
-    let resp = journaled::run(shared, journal, tool, intent, wait, &proto).await?;
-    Ok(with_key(resp, &journal_key))
+    let (resp, settled) = journaled::run(shared, journal, tool, intent, wait, &proto).await?;
+    Ok((
+        with_key(resp, &journal_key),
+        settled,
+        Some(journal_key.to_string()),
+    ))
 }
 
 /// Picks the journal key: the agent's `Idempotency-Key` (scoped to the tool), an
@@ -270,6 +344,13 @@ pub(crate) fn build(
     let mut h = headers::end_to_end(agent);
     if let Some(k) = downstream_key.and_then(|k| HeaderValue::from_str(k).ok()) {
         h.insert(IDEMPOTENCY_KEY, k);
+    }
+    // The tool's spans join the sidecar's `execute_tool` span, itself a child of the
+    // agent's trace when the agent sent one.
+    if let Some(tp) = outrigger_telemetry::spans::current_traceparent()
+        .and_then(|tp| HeaderValue::from_str(&tp).ok())
+    {
+        h.insert(header::HeaderName::from_static("traceparent"), tp);
     }
     *req.headers_mut() = h;
     Ok(req)

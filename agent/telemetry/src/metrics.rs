@@ -250,6 +250,13 @@ struct ReasonLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FaultLabels {
+    /// `provider:<name>` or `tool:<name>` (from config or the admin API: bounded).
+    target: String,
+    kind: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct PolicyLabels {
     binding: Label,
     kind: &'static str,
@@ -342,6 +349,8 @@ struct Instruments {
     slo_events: Family<SloLabels, CounterWithExemplar<TraceExemplar>>,
     slo_objective: Family<SloName, Gauge<f64, AtomicU64>>,
     dropped: Family<DroppedLabels, Counter>,
+    faults_injected: Family<FaultLabels, Counter>,
+    faults_active: Gauge,
 }
 
 /// The sidecar's metric instruments. Cheap to clone (one `Arc` inside).
@@ -410,6 +419,8 @@ impl Metrics {
             slo_events: Family::default(),
             slo_objective: Family::default(),
             dropped: Family::default(),
+            faults_injected: Family::default(),
+            faults_active: Gauge::default(),
         };
         let registry = register(&i);
         Self {
@@ -597,13 +608,22 @@ impl Metrics {
     }
 
     pub fn policy_event(&self, binding: &str, kind: PolicyEventKind) {
+        self.policy_events(binding, kind, 1);
+    }
+
+    /// `n` policy events at once (the host counts traps itself; the binary folds
+    /// its counters in before each scrape).
+    pub fn policy_events(&self, binding: &str, kind: PolicyEventKind, n: u64) {
+        if n == 0 {
+            return;
+        }
         self.i()
             .policy_events
             .get_or_create(&PolicyLabels {
                 binding: self.inner.labels.bindings.get(binding),
                 kind: kind.as_str(),
             })
-            .inc();
+            .inc_by(n);
     }
 
     /// Sets the journal gauges from its stats (call it before each scrape, or
@@ -627,6 +647,22 @@ impl Metrics {
             .journal_flush_errors
             .set(gauge_value(stats.flush_errors));
         self.i().journal_size.set(gauge_value(stats.size_on_disk));
+    }
+
+    // --- fault injection ---
+
+    pub fn fault_injected(&self, target: &str, kind: &'static str) {
+        self.i()
+            .faults_injected
+            .get_or_create(&FaultLabels {
+                target: target.to_owned(),
+                kind,
+            })
+            .inc();
+    }
+
+    pub fn faults_active(&self, active: bool) {
+        self.i().faults_active.set(i64::from(active));
     }
 
     // --- tasks ---
@@ -830,6 +866,16 @@ fn register(i: &Instruments) -> Registry {
         names::TELEMETRY_DROPPED,
         "Telemetry dropped rather than slow the request path, by signal and reason",
         i.dropped.clone(),
+    );
+    r.register(
+        names::FAULTS_INJECTED,
+        "Faults injected on purpose, by target and kind",
+        i.faults_injected.clone(),
+    );
+    r.register(
+        names::FAULTS_ACTIVE,
+        "1 while fault injection is configured",
+        i.faults_active.clone(),
     );
     r
 }

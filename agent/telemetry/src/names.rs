@@ -78,6 +78,10 @@ pub const SLO_EVENTS: &str = "outrigger_slo_events";
 pub const SLO_OBJECTIVE: &str = "outrigger_slo_objective";
 /// Telemetry the sidecar dropped rather than slow the request path.
 pub const TELEMETRY_DROPPED: &str = "outrigger_telemetry_dropped";
+/// Faults injected on purpose (`[[faults]]`, `/v1/faults`), by target and kind.
+pub const FAULTS_INJECTED: &str = "outrigger_faults_injected";
+/// 1 while any fault injection is configured: alert on it outside drills.
+pub const FAULTS_ACTIVE: &str = "outrigger_faults_active";
 
 /// Every metric family on `/metrics`, as exposed (OpenMetrics text, exemplars
 /// included), with its type. A test diffs the exposition against this list, and the
@@ -114,6 +118,8 @@ pub const EXPOSED_METRICS: &[(&str, &str)] = &[
     ("outrigger_slo_events", "counter"),
     ("outrigger_slo_objective", "gauge"),
     ("outrigger_telemetry_dropped", "counter"),
+    ("outrigger_faults_injected", "counter"),
+    ("outrigger_faults_active", "gauge"),
 ];
 
 // ---------------------------------------------------------------------------------

@@ -331,6 +331,24 @@ pub fn trace_id(span: &Span) -> Option<TraceId> {
     TraceId::new(sc.trace_id().to_bytes())
 }
 
+/// The W3C `traceparent` naming the current span as the parent, for calls the
+/// sidecar makes on the agent's behalf (tool headers, MCP `params._meta`); `None`
+/// without an OpenTelemetry layer.
+pub fn current_traceparent() -> Option<String> {
+    let cx = Span::current().context();
+    let span_ref = cx.span();
+    let sc = span_ref.span_context();
+    if !sc.is_valid() {
+        return None;
+    }
+    Some(format!(
+        "00-{}-{}-{:02x}",
+        sc.trace_id(),
+        sc.span_id(),
+        sc.trace_flags().to_u8()
+    ))
+}
+
 /// The trace id of the current span (see [`trace_id`]).
 pub fn current_trace_id() -> Option<TraceId> {
     trace_id(&Span::current())

@@ -1,84 +1,17 @@
 //! The OTLP/HTTP round trip: spans the sidecar emits reach a loopback collector with
 //! the names, attributes and resource the constants promise.
 
-use std::convert::Infallible;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::{Request, Response, body::Incoming};
-use hyper_util::rt::TokioIo;
-use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue, any_value::Value};
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use outrigger_telemetry::spans::{self, Join, ModelCallEnd, ToolCallEnd};
 use outrigger_telemetry::{Metrics, OtlpOptions, TelemetryOptions, names};
-use prost::Message;
-use tokio::net::TcpListener;
-use tokio::sync::mpsc;
-
-/// A collector on 127.0.0.1 that decodes every `POST /v1/traces` and hands it over.
-async fn collector() -> std::io::Result<(
-    String,
-    mpsc::UnboundedReceiver<(String, ExportTraceServiceRequest)>,
-)> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                    let tx = tx.clone();
-                    async move {
-                        let path = req.uri().path().to_owned();
-                        let body = req
-                            .into_body()
-                            .collect()
-                            .await
-                            .map(|b| b.to_bytes())
-                            .unwrap_or_default();
-                        let status = match ExportTraceServiceRequest::decode(body) {
-                            Ok(decoded) => {
-                                let _ = tx.send((path, decoded));
-                                200
-                            }
-                            Err(_) => 400,
-                        };
-                        let mut resp = Response::new(Full::new(Bytes::new()));
-                        *resp.status_mut() =
-                            hyper::StatusCode::from_u16(status).unwrap_or_default();
-                        resp.headers_mut().insert(
-                            hyper::header::CONTENT_TYPE,
-                            hyper::header::HeaderValue::from_static("application/x-protobuf"),
-                        );
-                        Ok::<_, Infallible>(resp)
-                    }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-    Ok((format!("http://{addr}"), rx))
-}
-
-fn value<'a>(attributes: &'a [KeyValue], key: &str) -> Option<&'a Value> {
-    attributes
-        .iter()
-        .find(|kv| kv.key == key)
-        .and_then(|kv| kv.value.as_ref())
-        .and_then(|v: &AnyValue| v.value.as_ref())
-}
-
-fn text(s: &str) -> Value {
-    Value::StringValue(s.to_owned())
-}
+use outrigger_testing::otlp::{Collector, attribute as value, text};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spans_reach_a_loopback_collector() -> Result<(), Box<dyn std::error::Error>> {
-    let (endpoint, mut received) = collector().await?;
+    let mut collector = Collector::start().await?;
+    let endpoint = collector.endpoint.clone();
     let metrics = Metrics::new();
     let options = TelemetryOptions {
         service_name: "outrigger-test".to_owned(),
@@ -137,9 +70,10 @@ async fn spans_reach_a_loopback_collector() -> Result<(), Box<dyn std::error::Er
     let mut resource_attributes = Vec::new();
     let mut scopes = Vec::new();
     while spans.len() < 3 {
-        let (path, request) = tokio::time::timeout(Duration::from_secs(10), received.recv())
-            .await?
-            .ok_or("the collector stopped")?;
+        let (path, request) = collector
+            .next(Duration::from_secs(10))
+            .await
+            .ok_or("no export within 10 s")?;
         assert_eq!(path, "/v1/traces");
         for rs in request.resource_spans {
             if let Some(r) = rs.resource {

@@ -27,7 +27,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -241,8 +241,7 @@ impl FaultProxy {
             let mut next: Vec<Installed> = list
                 .iter()
                 .filter(|i| {
-                    i.toxic.kind.name() != toxic.kind.name()
-                        || i.toxic.direction != toxic.direction
+                    i.toxic.kind.name() != toxic.kind.name() || i.toxic.direction != toxic.direction
                 })
                 .copied()
                 .collect();
@@ -294,7 +293,12 @@ async fn accept_loop(
         };
         let Ok((client, _)) = accepted else { continue };
         shared.connections.fetch_add(1, Ordering::SeqCst);
-        tokio::spawn(connection(client, upstream, shared.clone(), stopped.clone()));
+        tokio::spawn(connection(
+            client,
+            upstream,
+            shared.clone(),
+            stopped.clone(),
+        ));
     }
 }
 
@@ -404,21 +408,28 @@ async fn pipe(
     );
 }
 
+/// Waits until the connection is being torn down, and says how.
+async fn torn_down(killed: &mut watch::Receiver<Kill>) -> Kill {
+    match killed.wait_for(|k| *k != Kill::Alive).await {
+        Ok(how) => *how,
+        Err(_) => Kill::Close,
+    }
+}
+
 async fn reader(mut from: OwnedReadHalf, tx: mpsc::Sender<Chunk>, conn: &Conn) {
     let mut killed = conn.kill.subscribe();
     let mut buf = vec![0u8; 16 * 1024];
     let how = loop {
         let read = tokio::select! {
             r = from.read(&mut buf) => r,
-            _ = killed.wait_for(|k| *k != Kill::Alive) => break *killed.borrow(),
+            how = torn_down(&mut killed) => break how,
         };
         match read {
             Ok(0) => {
                 let _ = tx.send(Chunk::Eof).await;
                 // Wait for the connection's end: dropping the read half early would
                 // make the kernel answer the peer's later bytes with a reset.
-                let _ = killed.wait_for(|k| *k != Kill::Alive).await;
-                break *killed.borrow();
+                break torn_down(&mut killed).await;
             }
             Ok(n) => {
                 let chunk = Chunk::Data {
@@ -427,11 +438,10 @@ async fn reader(mut from: OwnedReadHalf, tx: mpsc::Sender<Chunk>, conn: &Conn) {
                 };
                 let sent = tokio::select! {
                     s = tx.send(chunk) => s.is_ok(),
-                    _ = killed.wait_for(|k| *k != Kill::Alive) => false,
+                    how = torn_down(&mut killed) => break how,
                 };
                 if !sent {
-                    let _ = killed.wait_for(|k| *k != Kill::Alive).await;
-                    break *killed.borrow();
+                    break torn_down(&mut killed).await;
                 }
             }
             Err(_) => {
@@ -513,14 +523,14 @@ async fn writer(
         }
         let deadline = timer(&active);
         tokio::select! {
-            _ = killed.wait_for(|k| *k != Kill::Alive) => break None,
+            _ = torn_down(&mut killed) => break None,
             _ = toxics.changed() => {}
             () = sleep_until(deadline.map(|(at, _)| at)) => break deadline.map(|(_, e)| e),
             chunk = rx.recv(), if !link.eof => match chunk {
                 Some(Chunk::Data { arrived, bytes }) => {
                     let delivered = tokio::select! {
                         r = deliver(&mut link, shared, &active, &mut to, arrived, bytes) => r,
-                        _ = killed.wait_for(|k| *k != Kill::Alive) => break None,
+                        _ = torn_down(&mut killed) => break None,
                         () = sleep_until(deadline.map(|(at, _)| at)) => {
                             break deadline.map(|(_, e)| e);
                         }
@@ -541,9 +551,7 @@ async fn writer(
         Some(Ending::Reset) => conn.kill(Kill::Reset),
         None => {}
     }
-    let _ = killed.wait_for(|k| *k != Kill::Alive).await;
-    let how = *killed.borrow();
-    if how == Kill::Reset {
+    if torn_down(&mut killed).await == Kill::Reset {
         let _ = to.as_ref().set_zero_linger();
         // Dropping the write half would send a FIN first; the reset must come alone.
         to.forget();
@@ -671,9 +679,364 @@ fn slice(
     let mut out = Vec::new();
     let mut rest = bytes.clone();
     while !rest.is_empty() {
-        let size = usize::try_from(draw(low, high)).unwrap_or(usize::MAX).clamp(1, rest.len());
+        let size = usize::try_from(draw(low, high))
+            .unwrap_or(usize::MAX)
+            .clamp(1, rest.len());
         out.push(rest.split_to(size));
     }
     out
 }
 
+#[cfg(test)]
+mod tests {
+    use std::time::Instant as StdInstant;
+
+    use super::*;
+
+    /// An echo server that records how many bytes each connection sent it.
+    struct Echo {
+        addr: SocketAddr,
+        received: Arc<Mutex<Vec<u64>>>,
+    }
+
+    impl Echo {
+        async fn start() -> Echo {
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let received = Arc::new(Mutex::new(Vec::new()));
+            let log = received.clone();
+            tokio::spawn(async move {
+                while let Ok((mut s, _)) = listener.accept().await {
+                    let log = log.clone();
+                    tokio::spawn(async move {
+                        let mut buf = [0u8; 4096];
+                        let mut total = 0u64;
+                        loop {
+                            match s.read(&mut buf).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => {
+                                    total += n as u64;
+                                    if s.write_all(&buf[..n]).await.is_err() {
+                                        break;
+                                    }
+                                }
+                            }
+                        }
+                        let _ = s.shutdown().await;
+                        log.lock().unwrap().push(total);
+                    });
+                }
+            });
+            Echo { addr, received }
+        }
+
+        /// Waits (bounded) until `n` connections have ended; their byte counts.
+        async fn totals(&self, n: usize) -> Vec<u64> {
+            let deadline = StdInstant::now() + Duration::from_secs(5);
+            loop {
+                let got = self.received.lock().unwrap().clone();
+                if got.len() >= n || StdInstant::now() > deadline {
+                    return got;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    }
+
+    /// Reads until the end of stream or an error (bounded by 5 s); the bytes, each
+    /// read's size, and how it ended.
+    async fn read_to_end(s: &mut TcpStream) -> (Vec<u8>, Vec<usize>, io::Result<()>) {
+        let mut out = Vec::new();
+        let mut reads = Vec::new();
+        let mut buf = [0u8; 4096];
+        let ended = tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) => return Ok(()),
+                    Ok(n) => {
+                        out.extend_from_slice(&buf[..n]);
+                        reads.push(n);
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "no end in 5 s")));
+        (out, reads, ended)
+    }
+
+    async fn read_exactly(s: &mut TcpStream, n: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; n];
+        tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut buf))
+            .await
+            .expect("bytes within 5 s")
+            .expect("read");
+        buf
+    }
+
+    async fn setup(toxic: Option<Toxic>) -> (Echo, FaultProxy, TcpStream) {
+        let echo = Echo::start().await;
+        let proxy = FaultProxy::start(echo.addr).await.unwrap();
+        if let Some(t) = toxic {
+            proxy.set(t);
+        }
+        let client = TcpStream::connect(proxy.addr).await.unwrap();
+        (echo, proxy, client)
+    }
+
+    fn payload(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i % 251) as u8).collect()
+    }
+
+    #[tokio::test]
+    async fn without_toxics_bytes_and_the_end_of_stream_pass_untouched() {
+        let (echo, proxy, mut client) = setup(None).await;
+        let data = payload(200_000);
+        let (mut r, mut w) = client.split();
+        let (got, ()) = tokio::join!(
+            async {
+                let mut got = Vec::new();
+                tokio::time::timeout(Duration::from_secs(5), r.read_to_end(&mut got))
+                    .await
+                    .unwrap()
+                    .unwrap();
+                got
+            },
+            async {
+                w.write_all(&data).await.unwrap();
+                w.shutdown().await.unwrap();
+            }
+        );
+        assert_eq!(got, data);
+        assert_eq!(echo.totals(1).await, [200_000]);
+        assert_eq!(proxy.connections(), 1);
+    }
+
+    #[tokio::test]
+    async fn latency_delays_each_chunk_from_its_arrival() {
+        let latency = Duration::from_millis(150);
+        let (_echo, _proxy, mut client) = setup(Some(Toxic::downstream(Kind::Latency {
+            latency,
+            jitter: Duration::ZERO,
+        })))
+        .await;
+        let started = StdInstant::now();
+        client.write_all(b"one").await.unwrap();
+        assert_eq!(read_exactly(&mut client, 3).await, b"one");
+        let first = started.elapsed();
+        assert!(first >= latency, "first chunk after {first:?}");
+        // Two chunks sent back to back arrive one latency later, not two.
+        let started = StdInstant::now();
+        client.write_all(b"two").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        client.write_all(b"three").await.unwrap();
+        assert_eq!(read_exactly(&mut client, 8).await, b"twothree");
+        let both = started.elapsed();
+        assert!(both >= latency + Duration::from_millis(20), "{both:?}");
+        assert!(
+            both < latency * 2,
+            "chunks queued behind each other: {both:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn bandwidth_paces_the_bytes() {
+        let (_echo, _proxy, mut client) = setup(Some(Toxic::downstream(Kind::Bandwidth {
+            bytes_per_sec: 20_000,
+        })))
+        .await;
+        let data = payload(4_000);
+        let started = StdInstant::now();
+        client.write_all(&data).await.unwrap();
+        assert_eq!(read_exactly(&mut client, data.len()).await, data);
+        let took = started.elapsed();
+        // 4 000 bytes at 20 000 B/s: 200 ms (the last piece's pause may not be waited).
+        assert!(took >= Duration::from_millis(180), "{took:?}");
+    }
+
+    #[tokio::test]
+    async fn slicer_splits_frames_into_tiny_writes_and_keeps_every_byte() {
+        let (_echo, _proxy, mut client) = setup(Some(Toxic::downstream(Kind::Slicer {
+            average: 2,
+            variation: 1,
+            delay: Duration::from_millis(3),
+        })))
+        .await;
+        let frame = "data: {\"text\":\"é€😀\"}\r\n\r\n".as_bytes();
+        client.write_all(frame).await.unwrap();
+        client.shutdown().await.unwrap();
+        let (got, reads, ended) = read_to_end(&mut client).await;
+        assert!(ended.is_ok(), "{ended:?}");
+        assert_eq!(got, frame);
+        // 27 bytes in pieces of 1-3 bytes, 3 ms apart: the reader sees many reads.
+        assert!(reads.len() >= 3, "reads {reads:?}");
+    }
+
+    #[test]
+    fn slices_stay_within_their_bounds_and_cover_the_chunk() {
+        let bytes = Bytes::from(payload(1_000));
+        let rng = Mutex::new(StdRng::seed_from_u64(7));
+        let pieces = slice(&bytes, 3, 2, |lo, hi| {
+            rng.lock().unwrap().random_range(lo..=hi)
+        });
+        assert!(pieces.iter().all(|p| (1..=5).contains(&p.len())));
+        assert!(
+            pieces.iter().any(|p| p.len() != pieces[0].len()),
+            "sizes vary"
+        );
+        assert_eq!(pieces.concat(), bytes.to_vec());
+        // A zero average still makes progress one byte at a time.
+        assert_eq!(
+            slice(&Bytes::from_static(b"abc"), 0, 0, |lo, _| lo).len(),
+            3
+        );
+    }
+
+    #[tokio::test]
+    async fn reset_peer_after_bytes_sends_a_reset_not_a_fin() {
+        let (_echo, _proxy, mut client) = setup(Some(Toxic::downstream(Kind::ResetPeer {
+            after: Trigger::AfterBytes(10),
+        })))
+        .await;
+        client.write_all(&payload(100)).await.unwrap();
+        let (got, _, ended) = read_to_end(&mut client).await;
+        assert!(got.len() <= 10, "{} bytes", got.len());
+        assert_eq!(got, payload(100)[..got.len()]);
+        let kind = ended.expect_err("a reset, not a clean end").kind();
+        assert_eq!(kind, io::ErrorKind::ConnectionReset);
+    }
+
+    #[tokio::test]
+    async fn reset_peer_after_a_time_resets_an_idle_connection() {
+        let after = Duration::from_millis(100);
+        let (_echo, _proxy, mut client) = setup(Some(Toxic::downstream(Kind::ResetPeer {
+            after: Trigger::After(after),
+        })))
+        .await;
+        let started = StdInstant::now();
+        let (got, _, ended) = read_to_end(&mut client).await;
+        assert!(got.is_empty());
+        assert_eq!(
+            ended.expect_err("a reset").kind(),
+            io::ErrorKind::ConnectionReset
+        );
+        assert!(started.elapsed() >= after - Duration::from_millis(5));
+    }
+
+    #[tokio::test]
+    async fn limit_data_closes_cleanly_after_n_bytes() {
+        let (_echo, _proxy, mut client) =
+            setup(Some(Toxic::downstream(Kind::LimitData { bytes: 10 }))).await;
+        client.write_all(&payload(100)).await.unwrap();
+        let (got, _, ended) = read_to_end(&mut client).await;
+        assert!(ended.is_ok(), "a clean end of stream: {ended:?}");
+        assert_eq!(got, payload(100)[..10]);
+    }
+
+    #[tokio::test]
+    async fn limit_data_upstream_caps_what_the_server_receives() {
+        let (echo, _proxy, mut client) =
+            setup(Some(Toxic::upstream(Kind::LimitData { bytes: 10 }))).await;
+        client.write_all(&payload(100)).await.unwrap();
+        let (got, _, _) = read_to_end(&mut client).await;
+        assert!(got.len() <= 10);
+        assert_eq!(echo.totals(1).await, [10]);
+    }
+
+    #[tokio::test]
+    async fn timeout_swallows_everything_then_closes() {
+        let timeout = Duration::from_millis(150);
+        let (_echo, _proxy, mut client) =
+            setup(Some(Toxic::downstream(Kind::Timeout { timeout }))).await;
+        let started = StdInstant::now();
+        client.write_all(b"hello?").await.unwrap();
+        let (got, _, ended) = read_to_end(&mut client).await;
+        assert!(got.is_empty(), "nothing passes a black hole");
+        assert!(ended.is_ok(), "closed, not reset: {ended:?}");
+        assert!(started.elapsed() >= timeout - Duration::from_millis(5));
+    }
+
+    #[tokio::test]
+    async fn timeout_zero_holds_the_connection_until_cleared() {
+        let (_echo, proxy, mut client) = setup(Some(Toxic::downstream(Kind::Timeout {
+            timeout: Duration::ZERO,
+        })))
+        .await;
+        client.write_all(b"lost").await.unwrap();
+        let mut buf = [0u8; 16];
+        let held = tokio::time::timeout(Duration::from_millis(300), client.read(&mut buf)).await;
+        assert!(
+            held.is_err(),
+            "no byte and no end while black-holed: {held:?}"
+        );
+        proxy.clear();
+        client.write_all(b"found").await.unwrap();
+        assert_eq!(read_exactly(&mut client, 5).await, b"found");
+    }
+
+    #[tokio::test]
+    async fn toxicity_is_drawn_once_per_connection() {
+        let echo = Echo::start().await;
+        let proxy = FaultProxy::start_seeded(echo.addr, 42).await.unwrap();
+        proxy.set(Toxic::downstream(Kind::LimitData { bytes: 0 }).with_toxicity(0.5));
+        let mut cut = 0;
+        for _ in 0..20 {
+            let mut c = TcpStream::connect(proxy.addr).await.unwrap();
+            c.write_all(b"x").await.unwrap();
+            c.shutdown().await.unwrap();
+            let (got, _, ended) = read_to_end(&mut c).await;
+            assert!(ended.is_ok(), "{ended:?}");
+            if got.is_empty() {
+                cut += 1;
+            } else {
+                assert_eq!(got, b"x");
+            }
+        }
+        assert!((1..20).contains(&cut), "cut {cut} of 20");
+        proxy.set(Toxic::downstream(Kind::LimitData { bytes: 0 }).with_toxicity(0.0));
+        let mut c = TcpStream::connect(proxy.addr).await.unwrap();
+        c.write_all(b"y").await.unwrap();
+        assert_eq!(read_exactly(&mut c, 1).await, b"y");
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_upstream_is_a_reset() {
+        let closed = {
+            let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            l.local_addr().unwrap()
+        };
+        let proxy = FaultProxy::start(closed).await.unwrap();
+        let mut c = TcpStream::connect(proxy.addr).await.unwrap();
+        let (got, _, ended) = read_to_end(&mut c).await;
+        assert!(got.is_empty());
+        assert_eq!(
+            ended.expect_err("a reset").kind(),
+            io::ErrorKind::ConnectionReset
+        );
+    }
+
+    #[tokio::test]
+    async fn set_replaces_the_same_kind_on_the_same_direction() {
+        let echo = Echo::start().await;
+        let proxy = FaultProxy::start(echo.addr).await.unwrap();
+        let slow = |ms| Kind::Latency {
+            latency: Duration::from_millis(ms),
+            jitter: Duration::ZERO,
+        };
+        proxy.set(Toxic::downstream(slow(10)));
+        proxy.set(Toxic::downstream(slow(20)));
+        proxy.set(Toxic::upstream(slow(30)));
+        proxy.set(Toxic::downstream(Kind::LimitData { bytes: 5 }));
+        assert_eq!(
+            proxy.toxics(),
+            [
+                Toxic::downstream(slow(20)),
+                Toxic::upstream(slow(30)),
+                Toxic::downstream(Kind::LimitData { bytes: 5 }),
+            ]
+        );
+        proxy.clear();
+        assert!(proxy.toxics().is_empty());
+    }
+}

@@ -10,7 +10,8 @@
 //!   calls are side effects counted per idempotency key, with faults before and
 //!   after the effect (fail, reset, hang);
 //! - [`checker`]: a Jepsen-style check of client outcomes against applied effects;
-//! - [`passthrough`]: a minimal HTTP pass-through proxy, the benchmark's floor.
+//! - [`passthrough`]: a minimal HTTP pass-through proxy, the benchmark's floor;
+//! - [`otlp::Collector`]: a loopback OTLP/HTTP trace collector.
 //!
 //! Every mock records what it received and what it sent, so tests compare bytes
 //! instead of trusting a description of them. The same code backs the
@@ -20,6 +21,7 @@ pub mod checker;
 pub mod faultproxy;
 pub mod http;
 pub mod mcp;
+pub mod otlp;
 pub mod passthrough;
 pub mod provider;
 pub mod sse;

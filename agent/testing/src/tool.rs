@@ -176,7 +176,8 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
                 None => json_response(404, &json!({"ok": false, "key": key})),
             };
         }
-        return json_response(200, &json!({"ok": true, "read": path}));
+        let key = header(&req, "idempotency-key");
+        return json_response(200, &json!({"ok": true, "read": path, "key": key}));
     }
     let key = header(&req, "idempotency-key");
     let spec = header(&req, "x-mock-tool");

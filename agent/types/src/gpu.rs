@@ -42,6 +42,9 @@ pub struct GpuSummary {
     pub unhealthy: Vec<String>,
     /// Whether any GPU is being watched at all (false on a machine without NVML).
     pub present: bool,
+    /// The watched GPUs' UUIDs (what spans of calls to a local model carry).
+    #[serde(default)]
+    pub ids: Vec<String>,
 }
 
 impl Default for GpuSummary {
@@ -50,6 +53,7 @@ impl Default for GpuSummary {
             state: GpuState::Unknown,
             unhealthy: Vec::new(),
             present: false,
+            ids: Vec::new(),
         }
     }
 }

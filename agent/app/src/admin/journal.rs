@@ -42,11 +42,11 @@ pub async fn handle(
     let result = match (method, rest) {
         (&Method::GET, "" | "/") => collection(journal, query),
         (&Method::POST, r) if r.ends_with("/resolve") && r.len() > "/resolve".len() + 1 => {
-            let key = decode(&r[1..r.len() - "/resolve".len()]);
+            let key = decode_path(&r[1..r.len() - "/resolve".len()]);
             resolve(journal, &key, &body).await
         }
         (&Method::GET, r) if r.len() > 1 => {
-            let key = decode(&r[1..]);
+            let key = decode_path(&r[1..]);
             show(journal, &key)
         }
         _ => Err(Problem::new(
@@ -240,7 +240,17 @@ pub fn parse_query(q: &str) -> Vec<(String, String)> {
 }
 
 /// Percent-decoding (and `+` as space in queries), lenient on malformed escapes.
+/// Percent-decodes a query component (`+` is a space there).
 pub fn decode(s: &str) -> String {
+    percent_decode(s, true)
+}
+
+/// Percent-decodes a path segment (`+` is itself there: keys may contain it).
+pub fn decode_path(s: &str) -> String {
+    percent_decode(s, false)
+}
+
+fn percent_decode(s: &str, plus_is_space: bool) -> String {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -259,7 +269,7 @@ pub fn decode(s: &str) -> String {
                     }
                 }
             }
-            b'+' => {
+            b'+' if plus_is_space => {
                 out.push(b' ');
                 i += 1;
             }
@@ -280,6 +290,8 @@ mod tests {
     fn decoding() {
         assert_eq!(decode("payments%2Fabc"), "payments/abc");
         assert_eq!(decode("a+b"), "a b");
+        assert_eq!(decode_path("a+b"), "a+b");
+        assert_eq!(decode_path("payments%2Fa%2Bb"), "payments/a+b");
         assert_eq!(decode("bad%zz"), "bad%zz");
         assert_eq!(decode("end%2"), "end%2");
     }

@@ -20,6 +20,7 @@ use serde_json::json;
 
 mod faults;
 mod journal;
+mod tasks;
 pub use faults::Faults;
 pub use journal::filter_from;
 
@@ -71,7 +72,10 @@ pub struct Admin {
     pub journal: Option<outrigger_journal::Journal>,
     pub faults: Faults,
     pub policies: outrigger_policy::Registry,
+    pub policy_faults: crate::policies::FaultCounters,
     pub gpu: tokio::sync::watch::Receiver<Arc<outrigger_gpu::Snapshot>>,
+    pub tasks: Option<outrigger_proxy::tasks::Tasks>,
+    pub slos: Arc<outrigger_telemetry::slo::Slos>,
 }
 
 impl Admin {
@@ -88,7 +92,8 @@ impl Admin {
                 return json_response(StatusCode::OK, &json!({"bindings": self.policies.status()}));
             }
             (&Method::POST, "/v1/policies/reload") => {
-                let report = crate::policies::reload(&self.policies, "admin API").await;
+                let report =
+                    crate::policies::reload(&self.policies, &self.metrics, "admin API").await;
                 self.readiness.policies.store(
                     self.policies.status().iter().all(|b| b.version.is_some()),
                     Ordering::Release,
@@ -107,7 +112,23 @@ impl Admin {
                 let snap = self.gpu.borrow().clone();
                 return json_response(StatusCode::OK, &json!(*snap));
             }
+            (_, "/v1/slo") => return tasks::slo(&self.slos, &method),
             _ => {}
+        }
+        if path == "/v1/tasks" || path.starts_with("/v1/tasks/") {
+            let body = match outrigger_proxy::body::read_limited(req.into_body(), 1 << 16).await {
+                Ok(b) => b,
+                Err(e) => {
+                    return Problem::new(
+                        StatusCode::BAD_REQUEST,
+                        "unreadable-body",
+                        "Unreadable request body",
+                        e.to_string(),
+                    )
+                    .into_response();
+                }
+            };
+            return tasks::handle(self.tasks.as_ref(), &method, &path, body).await;
         }
         if path == "/v1/faults" {
             return match method {
@@ -153,7 +174,19 @@ impl Admin {
         match (method, path.as_str()) {
             (Method::GET, "/healthz") => json_response(StatusCode::OK, &json!({"status": "ok"})),
             (Method::GET, "/readyz") => {
-                let (ready, reasons) = self.readiness.check();
+                let (mut ready, mut reasons) = self.readiness.check();
+                if self
+                    .journal
+                    .as_ref()
+                    .is_some_and(outrigger_journal::Journal::writes_failing)
+                {
+                    ready = false;
+                    reasons.push(
+                        "journal: writes are failing; side-effecting tool calls are refused \
+                         (see outrigger_journal_flush_errors)"
+                            .to_string(),
+                    );
+                }
                 let status = if ready {
                     StatusCode::OK
                 } else {
@@ -162,6 +195,10 @@ impl Admin {
                 json_response(status, &json!({"ready": ready, "reasons": reasons}))
             }
             (Method::GET, "/metrics") => {
+                if let Some(journal) = &self.journal {
+                    self.metrics.journal(&journal.stats());
+                }
+                self.policy_faults.sync(&self.policies, &self.metrics);
                 let mut text = self.metrics.encode();
                 let snap = self.gpu.borrow().clone();
                 append_samples(&mut text, &snap.metrics());
@@ -209,7 +246,13 @@ impl Admin {
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(|v| {
+                // The scheme is case-insensitive (RFC 9110 §11.1).
+                let (scheme, token) = v.split_once(' ')?;
+                scheme
+                    .eq_ignore_ascii_case("bearer")
+                    .then_some(token.trim())
+            });
         if presented.is_some_and(|p| constant_time_eq(p.as_bytes(), token.expose().as_bytes())) {
             None
         } else {

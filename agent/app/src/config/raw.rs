@@ -20,6 +20,31 @@ pub struct Config {
     pub budget: Budget,
     pub gpu: Gpu,
     pub streams: Streams,
+    pub telemetry: Telemetry,
+    pub slos: Vec<outrigger_telemetry::slo::SloSpec>,
+    pub tasks: Tasks,
+    pub faults: Vec<outrigger_proxy::faults::FaultSpec>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct Telemetry {
+    /// OTLP/HTTP collector base URL; `OTEL_EXPORTER_OTLP_ENDPOINT` when unset.
+    pub otlp_endpoint: Option<String>,
+    /// Extra headers for the collector (e.g. an auth token).
+    pub otlp_headers: toml::Table,
+    /// Record prompt and completion content on spans (off by default).
+    pub content: Option<bool>,
+    pub service_name: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct Tasks {
+    /// A task with no call for this long ends with outcome `idle_timeout`.
+    pub idle_timeout: Option<String>,
+    /// How long an ended task stays listed.
+    pub retention: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -38,6 +63,8 @@ pub struct Streams {
 pub struct Policies {
     /// A directory of `.wasm` components, watched for changes.
     pub dir: Option<String>,
+    /// Where compiled components are cached (default `<journal dir>/policy-cache`).
+    pub cache_dir: Option<String>,
     pub deadline: Option<String>,
     pub memory_limit_mb: Option<usize>,
     pub max_retry_delay: Option<String>,
@@ -137,6 +164,7 @@ pub struct Limits {
     pub max_event_bytes: Option<usize>,
     pub connect_timeout: Option<String>,
     pub first_byte_timeout: Option<String>,
+    pub client_stall_timeout: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -184,3 +184,47 @@ probe_path = "/status/{key}"
     .unwrap_err();
     assert_eq!(paths(&err), ["tools[0].probe_path"]);
 }
+
+#[test]
+fn environment_values_take_the_type_their_key_takes() {
+    let env = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    let c = load_str(
+        "",
+        &env(&[
+            ("OUTRIGGER_ADMIN_TOKEN", "123456"),
+            ("OUTRIGGER_RESILIENCE_RETRY_BUDGET_RATIO", "0.3"),
+            ("OUTRIGGER_LIMITS_MAX_BODY_BYTES", "1024"),
+            ("OUTRIGGER_STREAMS_REPLAY_IN_TASK", "false"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.admin_token.as_ref().map(|t| t.expose()), Some("123456"));
+    assert_eq!(c.proxy.limits.max_body_bytes, 1024);
+    assert!(!c.proxy.streams.replay_in_task);
+    let err = load_str("", &env(&[("OUTRIGGER_LIMITS_MAX_BODY_BYTES", "lots")])).unwrap_err();
+    assert_eq!(paths(&err), ["limits.max_body_bytes"]);
+}
+
+#[test]
+fn every_wrong_type_is_reported_with_its_path() {
+    let err = load_str(
+        "[limits]\nmax_body_bytes = \"big\"\ncolour = 1\n[listen]\ndata = 7070\n\
+         [[providers]]\nname = \"a\"\nprice_in = \"x\"\n",
+        &[],
+    )
+    .unwrap_err();
+    assert_eq!(
+        paths(&err),
+        [
+            "limits.colour",
+            "limits.max_body_bytes",
+            "listen.data",
+            "providers[0].price_in"
+        ]
+    );
+}

@@ -179,12 +179,14 @@ fn the_reason_names_the_unhealthy_gpu() {
         snapshot.ready_reason,
         format!("GPU 1 {} unhealthy: xid_fatal", fake_uuid(1))
     );
+    assert!(snapshot.summary.ids.contains(&fake_uuid(1)));
     assert_eq!(
         snapshot.summary,
         GpuSummary {
             state: GpuState::Unhealthy,
             unhealthy: vec![fake_uuid(1)],
             present: true,
+            ids: snapshot.summary.ids.clone(),
         }
     );
 }

@@ -18,11 +18,14 @@ use outrigger_types::{
 
 use crate::body::{self, BoxError};
 use crate::decider::{Decider, MAX_RETRY_DELAY};
+use crate::faults::Kind as FaultKind;
 use crate::options::Provider;
 use crate::resilience::breaker::Admission;
 use crate::resilience::{Breakers, Limiters, Permit, RetryBudgets};
 use crate::sse::Framer;
 use crate::upstream;
+use outrigger_telemetry::spans;
+use tracing::Instrument;
 
 /// Sends one upstream request (the real client, or a script in tests).
 pub trait Transport: Send + Sync {
@@ -54,6 +57,10 @@ pub struct Mechanics<'a, T> {
     pub budgets: &'a RetryBudgets,
     pub first_byte_timeout: Duration,
     pub max_event_bytes: usize,
+    /// Where retries, fallbacks and breaker changes are counted (`None` in tests).
+    pub metrics: Option<&'a outrigger_telemetry::Metrics>,
+    /// Faults injected on purpose (`None`: never).
+    pub faults: Option<&'a crate::faults::Injector>,
 }
 
 /// Builds the request for a target (its URL, credentials and model name).
@@ -103,7 +110,6 @@ pub struct Success<'a, B> {
     /// For streams: the framer holding what was read past the first events.
     pub framer: Option<Framer>,
     pub first_events: Vec<Bytes>,
-    pub first_event_at: Option<Instant>,
     /// The provider limiter's slot, held until the body is done.
     pub permit: Option<Permit>,
 }
@@ -153,21 +159,56 @@ pub async fn run<'a, T: Transport>(
     m.budgets.record_request(&target.name);
     loop {
         trail.attempts += 1;
-        let outcome = attempt(m, plan, target).await;
+        let join = spans::Join {
+            request_id: plan.request_id,
+            task_id: plan.task_id,
+            policy_versions: None,
+            gpu_id: None,
+        };
+        let span = spans::attempt(
+            &tracing::Span::current(),
+            &join,
+            trail.attempts,
+            "POST",
+            &target.name,
+        );
+        let outcome = attempt(m, plan, target).instrument(span.clone()).await;
+        let (status, error_type) = match &outcome {
+            Outcome::Ok(s) => (Some(s.parts.status.as_u16()), None),
+            Outcome::Final(Ended::Answer { parts, .. })
+            | Outcome::Failed(_, Ended::Answer { parts, .. }) => (
+                Some(parts.status.as_u16()),
+                Some(parts.status.as_str().to_owned()),
+            ),
+            Outcome::Final(Ended::Error { error, .. })
+            | Outcome::Failed(_, Ended::Error { error, .. }) => {
+                (None, Some(error.to_problem().slug.to_owned()))
+            }
+        };
+        spans::finish_attempt(&span, status, error_type.as_deref());
         let (failure, ended) = match outcome {
             Outcome::Ok(s) => {
-                m.breakers.record(&target.name, true, jitter());
+                let state = m.breakers.record(&target.name, true, jitter());
+                if let Some(metrics) = m.metrics {
+                    metrics.breaker_state(&target.name, state);
+                }
                 return Ok(s);
             }
             Outcome::Final(ended) => {
                 // A definitive answer from a healthy upstream.
-                m.breakers.record(&target.name, true, jitter());
+                let state = m.breakers.record(&target.name, true, jitter());
+                if let Some(metrics) = m.metrics {
+                    metrics.breaker_state(&target.name, state);
+                }
                 return Err(ended);
             }
             Outcome::Failed(f, ended) => (f, ended),
         };
         if !matches!(failure, Failure::ContextOverflow | Failure::ContentFiltered) {
-            m.breakers.record(&target.name, false, jitter());
+            let state = m.breakers.record(&target.name, false, jitter());
+            if let Some(metrics) = m.metrics {
+                metrics.breaker_state(&target.name, state);
+            }
         }
         let ctx = CallContext {
             task_id: plan.task_id.map(str::to_owned),
@@ -198,6 +239,9 @@ pub async fn run<'a, T: Transport>(
                     return Err(ended);
                 }
                 trail.retries += 1;
+                if let Some(metrics) = m.metrics {
+                    metrics.retry(&target.name, failure.reason());
+                }
                 tracing::debug!(target = %target.name, attempt = trail.attempts, ?delay, reason = failure.reason(), "retrying");
                 tokio::time::sleep(delay.min(MAX_RETRY_DELAY)).await;
             }
@@ -211,6 +255,9 @@ pub async fn run<'a, T: Transport>(
                 let next = remaining.remove(i);
                 tracing::debug!(from = %target.name, to = %next.name, reason = failure.reason(), "falling back");
                 trail.fallbacks += 1;
+                if let Some(metrics) = m.metrics {
+                    metrics.fallback(&target.name, &next.name);
+                }
                 target = next;
                 m.budgets.record_request(&target.name);
             }
@@ -271,6 +318,19 @@ async fn attempt<'a, T: Transport>(
             });
         }
     };
+    match m.faults.and_then(|f| f.provider(&target.name)) {
+        Some(FaultKind::Delay { delay }) => tokio::time::sleep(delay).await,
+        Some(FaultKind::RateLimit { retry_after }) => {
+            let (parts, body) = injected_answer(StatusCode::TOO_MANY_REQUESTS, Some(retry_after));
+            return answered(target, &limiter, permit, parts, body);
+        }
+        Some(FaultKind::ServerError { status }) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
+            let (parts, body) = injected_answer(status, None);
+            return answered(target, &limiter, permit, parts, body);
+        }
+        _ => {}
+    }
     let resp = match m.transport.send(req, m.first_byte_timeout).await {
         Ok(r) => r,
         Err(e) => {
@@ -294,10 +354,8 @@ async fn attempt<'a, T: Transport>(
     };
     let (parts, body) = resp.into_parts();
     let status = parts.status;
-    let retry_after = retry_after(&parts.headers);
-    limiter.observe(status.as_u16(), &parts.headers, retry_after);
-
     if status.is_success() {
+        limiter.observe(status.as_u16(), &parts.headers, None);
         // The permit lives as long as the response body: a stream occupies its slot.
         if !plan.stream || !crate::headers::is_event_stream(&parts.headers) {
             return Outcome::Ok(Success {
@@ -306,20 +364,33 @@ async fn attempt<'a, T: Transport>(
                 body,
                 framer: None,
                 first_events: Vec::new(),
-                first_event_at: None,
                 permit: Some(permit),
             });
         }
         return first_event(m, target, parts, body, permit).await;
     }
-    drop(permit);
-
     // An error answer: small, read whole to classify it.
     let bytes = tokio::time::timeout(m.first_byte_timeout, body::read_limited(body, 1 << 20))
         .await
         .ok()
         .and_then(Result::ok)
         .unwrap_or_default();
+    answered(target, &limiter, permit, parts, bytes)
+}
+
+/// An error answer (real or injected): the limiter learns from it, the retry policy
+/// gets its classification.
+fn answered<'a, B>(
+    target: &'a Provider,
+    limiter: &crate::resilience::Limiter,
+    permit: Permit,
+    parts: http::response::Parts,
+    bytes: Bytes,
+) -> Outcome<'a, B> {
+    let status = parts.status;
+    let retry_after = retry_after(&parts.headers);
+    limiter.observe(status.as_u16(), &parts.headers, retry_after);
+    drop(permit);
     let failure = classify(status, retry_after, &bytes);
     let ended = Ended::Answer {
         provider: target,
@@ -331,6 +402,29 @@ async fn attempt<'a, T: Transport>(
         Some(f) => Outcome::Failed(f, ended),
         None => Outcome::Final(ended),
     }
+}
+
+/// What an injected 429 or 5xx looks like: an OpenAI-style error body, marked.
+fn injected_answer(
+    status: StatusCode,
+    retry_after: Option<Duration>,
+) -> (http::response::Parts, Bytes) {
+    let mut builder = http::Response::builder()
+        .status(status)
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .header(crate::headers::FAULT_INJECTED, "true");
+    if let Some(ra) = retry_after {
+        builder = builder.header(
+            http::header::RETRY_AFTER,
+            ra.as_secs_f64().ceil().to_string(),
+        );
+    }
+    let body = serde_json::json!({"error": {
+        "message": format!("fault injected by the sidecar: {status}"),
+        "type": "fault_injected",
+    }});
+    let (parts, ()) = builder.body(()).unwrap_or_default().into_parts();
+    (parts, Bytes::from(body.to_string()))
 }
 
 /// Waits for the first complete event of a stream: until then a failure is
@@ -400,7 +494,6 @@ async fn first_event<'a, B: HttpBody<Data = Bytes, Error: Into<BoxError>> + Unpi
                         body,
                         framer: Some(framer),
                         first_events: events,
-                        first_event_at: Some(Instant::now()),
                         permit: Some(permit),
                     });
                 }

@@ -30,13 +30,17 @@ use outrigger_journal::{
 
 use self::attempts::{Ended, Mechanics, Plan, Success, Trail};
 use self::request::ModelRequest;
-use crate::body::{self, Body, BoxError, Guarded};
+use crate::body::{self, Body, Guarded};
 use crate::error::Error;
-use crate::events::{Gate, Kind, Turn};
+use crate::events::{Gate, Turn};
+use crate::observe::{ModelCall, ModelEnd};
 use crate::options::{Dialect, Provider};
 use crate::relay::{SseRelay, StreamObserver};
 use crate::resilience::Reservation;
+use crate::upstream_body::UpstreamBody;
 use crate::{RequestContext, Shared, headers, keys, streams};
+use outrigger_telemetry::slo::Failed;
+use tracing::Instrument;
 
 /// What the model call resolved to, for metrics and logs.
 pub struct Routed {
@@ -58,18 +62,79 @@ pub async fn call(
     routed: &mut Option<Routed>,
 ) -> Result<Response<Body>, Error> {
     let (parts, body) = req.into_parts();
-    let bytes = body::read_limited(body, shared.options.limits.max_body_bytes).await?;
-    let request = ModelRequest::parse(dialect, bytes)?;
-    let primary = resolve(shared, dialect, &request.model)?;
+    // The span is named after the model (`chat gpt-4o`), so it starts once the request
+    // is read; a request that cannot be read or routed is still one (failed) call.
+    let parsed = match body::read_limited(body, shared.options.limits.max_body_bytes).await {
+        Ok(bytes) => ModelRequest::parse(dialect, bytes)
+            .and_then(|request| Ok((resolve(shared, dialect, &request.model)?, request))),
+        Err(e) => Err(Error::from(e)),
+    };
+    let model = parsed.as_ref().map_or("", |(_, r)| r.model.as_str());
+    let mut rec = ModelCall::start(shared, ctx, dialect, &parts.headers, model);
+    let (primary, request) = match parsed {
+        Ok(parsed) => parsed,
+        Err(e) => {
+            rec.finish_error(&e);
+            return Err(e);
+        }
+    };
     *routed = Some(Routed {
         provider: primary.name.clone(),
     });
+    rec.routed(
+        &primary.name,
+        primary.caps.local,
+        &request.model,
+        request.stream,
+    );
+    let span = rec.span.clone();
+    let mut rec = Some(rec);
+    let result = call_inner(shared, parts, request, primary, ctx, routed, &mut rec)
+        .instrument(span)
+        .await;
+    // Calls whose end is not a body's end (errors, replays) finish here.
+    if let Some(rec) = rec.take() {
+        match &result {
+            Err(e) => rec.finish_error(e),
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                rec.finish(ModelEnd {
+                    failed: (!resp.status().is_success())
+                        .then(|| Failed::from_upstream_status(status)),
+                    error_type: (!resp.status().is_success()).then(|| status.to_string()),
+                    ..ModelEnd::default()
+                });
+            }
+        }
+    }
+    result
+}
+
+async fn call_inner(
+    shared: &Arc<Shared>,
+    parts: http::request::Parts,
+    request: ModelRequest,
+    primary: &Provider,
+    ctx: &RequestContext,
+    routed: &mut Option<Routed>,
+    rec: &mut Option<ModelCall>,
+) -> Result<Response<Body>, Error> {
     let keyed = match &shared.journal {
         Some(_) => streams::key_for(&parts.headers, ctx, &request, &shared.options.streams)?,
         None => None,
     };
     let (Some(keyed), Some(journal)) = (keyed, shared.journal.clone()) else {
-        return generate(shared, request, primary, parts.headers, ctx, routed, None).await;
+        return generate(
+            shared,
+            request,
+            primary,
+            parts.headers,
+            ctx,
+            routed,
+            None,
+            rec,
+        )
+        .await;
     };
 
     let last_event_id = parts
@@ -86,11 +151,32 @@ pub async fn call(
                 request_id: ctx.request_id.clone(),
                 provider: primary.name.clone(),
                 model: request.model.clone(),
-                policy_versions: Vec::new(),
+                policy_versions: shared.decider.versions(),
             },
         )
-        .await
-        .map_err(Error::Journal)?;
+        .await;
+    let begin = match begin {
+        Ok(begin) => begin,
+        // A model call has no side effect to protect: when the journal cannot take
+        // the stream, it is relayed unjournaled rather than refused.
+        Err(
+            e @ (outrigger_journal::Error::Unavailable(_) | outrigger_journal::Error::Storage(_)),
+        ) => {
+            tracing::warn!(key = %keyed.key, error = %e, "the journal cannot take this stream; relaying it unjournaled");
+            return generate(
+                shared,
+                request,
+                primary,
+                parts.headers,
+                ctx,
+                routed,
+                None,
+                rec,
+            )
+            .await;
+        }
+        Err(e) => return Err(Error::Journal(e)),
+    };
     let attempt = match begin {
         StreamBegin::Mismatch { meta } => {
             return Err(Error::StreamKeyReused {
@@ -99,6 +185,9 @@ pub async fn call(
         }
         StreamBegin::Existing { meta } => {
             let resp = replay(shared, &journal, &keyed, meta, &request, ctx, last_event_id).await?;
+            if let Some(r) = rec.as_mut() {
+                r.replayed();
+            }
             return Ok(streams::with_key(resp, &keyed.key));
         }
         StreamBegin::New { attempt } => attempt,
@@ -111,6 +200,7 @@ pub async fn call(
         ctx,
         routed,
         Some((journal, keyed.key.clone(), attempt)),
+        rec,
     )
     .await?;
     Ok(streams::with_key(resp, &keyed.key))
@@ -138,12 +228,18 @@ async fn replay(
                     .stream_events(&keyed.key, attempt, after)
                     .map_err(Error::Journal)?;
                 if after.is_none() {
-                    streams::correlate_replay(
-                        shared,
-                        ctx.task_id.as_ref(),
-                        request.dialect,
-                        &events,
-                    );
+                    if request.stream {
+                        streams::correlate_replay(
+                            shared,
+                            ctx.task_id.as_ref(),
+                            request.dialect,
+                            &events,
+                        );
+                    } else if let (Some(task), Some((_, body))) = (&ctx.task_id, events.first()) {
+                        // A plain answer is one JSON document, not events.
+                        let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+                        shared.correlator.record(task, keys::calls_in_response(&v));
+                    }
                 }
                 tracing::debug!(key = %keyed.key, events = events.len(), "model call answered from the journal");
                 if request.stream {
@@ -200,6 +296,10 @@ async fn replay(
 
 /// A fresh generation: budget, fallback order, the attempt loop, then the relay (or,
 /// with a journal, the producer).
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the pieces of one call, passed once"
+)]
 async fn generate(
     shared: &Arc<Shared>,
     mut request: ModelRequest,
@@ -208,6 +308,7 @@ async fn generate(
     ctx: &RequestContext,
     routed: &mut Option<Routed>,
     journaled: Option<(Journal, StreamKey, u32)>,
+    rec: &mut Option<ModelCall>,
 ) -> Result<Response<Body>, Error> {
     let dialect = request.dialect;
     let mut trail = Trail::default();
@@ -217,6 +318,9 @@ async fn generate(
             let (reservation, downgrade) = match admitted {
                 Ok(a) => a,
                 Err(e) => {
+                    if let Error::BudgetExceeded { reason } = &e {
+                        shared.metrics.budget_rejection(reason);
+                    }
                     end_failed(&journaled, &e.to_string()).await;
                     return Err(e);
                 }
@@ -263,13 +367,38 @@ async fn generate(
         budgets: &shared.retry_budgets,
         first_byte_timeout: shared.options.limits.first_byte_timeout,
         max_event_bytes: shared.options.limits.max_event_bytes,
+        metrics: Some(&shared.metrics),
+        faults: Some(&shared.faults),
     };
-    match attempts::run(&mech, &plan, &mut trail).await {
+    let result = attempts::run(&mech, &plan, &mut trail).await;
+    if let (Some(task), true) = (&ctx.task_id, trail.retries > 0) {
+        // Retries count against the task's `retries` budget whether or not they helped.
+        shared.ledger.add(
+            task.as_str(),
+            &Usage {
+                retries: trail.retries,
+                ..Usage::default()
+            },
+        );
+    }
+    if let Some(r) = rec.as_mut() {
+        r.trail(&trail);
+    }
+    match result {
         Ok(success) => {
             *routed = Some(Routed {
                 provider: success.provider.name.clone(),
             });
-            match journaled {
+            if let Some(r) = rec.as_mut() {
+                r.routed(
+                    &success.provider.name,
+                    success.provider.caps.local,
+                    &request.model,
+                    request.stream,
+                );
+            }
+            let rec = rec.take();
+            let resp = match journaled {
                 Some((journal, key, attempt)) => {
                     produce(
                         shared,
@@ -279,36 +408,69 @@ async fn generate(
                         journal,
                         key,
                         attempt,
+                        rec,
                     )
                     .await
                 }
-                None => Ok(relay(shared, success, ctx.task_id.as_ref(), reservation)),
-            }
+                None => Ok(relay(
+                    shared,
+                    success,
+                    ctx.task_id.as_ref(),
+                    reservation,
+                    rec,
+                )),
+            };
+            resp.map(|r| with_attempts(r, trail.attempts))
         }
         Err(Ended::Answer {
             provider,
             mut parts,
             body,
-            ..
+            failure,
         }) => {
             *routed = Some(Routed {
                 provider: provider.name.clone(),
             });
+            if let Some(r) = rec.take() {
+                let status = parts.status.as_u16();
+                r.finish(ModelEnd {
+                    failed: Some(failure.as_ref().map_or_else(
+                        || Failed::from_upstream_status(status),
+                        Failed::from_failure,
+                    )),
+                    error_type: Some(status.to_string()),
+                    ..ModelEnd::default()
+                });
+            }
             end_failed(&journaled, &format!("upstream answered {}", parts.status)).await;
             // A faithful pass-through of the last answer, scrubbed of the key.
             headers::strip_hop_by_hop(&mut parts.headers);
             parts.headers.remove(header::CONTENT_LENGTH);
-            Ok(Response::from_parts(
-                parts,
-                body::full(scrub(body, provider)),
+            Ok(with_attempts(
+                Response::from_parts(parts, body::full(scrub(body, provider))),
+                trail.attempts,
             ))
         }
         Err(Ended::Error {
-            provider, error, ..
+            provider,
+            error,
+            failure,
         }) => {
             if let Some(p) = provider {
                 *routed = Some(Routed {
                     provider: p.name.clone(),
+                });
+            }
+            if let Some(r) = rec.take() {
+                r.finish(ModelEnd {
+                    failed: Some(match &error {
+                        Error::Upstream { .. } | Error::StreamBroke { .. } => {
+                            Failed::from_failure(&failure)
+                        }
+                        other => crate::observe::failed_of(other),
+                    }),
+                    error_type: Some(crate::observe::error_type_of(&error).to_string()),
+                    ..ModelEnd::default()
                 });
             }
             end_failed(&journaled, &error.to_string()).await;
@@ -335,6 +497,10 @@ async fn end_failed(journaled: &Option<(Journal, StreamKey, u32)>, reason: &str)
 }
 
 /// Journals a successful attempt: a stream through the producer, a plain body whole.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the pieces of one call, passed once"
+)]
 async fn produce(
     shared: &Arc<Shared>,
     success: Success<'_, Incoming>,
@@ -343,6 +509,7 @@ async fn produce(
     journal: Journal,
     key: StreamKey,
     attempt: u32,
+    rec: Option<ModelCall>,
 ) -> Result<Response<Body>, Error> {
     let Success {
         provider,
@@ -357,51 +524,62 @@ async fn produce(
     let price = (provider.caps.price_in, provider.caps.price_out);
     let Some(framer) = framer else {
         // A plain answer: journal it whole, durably, before it is released.
-        let bytes = body::read_limited(body, shared.options.limits.max_body_bytes)
-            .await
-            .map_err(|e| Error::StreamBroke {
-                target: provider.name.clone(),
-                detail: e.to_string(),
-            })?;
+        let bytes = match body::read_limited(body, shared.options.limits.max_body_bytes).await {
+            Ok(b) => b,
+            Err(e) => {
+                let e = Error::StreamBroke {
+                    target: provider.name.clone(),
+                    detail: e.to_string(),
+                };
+                // The key must not stay "in progress": the next request runs afresh.
+                end_failed(&Some((journal, key, attempt)), &e.to_string()).await;
+                return Err(e);
+            }
+        };
         drop(permit);
+        let bytes = scrub(bytes, provider);
         let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
         if let Some(task) = task {
             shared.correlator.record(task, keys::calls_in_response(&v));
         }
         let usage = plain_usage(&v);
-        if let (Some(r), Some((i, o))) = (reservation, usage) {
-            r.settle(&actual(price, i, o));
+        settle(reservation, price, usage);
+        if let Some(rec) = rec {
+            rec.finish(ModelEnd {
+                tokens: usage,
+                response_model: v["model"].as_str().map(str::to_owned),
+                response_id: v["id"].as_str().map(str::to_owned),
+                ..ModelEnd::default()
+            });
         }
-        journal
-            .stream_append(&key, attempt, 0, bytes.clone(), true)
-            .await
-            .map_err(Error::Journal)?;
-        journal
-            .stream_end(
-                &key,
-                attempt,
-                StreamEnd::Completed {
-                    usage: v["usage"].clone(),
-                },
-            )
-            .await
-            .map_err(Error::Journal)?;
+        let journaled = async {
+            journal
+                .stream_append(&key, attempt, 0, bytes.clone(), true)
+                .await?;
+            journal
+                .stream_end(
+                    &key,
+                    attempt,
+                    StreamEnd::Completed {
+                        usage: v["usage"].clone(),
+                    },
+                )
+                .await
+        };
+        if let Err(e) = journaled.await {
+            end_failed(&Some((journal, key, attempt)), &e.to_string()).await;
+            return Err(Error::Journal(e));
+        }
         parts.headers.remove(header::CONTENT_LENGTH);
         return Ok(Response::from_parts(parts, body::full(bytes)));
     };
     let live = streams::Live::new_for(&key, attempt, provider.dialect, &shared.options.streams);
-    let task = task.cloned();
-    let shared2 = shared.clone();
-    let mut reservation = reservation;
-    let on_end = Box::new(move |gate: &Gate, _ended: streams::Ended| {
-        if let Some(task) = &task {
-            shared2.correlator.record(task, gate.turn.completed_calls());
-        }
-        match (reservation.take(), gate.turn.usage) {
-            (Some(r), Some(u)) => r.settle(&actual(price, u.input, u.output)),
-            (Some(r), None) => r.settle_estimate(),
-            (None, _) => {}
-        }
+    let observer = Box::new(Observed {
+        rec,
+        task: task.cloned(),
+        shared: shared.clone(),
+        reservation,
+        price,
     });
     let production = streams::Production {
         shared: shared.clone(),
@@ -410,9 +588,14 @@ async fn produce(
         gate: Gate::new(provider.dialect),
         framer,
         first_events,
-        on_end,
+        observer,
         permit,
     };
+    let body = UpstreamBody::new(
+        body,
+        provider.api_key.as_ref().map(|k| k.expose()),
+        shared.faults.stream_cut(&provider.name),
+    );
     streams::spawn(shared, live.clone(), production, body);
     let mut resp = streams::live_response(&live, 0, false);
     *resp.status_mut() = parts.status;
@@ -612,6 +795,7 @@ fn relay(
     success: Success<'_, Incoming>,
     task: Option<&TaskId>,
     reservation: Option<Reservation>,
+    rec: Option<ModelCall>,
 ) -> Response<Body> {
     let Success {
         provider,
@@ -623,55 +807,68 @@ fn relay(
         ..
     } = success;
     headers::strip_hop_by_hop(&mut parts.headers);
+    let price = (provider.caps.price_in, provider.caps.price_out);
+    let mut observed = Observed {
+        rec,
+        task: task.cloned(),
+        shared: shared.clone(),
+        reservation,
+        price,
+    };
     let body: Body = match framer {
-        Some(framer) => {
-            let observer = task.map(|task| TurnObserver {
-                turn: Turn::new(provider.dialect),
-                task: task.clone(),
-                shared: shared.clone(),
-                reservation,
-                price: (provider.caps.price_in, provider.caps.price_out),
-            });
-            match observer {
-                Some(o) => SseRelay::resume(body, framer, first_events, o)
-                    .gated(provider.dialect)
-                    .boxed_unsync(),
-                None => SseRelay::resume(body, framer, first_events, ())
-                    .gated(provider.dialect)
-                    .boxed_unsync(),
-            }
-        }
-        None if task.is_some() => {
-            // Plain responses stream through; a bounded copy is parsed at the end to
-            // learn the tool calls the model issued (key derivation) and its usage.
-            let task = task.cloned();
-            let shared = shared.clone();
+        Some(framer) => SseRelay::resume(
+            UpstreamBody::new(
+                body,
+                provider.api_key.as_ref().map(|k| k.expose()),
+                shared.faults.stream_cut(&provider.name),
+            ),
+            framer,
+            first_events,
+            observed,
+        )
+        .gated(provider.dialect)
+        .boxed_unsync(),
+        None => {
+            // Plain responses stream through; a bounded copy is parsed at the end for the
+            // tool calls the model issued (key derivation) and its usage.
             let limit = shared.options.limits.max_body_bytes;
-            let price = (provider.caps.price_in, provider.caps.price_out);
-            let mut reservation = reservation;
+            let key = provider.api_key.as_ref().map(|k| k.expose());
+            if key.is_some() {
+                // Scrubbing may change the length.
+                parts.headers.remove(header::CONTENT_LENGTH);
+            }
+            let body = UpstreamBody::new(body, key, None);
             body::Tee::new(body, limit, move |bytes: &[u8]| {
-                let Ok(v) = serde_json::from_slice::<serde_json::Value>(bytes) else {
-                    return;
-                };
-                if let Some(task) = &task {
-                    shared.correlator.record(task, keys::calls_in_response(&v));
+                let v = serde_json::from_slice::<serde_json::Value>(bytes).unwrap_or_default();
+                if let Some(task) = &observed.task {
+                    observed
+                        .shared
+                        .correlator
+                        .record(task, keys::calls_in_response(&v));
                 }
-                let usage = &v["usage"];
-                let tokens_in = usage["prompt_tokens"]
-                    .as_u64()
-                    .or_else(|| usage["input_tokens"].as_u64());
-                let tokens_out = usage["completion_tokens"]
-                    .as_u64()
-                    .or_else(|| usage["output_tokens"].as_u64());
-                if let (Some(r), Some(i), Some(o)) = (reservation.take(), tokens_in, tokens_out) {
-                    r.settle(&actual(price, i, o));
-                }
+                observed.finish_plain(&v);
             })
             .boxed_unsync()
         }
-        None => body.map_err(BoxError::from).boxed_unsync(),
     };
     Response::from_parts(parts, Guarded::new(body, permit).boxed_unsync())
+}
+
+/// Tells the agent how many upstream attempts the answer took (`outrigger-attempts`).
+fn with_attempts(mut resp: Response<Body>, attempts: u32) -> Response<Body> {
+    resp.headers_mut()
+        .insert(headers::ATTEMPTS, http::HeaderValue::from(attempts));
+    resp
+}
+
+/// Charges a finished call: what the provider reported, else the estimate (a budget
+/// errs on the side of what may have been spent).
+fn settle(reservation: Option<Reservation>, price: (u64, u64), usage: Option<(u64, u64)>) {
+    match (reservation, usage) {
+        (Some(r), Some((i, o))) => r.settle(&actual(price, i, o)),
+        (Some(r), None) => r.settle_estimate(),
+        (None, _) => {}
+    }
 }
 
 fn actual(price: (u64, u64), tokens_in: u64, tokens_out: u64) -> Usage {
@@ -696,33 +893,68 @@ fn scrub(bytes: Bytes, provider: &Provider) -> Bytes {
     Bytes::from(text)
 }
 
-/// Follows a streamed turn for a task: records the tool calls it completes (key
-/// derivation) and settles the budget reservation on the reported usage.
-struct TurnObserver {
-    turn: Turn,
-    task: TaskId,
+/// Follows a relayed answer to its end: times its chunks, records the tool calls a
+/// task's turn completed (key derivation), settles the budget reservation on the
+/// reported usage, and finishes the call's observation.
+struct Observed {
+    rec: Option<ModelCall>,
+    task: Option<TaskId>,
     shared: Arc<Shared>,
     reservation: Option<Reservation>,
     price: (u64, u64),
 }
 
-impl StreamObserver for TurnObserver {
-    fn on_event(&mut self, raw: &Bytes, _at: Instant) {
-        if let Kind::ToolComplete(_) = self.turn.observe(raw) {
-            self.shared
-                .correlator
-                .record(&self.task, self.turn.completed_calls());
+impl Observed {
+    fn end(&mut self, outcome: Result<(), &str>, turn: Option<&Turn>) {
+        if let (Some(task), Some(turn)) = (&self.task, turn) {
+            self.shared.correlator.record(task, turn.completed_calls());
+        }
+        let usage = turn.and_then(|t| t.usage);
+        settle(
+            self.reservation.take(),
+            self.price,
+            usage.map(|u| (u.input, u.output)),
+        );
+        if let Some(rec) = self.rec.take() {
+            rec.finish(ModelEnd {
+                failed: turn
+                    .is_some_and(|t| t.errored)
+                    .then_some(Failed::UpstreamStream),
+                error_type: outcome.err().map(str::to_owned),
+                response_model: turn.and_then(|t| t.response_model.clone()),
+                response_id: turn.and_then(|t| t.response_id.clone()),
+                finish_reason: turn.and_then(|t| t.finish_reason.clone()),
+                tokens: usage.map(|u| (u.input, u.output)),
+                aborted: outcome.is_err() && !turn.is_some_and(|t| t.errored),
+                // The agent's own cancel is excluded from the SLO, not a network fault.
+                client_cancelled: outcome == Err(streams::CANCELLED),
+            });
         }
     }
 
-    fn on_end(&mut self, _outcome: Result<(), &str>) {
-        match (self.reservation.take(), self.turn.usage) {
-            (Some(r), Some(u)) => r.settle(&actual(self.price, u.input, u.output)),
-            // Without reported usage (an interrupted stream) the estimate is charged: a
-            // budget errs on the side of what may have been spent.
-            (Some(r), None) => r.settle_estimate(),
-            (None, _) => {}
+    fn finish_plain(&mut self, v: &serde_json::Value) {
+        let usage = plain_usage(v);
+        settle(self.reservation.take(), self.price, usage);
+        if let Some(rec) = self.rec.take() {
+            rec.finish(ModelEnd {
+                tokens: usage,
+                response_model: v["model"].as_str().map(str::to_owned),
+                response_id: v["id"].as_str().map(str::to_owned),
+                ..ModelEnd::default()
+            });
         }
+    }
+}
+
+impl StreamObserver for Observed {
+    fn on_event(&mut self, _raw: &Bytes, at: Instant) {
+        if let Some(rec) = self.rec.as_mut() {
+            rec.chunk(at);
+        }
+    }
+
+    fn on_end(&mut self, outcome: Result<(), &str>, turn: Option<&Turn>) {
+        self.end(outcome, turn);
     }
 }
 

@@ -68,11 +68,40 @@ struct State {
 pub struct Limiter {
     options: Options,
     state: Mutex<State>,
+    /// Wakes waiting calls when a pause or token window is set, so each waits for
+    /// the new end of the pause instead of the one it saw when it went to sleep.
+    changed: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Limiter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Limiter").finish_non_exhaustive()
+    }
+}
+
+/// A call waiting in the queue; dropped unsettled (the caller went away), it leaves
+/// the queue, or gives back the slot it was admitted to but never took.
+struct Queued<'a> {
+    limiter: &'a Arc<Limiter>,
+    task: &'a str,
+    id: u64,
+    rx: oneshot::Receiver<()>,
+    settled: bool,
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        if self.settled {
+            return;
+        }
+        let Ok(mut s) = self.limiter.state.lock() else {
+            return;
+        };
+        remove(&mut s, self.task, self.id);
+        if self.rx.try_recv().is_ok() {
+            s.inflight = s.inflight.saturating_sub(1);
+            self.limiter.dispatch(&mut s, Instant::now());
+        }
     }
 }
 
@@ -104,6 +133,7 @@ impl Limiter {
                 tokens: None,
                 next_id: 0,
             }),
+            changed: tokio::sync::Notify::new(),
         })
     }
 
@@ -111,7 +141,7 @@ impl Limiter {
     pub async fn acquire(self: &Arc<Self>, task: &str, tokens: u64) -> Result<Permit, Rejected> {
         let started = Instant::now();
         let deadline = started + self.options.queue_timeout;
-        let (id, mut rx) = {
+        let (id, rx) = {
             let Ok(mut s) = self.state.lock() else {
                 return Ok(Permit {
                     limiter: self.clone(),
@@ -140,24 +170,37 @@ impl Limiter {
             s.queued += 1;
             (id, rx)
         };
+        // If this call goes away while queued (its agent cancelled), its place must
+        // not leak: the guard leaves the queue, or hands back a slot it was given.
+        let mut queued = Queued {
+            limiter: self,
+            task,
+            id,
+            rx,
+            settled: false,
+        };
         loop {
-            // Wake when admitted, when a pause or token window may have ended, or at
-            // the deadline.
+            // Wake when admitted, when a pause or token window may have ended (or was
+            // set since), or at the deadline.
+            let changed = self.changed.notified();
             let wake = self.next_change().map_or(deadline, |t| t.min(deadline));
             tokio::select! {
-                admitted = &mut rx => {
+                admitted = &mut queued.rx => {
+                    queued.settled = true;
                     return match admitted {
                         Ok(()) => Ok(Permit { limiter: self.clone() }),
                         Err(_) => Err(Rejected::QueueTimeout(started.elapsed())),
                     };
                 }
+                () = changed => {}
                 () = tokio::time::sleep_until(wake) => {
                     let Ok(mut s) = self.state.lock() else { continue };
                     let now = Instant::now();
                     self.dispatch(&mut s, now);
                     if now >= deadline {
+                        queued.settled = true;
                         // Admitted in the same instant? Then take the slot.
-                        if rx.try_recv().is_ok() {
+                        if queued.rx.try_recv().is_ok() {
                             return Ok(Permit { limiter: self.clone() });
                         }
                         remove(&mut s, task, id);
@@ -281,6 +324,9 @@ impl Limiter {
             s.tokens = Some((tokens, now + reset));
         }
         self.dispatch(&mut s, now);
+        drop(s);
+        // Waiting calls re-read when the (new) pause or token window ends.
+        self.changed.notify_waiters();
     }
 
     /// The current concurrency limit (for metrics and tests).
@@ -429,6 +475,65 @@ mod tests {
             l.observe(200, &HeaderMap::new(), None);
         }
         assert_eq!(l.limit(), 8.0, "additive increase back to the maximum");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_queued_before_a_pause_is_admitted_when_the_pause_ends() {
+        let l = Limiter::new(opts(1));
+        let held = l.acquire("t", 1).await.unwrap();
+        let waiter = {
+            let l = l.clone();
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let p = l.acquire("t", 1).await;
+                (p.is_ok(), started.elapsed())
+            })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(l.queued(), 1);
+        // The held call comes back 429 with Retry-After 2 s, then frees its slot while
+        // admission is paused: the queued call must wake at the pause's end, not at
+        // the 30 s queue timeout.
+        l.observe(429, &HeaderMap::new(), Some(Duration::from_secs(2)));
+        drop(held);
+        let (admitted, waited) = waiter.await.unwrap();
+        assert!(admitted);
+        assert_eq!(waited, Duration::from_secs(2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_queued_call_that_goes_away_leaks_no_slot() {
+        let l = Limiter::new(opts(1));
+        let held = l.acquire("t", 1).await.unwrap();
+        let waiter = {
+            let l = l.clone();
+            tokio::spawn(async move { l.acquire("t", 1).await.map(drop) })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(l.queued(), 1);
+        // The slot is handed to the waiter and the waiter is cancelled before it runs
+        // again: the slot must come back.
+        drop(held);
+        waiter.abort();
+        let _ = waiter.await;
+        assert_eq!(l.queued(), 0);
+        assert_eq!(l.inflight(), 0, "the cancelled call's slot came back");
+        let again = tokio::time::timeout(Duration::from_secs(1), l.acquire("t", 1)).await;
+        assert!(again.is_ok_and(|p| p.is_ok()));
+
+        // Cancelled while still queued: it leaves the queue.
+        let held = l.acquire("t", 1).await.unwrap();
+        let waiter = {
+            let l = l.clone();
+            tokio::spawn(async move { l.acquire("t", 1).await.map(drop) })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(l.queued(), 1);
+        waiter.abort();
+        let _ = waiter.await;
+        assert_eq!(l.queued(), 0);
+        drop(held);
+        assert_eq!(l.inflight(), 0);
     }
 
     #[tokio::test(start_paused = true)]

@@ -71,6 +71,8 @@ fn exercised() -> Metrics {
     );
     m.slo_objective(&Label::new("llm-availability"), 0.999);
     m.dropped_counter("spans", "queue_full").inc();
+    m.fault_injected("provider:mock", "rate_limit");
+    m.faults_active(true);
     m
 }
 

@@ -140,6 +140,8 @@ impl Rig {
             budgets: &self.budgets,
             first_byte_timeout: Duration::from_secs(30),
             max_event_bytes: 1 << 20,
+            metrics: None,
+            faults: None,
         }
     }
 }
@@ -312,6 +314,8 @@ async fn context_overflow_falls_back_to_the_next_target() {
         budgets: &rig.budgets,
         first_byte_timeout: Duration::from_secs(30),
         max_event_bytes: 1 << 20,
+        metrics: None,
+        faults: None,
     };
     let mut trail = Trail::default();
     let ok = run(&mech, &plan(vec![&a, &b]), &mut trail).await;

@@ -1,0 +1,413 @@
+//! What a finished call tells the side channels: metrics, the SLO accounting, the
+//! task it belongs to, and its span. The data plane records a call in one place —
+//! [`ModelCall::finish`] or [`ToolCall::finish`] — at its real end (the last byte of
+//! a stream, not its first), so every channel agrees on what happened.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use outrigger_telemetry::slo::{Failed, ObjectKind, Signals, SloEvent, classify};
+use outrigger_telemetry::spans::{self, Join};
+use outrigger_telemetry::{ModelCallRecord, ToolCallRecord, names};
+use outrigger_types::{GpuState, TaskId};
+use tracing::Span;
+
+use crate::error::Error;
+use crate::model::attempts::Trail;
+use crate::options::Dialect;
+use crate::tasks::{ModelCallSummary, ToolCallOutcome, ToolCallSummary};
+use crate::{RequestContext, Shared};
+
+/// Chunk gaps kept per call for the inter-chunk histogram (the rest are dropped).
+const MAX_GAPS: usize = 4_096;
+
+/// A model call being observed.
+pub(crate) struct ModelCall {
+    shared: Arc<Shared>,
+    pub span: Span,
+    started: Instant,
+    request_id: String,
+    task: Option<TaskId>,
+    pub provider: String,
+    model: String,
+    pub stream: bool,
+    first_chunk: Option<Instant>,
+    last_chunk: Option<Instant>,
+    gaps: Vec<Duration>,
+    attempts: u32,
+    retries: u32,
+    fallbacks: u32,
+    replayed: bool,
+    gpu_unhealthy: bool,
+    local: bool,
+    done: bool,
+}
+
+impl Drop for ModelCall {
+    /// A call dropped before it was finished: the agent went away (its body was
+    /// dropped) before the end.
+    fn drop(&mut self) {
+        if !self.done {
+            let aborted = self.stream;
+            self.record(ModelEnd {
+                client_cancelled: true,
+                aborted,
+                ..ModelEnd::default()
+            });
+        }
+    }
+}
+
+/// How a model call ended.
+#[derive(Debug, Default)]
+pub(crate) struct ModelEnd {
+    /// The failure, when it did not complete.
+    pub failed: Option<Failed>,
+    pub error_type: Option<String>,
+    pub response_model: Option<String>,
+    pub response_id: Option<String>,
+    pub finish_reason: Option<String>,
+    pub tokens: Option<(u64, u64)>,
+    /// A stream that ended without its terminal event.
+    pub aborted: bool,
+    pub client_cancelled: bool,
+}
+
+impl ModelCall {
+    pub fn start(
+        shared: &Arc<Shared>,
+        ctx: &RequestContext,
+        dialect: Dialect,
+        headers: &http::HeaderMap,
+        model: &str,
+    ) -> Self {
+        let join = Join {
+            request_id: ctx.request_id.as_str(),
+            task_id: ctx.task_id.as_ref().map(TaskId::as_str),
+            policy_versions: None,
+            gpu_id: None,
+        };
+        let span = spans::model_call(&join, names::OPERATION_CHAT, dialect.as_str(), model, false);
+        if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+            spans::set_remote_parent(&span, tp);
+        }
+        let gpu = shared.gpu.load();
+        Self {
+            shared: shared.clone(),
+            span,
+            started: Instant::now(),
+            request_id: ctx.request_id.to_string(),
+            task: ctx.task_id.clone(),
+            provider: "-".into(),
+            model: String::new(),
+            stream: false,
+            first_chunk: None,
+            last_chunk: None,
+            gaps: Vec::new(),
+            attempts: 0,
+            retries: 0,
+            fallbacks: 0,
+            replayed: false,
+            gpu_unhealthy: gpu.state == GpuState::Unhealthy,
+            local: false,
+            done: false,
+        }
+    }
+
+    pub fn routed(&mut self, provider: &str, local: bool, model: &str, stream: bool) {
+        self.provider = provider.to_string();
+        self.local = local;
+        self.model = model.to_string();
+        self.stream = stream;
+        self.span.record(names::ATTR_REQUEST_MODEL, model);
+        self.span.record(names::ATTR_REQUEST_STREAM, stream);
+        if local {
+            let gpu = self.shared.gpu.load();
+            if !gpu.ids.is_empty() {
+                self.span
+                    .record(names::ATTR_GPU_ID, gpu.ids.join(",").as_str());
+            }
+        }
+    }
+
+    pub fn trail(&mut self, trail: &Trail) {
+        self.attempts = trail.attempts;
+        self.retries = trail.retries;
+        self.fallbacks = trail.fallbacks;
+        if !trail.policy_versions.is_empty() {
+            let versions: Vec<&str> = trail.policy_versions.iter().map(|v| v.as_str()).collect();
+            spans::record_policy_versions(&self.span, &versions.join(","));
+        }
+    }
+
+    pub fn replayed(&mut self) {
+        self.replayed = true;
+        self.shared
+            .metrics
+            .replay(outrigger_telemetry::ReplayKind::ModelTurn);
+    }
+
+    pub fn chunk(&mut self, at: Instant) {
+        match self.last_chunk {
+            None => self.first_chunk = Some(at),
+            Some(prev) => {
+                if self.gaps.len() < MAX_GAPS {
+                    self.gaps.push(at.saturating_duration_since(prev));
+                }
+            }
+        }
+        self.last_chunk = Some(at);
+    }
+
+    /// Finishes a call that failed in the sidecar (refused, unreachable upstream…).
+    pub fn finish_error(self, e: &Error) {
+        let failed = failed_of(e);
+        self.finish(ModelEnd {
+            failed: Some(failed),
+            error_type: Some(error_type_of(e).to_string()),
+            ..ModelEnd::default()
+        });
+    }
+
+    pub fn finish(mut self, end: ModelEnd) {
+        self.record(end);
+        self.done = true;
+    }
+
+    fn record(&mut self, end: ModelEnd) {
+        let now = SystemTime::now();
+        let duration = self.started.elapsed();
+        let ttft = self
+            .first_chunk
+            .map(|t| t.saturating_duration_since(self.started));
+        let gpu_unhealthy = self.local
+            && (self.gpu_unhealthy || self.shared.gpu.load().state == GpuState::Unhealthy);
+        let signals = Signals {
+            failure: end.failed.or(end.aborted.then_some(Failed::Transport)),
+            gpu_unhealthy,
+            client_cancelled: end.client_cancelled,
+            synthetic: false,
+            maintenance: self.shared.slos.maintenance_active(),
+        };
+        let outcome = classify(&signals);
+        let trace_id = spans::trace_id(&self.span);
+        let error_type = end.error_type.as_deref();
+        let metrics = &self.shared.metrics;
+        if !self.replayed {
+            metrics.model_call(&ModelCallRecord {
+                provider: &self.provider,
+                request_model: &self.model,
+                response_model: end.response_model.as_deref(),
+                operation: names::OPERATION_CHAT,
+                stream: self.stream,
+                duration,
+                ttft,
+                chunk_gaps: &self.gaps,
+                tokens_in: end.tokens.map(|t| t.0),
+                tokens_out: end.tokens.map(|t| t.1),
+                error_type,
+                trace_id,
+            });
+        }
+        let inter_token = (!self.gaps.is_empty())
+            .then(|| self.gaps.iter().sum::<Duration>() / self.gaps.len() as u32);
+        let mut event = SloEvent::new(ObjectKind::ModelCalls, outcome, now);
+        event.provider = Some(&self.provider);
+        event.model = Some(&self.model);
+        event.latency_cause = signals.latency_cause();
+        event.stream = self.stream;
+        event.ttft = ttft;
+        event.inter_token = inter_token;
+        event.aborted = end.aborted;
+        event.trace_id = trace_id;
+        self.shared.slos.record(&event);
+        if let (Some(tasks), Some(task)) = (&self.shared.tasks, &self.task) {
+            let (tokens_in, tokens_out) = if self.replayed {
+                (0, 0)
+            } else {
+                end.tokens.unwrap_or((0, 0))
+            };
+            tasks.model_call(
+                task,
+                &ModelCallSummary {
+                    at: now,
+                    request_id: &self.request_id,
+                    provider: &self.provider,
+                    model: &self.model,
+                    response_model: end.response_model.as_deref(),
+                    tokens_in,
+                    tokens_out,
+                    retries: self.retries,
+                    fallbacks: self.fallbacks,
+                    replayed: self.replayed,
+                    ok: end.failed.is_none() && !end.aborted,
+                    interrupted: end.aborted,
+                },
+            );
+        }
+        spans::finish_model_call(
+            &self.span,
+            &spans::ModelCallEnd {
+                target: Some(&self.provider),
+                response_model: end.response_model.as_deref(),
+                response_id: end.response_id.as_deref(),
+                finish_reason: end.finish_reason.as_deref(),
+                model_revision: end.response_model.as_deref(),
+                ttft,
+                tokens_in: end.tokens.map(|t| t.0),
+                tokens_out: end.tokens.map(|t| t.1),
+                attempts: self.attempts.max(1),
+                replayed: self.replayed,
+                error_type,
+                slo: Some(outcome),
+            },
+        );
+    }
+}
+
+/// The SLO failure class of a sidecar error.
+pub(crate) fn failed_of(e: &Error) -> Failed {
+    match e {
+        Error::MalformedJson(_)
+        | Error::InvalidRequest(_)
+        | Error::BadHeader { .. }
+        | Error::UnknownModel { .. }
+        | Error::BodyTooLarge { .. }
+        | Error::MethodNotAllowed { .. }
+        | Error::NotFound { .. }
+        | Error::UnknownTool { .. }
+        | Error::ReadBody(_)
+        | Error::MissingKey { .. }
+        | Error::StreamKeyReused { .. }
+        | Error::UnknownStream { .. } => Failed::InvalidRequest,
+        Error::BudgetExceeded { .. } => Failed::PolicyDenied,
+        Error::Upstream { source, .. } => match source {
+            crate::upstream::Error::Timeout { .. } => Failed::Timeout,
+            crate::upstream::Error::Connect { .. } | crate::upstream::Error::AfterSend { .. } => {
+                Failed::Transport
+            }
+        },
+        Error::StreamBroke { .. } => Failed::Transport,
+        Error::NoCandidate { .. }
+        | Error::CircuitOpen { .. }
+        | Error::Overloaded { .. }
+        | Error::StreamInProgress { .. } => Failed::Admission,
+        Error::BuildRequest(_) | Error::Journal(_) => Failed::Internal,
+    }
+}
+
+/// `error.type` for a sidecar error: its problem slug.
+pub(crate) fn error_type_of(e: &Error) -> &'static str {
+    e.to_problem().slug
+}
+
+/// A tool call being observed.
+pub(crate) struct ToolCall {
+    shared: Arc<Shared>,
+    pub span: Span,
+    started: Instant,
+    request_id: String,
+    task: Option<TaskId>,
+    tool: String,
+    protocol: &'static str,
+}
+
+/// How a tool call ended.
+pub(crate) struct ToolEnd<'a> {
+    pub outcome: ToolCallOutcome,
+    /// The journal state, or `unjournaled`.
+    pub journal_state: &'static str,
+    pub key: Option<&'a str>,
+    pub replayed: bool,
+    pub error_type: Option<&'a str>,
+}
+
+impl ToolCall {
+    pub fn start(
+        shared: &Arc<Shared>,
+        ctx: &RequestContext,
+        tool: &str,
+        protocol: &'static str,
+        headers: &http::HeaderMap,
+    ) -> Self {
+        let join = Join {
+            request_id: ctx.request_id.as_str(),
+            task_id: ctx.task_id.as_ref().map(TaskId::as_str),
+            policy_versions: None,
+            gpu_id: None,
+        };
+        let span = spans::tool_call(&join, tool, None, protocol);
+        if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+            spans::set_remote_parent(&span, tp);
+        }
+        Self {
+            shared: shared.clone(),
+            span,
+            started: Instant::now(),
+            request_id: ctx.request_id.to_string(),
+            task: ctx.task_id.clone(),
+            tool: tool.to_string(),
+            protocol,
+        }
+    }
+
+    pub fn finish(self, end: ToolEnd<'_>) {
+        let now = SystemTime::now();
+        let failed = match end.outcome {
+            ToolCallOutcome::Completed | ToolCallOutcome::NotExecuted => None,
+            ToolCallOutcome::InDoubt => Some(Failed::Transport),
+            ToolCallOutcome::Refused => Some(Failed::InvalidRequest),
+        };
+        let outcome = classify(&Signals {
+            failure: failed,
+            gpu_unhealthy: false,
+            client_cancelled: false,
+            synthetic: false,
+            maintenance: self.shared.slos.maintenance_active(),
+        });
+        let trace_id = spans::trace_id(&self.span);
+        self.shared.metrics.tool_call(&ToolCallRecord {
+            tool: &self.tool,
+            protocol: self.protocol,
+            duration: self.started.elapsed(),
+            journal_state: end.journal_state,
+            error_type: end.error_type,
+            trace_id,
+        });
+        if end.replayed {
+            self.shared
+                .metrics
+                .replay(outrigger_telemetry::ReplayKind::Tool);
+        }
+        let mut event = SloEvent::new(ObjectKind::ToolCalls, outcome, now);
+        event.tool = Some(&self.tool);
+        event.definitive = matches!(end.outcome, ToolCallOutcome::Completed);
+        event.trace_id = trace_id;
+        self.shared.slos.record(&event);
+        if let (Some(tasks), Some(task)) = (&self.shared.tasks, &self.task) {
+            tasks.tool_call(
+                task,
+                &ToolCallSummary {
+                    at: now,
+                    request_id: &self.request_id,
+                    tool: &self.tool,
+                    key: end.key,
+                    outcome: end.outcome,
+                    replayed: end.replayed,
+                    retries: 0,
+                },
+            );
+        }
+        spans::finish_tool_call(
+            &self.span,
+            &spans::ToolCallEnd {
+                journal_state: Some(end.journal_state),
+                replayed: end.replayed,
+                attempts: 1,
+                model_revision: None,
+                error_type: end.error_type,
+                slo: Some(outcome),
+            },
+        );
+    }
+}
