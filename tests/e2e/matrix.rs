@@ -1412,6 +1412,12 @@ async fn t5_an_mcp_call_carries_the_sidecars_traceparent_in_meta() {
         format!("00-{}-{}-01", hex(&tool.trace_id), hex(&tool.span_id)),
         "params._meta of the call: {meta}"
     );
+    // The tool span names the policy versions in force, like the journal record.
+    let versions = attribute(&tool.attributes, "outrigger.policy.versions");
+    assert!(
+        matches!(versions, Some(AttributeValue::StringValue(v)) if v.contains("retry@")),
+        "{versions:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 use outrigger_telemetry::slo::{Failed, ObjectKind, Signals, SloEvent, classify};
 use outrigger_telemetry::spans::{self, Join};
 use outrigger_telemetry::{ModelCallRecord, ToolCallRecord, names};
-use outrigger_types::{GpuState, TaskId};
+use outrigger_types::{GpuState, PolicyVersion, TaskId};
 use tracing::Span;
 
 use crate::error::Error;
@@ -330,10 +330,19 @@ impl ToolCall {
         protocol: &'static str,
         headers: &http::HeaderMap,
     ) -> Self {
+        // No policy decides a tool call; the span names the versions in force, as the
+        // journal record does.
+        let versions = shared
+            .decider
+            .versions()
+            .iter()
+            .map(PolicyVersion::as_str)
+            .collect::<Vec<_>>()
+            .join(",");
         let join = Join {
             request_id: ctx.request_id.as_str(),
             task_id: ctx.task_id.as_ref().map(TaskId::as_str),
-            policy_versions: None,
+            policy_versions: (!versions.is_empty()).then_some(versions.as_str()),
             gpu_id: None,
         };
         let span = spans::tool_call(&join, tool, None, protocol);
