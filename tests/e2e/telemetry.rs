@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use http::StatusCode;
-use outrigger_testing::otlp::{Collector, attribute, text};
+use outrigger_testing::otlp::{AttributeValue, Collector, attribute, text};
 use outrigger_testing::provider::{Behaviour, MockProvider};
 use outrigger_testing::tool::{MockTool, ToolBehaviour};
 use serde_json::{Value, json};
@@ -99,7 +99,8 @@ async fn a_task_is_tracked_traced_and_counted() {
         .expect("tool");
     let mut collector = Collector::start().await.expect("collector");
     let telemetry = format!(
-        "[telemetry]\notlp_endpoint = {:?}\nservice_name = \"outrigger-e2e\"\n",
+        "[telemetry]\notlp_endpoint = {:?}\nservice_name = \"outrigger-e2e\"\n\
+         [budget]\ncalls = 100\n",
         collector.endpoint
     );
     let mut sidecar =
@@ -278,6 +279,13 @@ async fn a_task_is_tracked_traced_and_counted() {
     assert_eq!(
         attribute(&agent.attributes, "outrigger.task.outcome"),
         Some(&text("success"))
+    );
+    // The task span names the policy versions that decided its calls (a budget is
+    // set, so the budget policy admits each).
+    let versions = attribute(&agent.attributes, "outrigger.policy.versions");
+    assert!(
+        matches!(versions, Some(AttributeValue::StringValue(v)) if v.contains("budget@")),
+        "{versions:?}"
     );
 }
 

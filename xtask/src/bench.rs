@@ -424,7 +424,7 @@ fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
                         ..t.sidecar.clone()
                     }],
                     name: "replay of a journaled 1,000-event stream, concurrency 1".into(),
-                    unit: "req",
+                    unit: "event",
                     concurrency: 1,
                     path: "/v1/chat/completions",
                     body: Bytes::from(body.to_string()),

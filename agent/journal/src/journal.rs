@@ -356,7 +356,9 @@ impl Journal {
 
     // --- model streams ---
 
-    /// Starts (or finds) the stream for a model call; durable before return.
+    /// Starts (or finds) the stream for a model call. Applied on return (visible to
+    /// every reader at once) and flushed within `max_batch_delay`, or earlier with
+    /// the stream's first durable event: nothing the agent receives depends on it.
     pub async fn stream_begin(
         &self,
         key: &StreamKey,
@@ -568,7 +570,7 @@ fn recover(store: &Store, core: &mut Core, epoch: u64) -> Result<(Recovery, [i64
         });
         meta.updated_at = stamp;
         recovery.abandoned_streams.push(meta.key.clone());
-        core.write_stream(&mut batch, meta)?;
+        core.write_stream(&mut batch, meta, true)?;
     }
     core.put(&mut batch, keys::FORMAT, FORMAT)?;
     core.put(&mut batch, keys::EPOCH, &epoch.to_be_bytes())?;

@@ -366,7 +366,11 @@ impl Core {
                 reply,
             } => {
                 let result = self.stream_begin(&key, *request, now, batch);
-                settle(batch, reply, result, false);
+                // Lazy: a stream's first byte waits for no flush. Losing the start
+                // in a crash loses nothing the agent was given (the first durable
+                // event flushes it too), and a generation cut by a restart is never
+                // resumed anyway: the retry starts a fresh one either way.
+                settle(batch, reply, result, true);
             }
             Command::StreamAppend {
                 key,
@@ -507,7 +511,7 @@ impl Core {
             }
         };
         let attempt = meta.attempt;
-        self.write_stream(batch, meta)?;
+        self.write_stream(batch, meta, false)?;
         Ok(StreamBegin::New { attempt })
     }
 
@@ -527,12 +531,15 @@ impl Core {
         &mut self,
         batch: &mut Batch,
         mut meta: StreamMeta,
+        durable: bool,
     ) -> Result<(), Error> {
         meta.last_seq = None;
         let bytes = encode("stream metadata", &meta)?;
         batch.put(&self.store, keys::stream(meta.key.as_str()), Some(bytes))?;
         batch.streams.insert(meta.key.clone(), Some(meta));
-        batch.needs_flush = true;
+        if durable {
+            batch.needs_flush = true;
+        }
         Ok(())
     }
 
@@ -607,7 +614,7 @@ impl Core {
         meta.state = end.state();
         meta.end = Some(end);
         meta.updated_at = Timestamp::from_system(now);
-        self.write_stream(batch, meta)
+        self.write_stream(batch, meta, true)
     }
 
     fn reap(&mut self, now: SystemTime, batch: &mut Batch) -> Result<ReapReport, Error> {

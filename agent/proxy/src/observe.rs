@@ -37,6 +37,7 @@ pub(crate) struct ModelCall {
     attempts: u32,
     retries: u32,
     fallbacks: u32,
+    policy_versions: Vec<PolicyVersion>,
     replayed: bool,
     gpu_unhealthy: bool,
     local: bool,
@@ -107,6 +108,7 @@ impl ModelCall {
             attempts: 0,
             retries: 0,
             fallbacks: 0,
+            policy_versions: Vec::new(),
             replayed: false,
             gpu_unhealthy: gpu.state == GpuState::Unhealthy,
             local: false,
@@ -138,6 +140,7 @@ impl ModelCall {
             let versions: Vec<&str> = trail.policy_versions.iter().map(|v| v.as_str()).collect();
             spans::record_policy_versions(&self.span, &versions.join(","));
         }
+        self.policy_versions.clone_from(&trail.policy_versions);
     }
 
     pub fn replayed(&mut self) {
@@ -239,6 +242,7 @@ impl ModelCall {
                     tokens_out,
                     retries: self.retries,
                     fallbacks: self.fallbacks,
+                    policy_versions: &self.policy_versions,
                     replayed: self.replayed,
                     ok: end.failed.is_none() && !end.aborted,
                     interrupted: end.aborted,

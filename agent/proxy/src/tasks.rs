@@ -25,7 +25,7 @@ use outrigger_journal::{Filter, Journal, Record, State, TimelineEntry, Timestamp
 use outrigger_telemetry::Metrics;
 use outrigger_telemetry::slo::{ObjectKind, SloEvent, Slos};
 use outrigger_telemetry::spans::{self, TaskSpan};
-use outrigger_types::{Cause, Outcome, TaskId, ToolClass};
+use outrigger_types::{Cause, Outcome, PolicyVersion, TaskId, ToolClass};
 use serde::{Deserialize, Serialize};
 
 /// The kv namespace tasks persist under.
@@ -167,6 +167,8 @@ pub struct ModelCallSummary<'a> {
     pub tokens_out: u64,
     pub retries: u32,
     pub fallbacks: u32,
+    /// The policy versions that decided the call.
+    pub policy_versions: &'a [PolicyVersion],
     /// Answered from the journal (a resumed stream or a repeated request).
     pub replayed: bool,
     /// Completed without error.
@@ -343,6 +345,9 @@ pub struct Task {
     pub open_faults: u32,
     /// The model revision the provider last reported.
     pub model_revision: Option<String>,
+    /// Every policy version that decided one of the task's model calls.
+    #[serde(default)]
+    pub policy_versions: Vec<PolicyVersion>,
     pub recovery: Option<RecoveryVerdict>,
     pub timeline: Vec<TimelineEvent>,
     /// Timeline entries dropped to keep the last [`TIMELINE_CAP`].
@@ -374,6 +379,7 @@ impl Task {
             recoveries: 0,
             open_faults: 0,
             model_revision: None,
+            policy_versions: Vec::new(),
             recovery: None,
             timeline: Vec::new(),
             timeline_dropped: 0,
@@ -734,6 +740,13 @@ impl Tasks {
             if let Some(m) = call.response_model {
                 t.model_revision = Some(m.to_owned());
             }
+            for v in call.policy_versions {
+                // Bounded: a task sees a handful of versions unless policies are
+                // swapped all day.
+                if !t.policy_versions.contains(v) && t.policy_versions.len() < 32 {
+                    t.policy_versions.push(v.clone());
+                }
+            }
             t.push(TimelineEvent::ModelCall {
                 at,
                 request_id: call.request_id.to_owned(),
@@ -841,6 +854,12 @@ impl Tasks {
         };
         let wall_clock = task.wall_clock(ended_at);
         let recovered = task.recovery.as_ref().map(|r| r.succeeded);
+        let versions = task
+            .policy_versions
+            .iter()
+            .map(PolicyVersion::as_str)
+            .collect::<Vec<_>>()
+            .join(",");
         let m = &self.inner.metrics;
         m.task_ended(wall_clock, outcome.as_str(), recovered);
         if let Some(ok) = recovered {
@@ -878,7 +897,7 @@ impl Tasks {
             tokens_in: task.tokens_in,
             tokens_out: task.tokens_out,
             model_revision: task.model_revision.as_deref(),
-            policy_versions: None,
+            policy_versions: (!versions.is_empty()).then_some(versions.as_str()),
             gpu_id: None,
         });
     }
@@ -1164,6 +1183,7 @@ mod tests {
             tokens_out: 500,
             retries: 1,
             fallbacks: 0,
+            policy_versions: &[],
             replayed,
             ok,
             interrupted,

@@ -47,6 +47,7 @@ fn call(at: SystemTime, request_id: &str) -> ModelCallSummary<'_> {
         tokens_out: 5,
         retries: 0,
         fallbacks: 0,
+        policy_versions: &[],
         replayed: false,
         ok: true,
         interrupted: false,
