@@ -393,6 +393,7 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
     let mut scratch: Vec<Bytes> = first_events;
     let mut journal_ok = true;
     let mut detached_since: Option<tokio::time::Instant> = None;
+    let mut end_recorded = false;
     let ended = 'relay: loop {
         // Release what has arrived.
         let mut out = Vec::new();
@@ -401,7 +402,9 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
             let release = gate.push(raw);
             let n = release.events.len();
             for (i, ev) in release.events.into_iter().enumerate() {
-                let durable = release.durable && i + 1 == n;
+                // The terminal event is made durable together with the stream's end
+                // record below: one flush per stream, before the agent sees the end.
+                let durable = release.durable && i + 1 == n && !gate.turn.terminal;
                 if journal_ok {
                     let r = if durable {
                         journal
@@ -420,6 +423,15 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
                 observer.on_event(&ev, std::time::Instant::now());
                 out.push(with_id(live.attempt, seq, &ev));
                 seq += 1;
+            }
+        }
+        if gate.turn.terminal && journal_ok {
+            end_recorded = true;
+            if let Err(e) = journal
+                .stream_end(&live.key, live.attempt, completed(&gate))
+                .await
+            {
+                tracing::warn!(key = %live.key, error = %e, "could not record the end of a stream");
             }
         }
         if !out.is_empty() {
@@ -477,13 +489,7 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
     drop(upstream);
     drop(permit);
     let end = match &ended {
-        Ended::Completed => StreamEnd::Completed {
-            usage: gate
-                .turn
-                .usage
-                .map(|u| serde_json::json!({"input_tokens": u.input, "output_tokens": u.output}))
-                .unwrap_or(serde_json::Value::Null),
-        },
+        Ended::Completed => completed(&gate),
         Ended::Failed => StreamEnd::Failed {
             reason: "the provider reported an error in the stream".into(),
         },
@@ -503,7 +509,10 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
             }
         }
     };
-    if journal_ok && let Err(e) = journal.stream_end(&live.key, live.attempt, end).await {
+    if journal_ok
+        && !end_recorded
+        && let Err(e) = journal.stream_end(&live.key, live.attempt, end).await
+    {
         tracing::warn!(key = %live.key, error = %e, "could not record the end of a stream");
     }
     live.finish();
@@ -514,6 +523,17 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
         Ended::Abandoned(reason) => Err(reason.as_str()),
     };
     observer.on_end(outcome, Some(&gate.turn));
+}
+
+/// The end record of a generation that reached its terminal event.
+fn completed(gate: &Gate) -> StreamEnd {
+    StreamEnd::Completed {
+        usage: gate
+            .turn
+            .usage
+            .map(|u| serde_json::json!({"input_tokens": u.input, "output_tokens": u.output}))
+            .unwrap_or(serde_json::Value::Null),
+    }
 }
 
 async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
