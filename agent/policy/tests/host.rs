@@ -442,6 +442,23 @@ fn bad_versions_never_replace_a_good_one() {
     assert_eq!(status.load_errors, 9);
 }
 
+/// S4: a policy gets no capabilities. The guest asks for the environment, the file
+/// system and a loopback socket, and reports what it got.
+#[test]
+fn a_policy_that_reaches_for_env_files_or_network_gets_nothing() {
+    let f = Fixture::new(vec![named(Hook::Retry, "p")], |_| {});
+    f.install("p", misbehave());
+    assert!(f.registry.reload().is_ok());
+    let d = f.registry.retry(&ctx("reach", 1), &Failure::Timeout);
+    assert_eq!(d.source, DecisionSource::Policy);
+    match d.value {
+        RetryDecision::GiveUp(reason) => {
+            assert_eq!(reason, "env:none fs:denied net:denied");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn faults_at_call_time_are_contained_and_counted() {
     let f = Fixture::new(

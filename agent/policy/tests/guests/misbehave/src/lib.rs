@@ -8,6 +8,8 @@
 //! - `slow:<ms>`: busy-waits that long on the host's clock, then answers normally;
 //! - `invalid`: answers something the host must refuse;
 //! - `jitter`: retries after a random delay below one second;
+//! - `reach`: tries to read the environment, the file system and the network, and
+//!   gives up with a report of what it got (the host grants none of them);
 //! - anything else: answers normally — retry after `delay_ms` (param, default 1),
 //!   the candidates in reverse order, admit.
 
@@ -25,6 +27,27 @@ enum Mode {
     Normal,
     Invalid,
     Jitter,
+    Reach,
+}
+
+/// What a policy that reaches for the outside world gets: `env:none`, `fs:denied`,
+/// `net:denied` under the host.
+fn reach() -> String {
+    let vars = std::env::vars().count();
+    let env = if vars == 0 {
+        "env:none".to_string()
+    } else {
+        format!("env:{vars}")
+    };
+    let fs = match (std::fs::read_dir("/"), std::fs::read_dir(".")) {
+        (Err(_), Err(_)) => "fs:denied",
+        _ => "fs:open",
+    };
+    let net = match std::net::TcpStream::connect("127.0.0.1:7") {
+        Ok(_) => "net:open",
+        Err(_) => "net:denied",
+    };
+    format!("{env} {fs} {net}")
 }
 
 fn act(request_id: &str) -> Mode {
@@ -42,6 +65,7 @@ fn act(request_id: &str) -> Mode {
         }
         "invalid" => Mode::Invalid,
         "jitter" => Mode::Jitter,
+        "reach" => Mode::Reach,
         other => {
             if let Some(ms) = other
                 .strip_prefix("slow:")
@@ -62,6 +86,7 @@ impl RetryPolicy for Misbehave {
         match act(&ctx.request_id) {
             Mode::Invalid => RetryDecision::RetryAfter(u64::MAX),
             Mode::Jitter => RetryDecision::RetryAfter(host::random_up_to(999)),
+            Mode::Reach => RetryDecision::give_up(reach()),
             Mode::Normal => RetryDecision::RetryAfter(host::param_or("delay_ms", 1)),
         }
     }
@@ -71,7 +96,7 @@ impl FallbackPolicy for Misbehave {
     fn order(request: FallbackRequest) -> Vec<String> {
         match act(&request.request_id) {
             Mode::Invalid => vec!["not-a-candidate".into()],
-            Mode::Jitter | Mode::Normal => {
+            Mode::Jitter | Mode::Reach | Mode::Normal => {
                 let mut names: Vec<String> = Vec::new();
                 for candidate in request.candidates.into_iter().rev() {
                     if !names.contains(&candidate.name) {
@@ -88,7 +113,7 @@ impl BudgetPolicy for Misbehave {
     fn admit(request: BudgetRequest) -> BudgetDecision {
         match act(&request.request_id) {
             Mode::Invalid => BudgetDecision::downgrade("a-model-nobody-offered"),
-            Mode::Jitter | Mode::Normal => BudgetDecision::Admit,
+            Mode::Jitter | Mode::Reach | Mode::Normal => BudgetDecision::Admit,
         }
     }
 }
