@@ -204,7 +204,13 @@ pub async fn run<'a, T: Transport>(
             }
             Outcome::Failed(f, ended) => (f, ended),
         };
-        if !matches!(failure, Failure::ContextOverflow | Failure::ContentFiltered) {
+        // A rate limit is the provider's capacity talking (the limiter paces it), and
+        // an overflow or a filter is about the request: none says the provider is
+        // broken, so none counts toward opening its circuit.
+        if !matches!(
+            failure,
+            Failure::ContextOverflow | Failure::ContentFiltered | Failure::RateLimited { .. }
+        ) {
             let state = m.breakers.record(&target.name, false, jitter());
             if let Some(metrics) = m.metrics {
                 metrics.breaker_state(&target.name, state);

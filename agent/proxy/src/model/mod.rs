@@ -552,9 +552,10 @@ async fn produce(
                 ..ModelEnd::default()
             });
         }
+        // The answer and the end record are made durable by one flush (the end's).
         let journaled = async {
             journal
-                .stream_append(&key, attempt, 0, bytes.clone(), true)
+                .stream_append(&key, attempt, 0, bytes.clone(), false)
                 .await?;
             journal
                 .stream_end(
@@ -566,9 +567,21 @@ async fn produce(
                 )
                 .await
         };
-        if let Err(e) = journaled.await {
-            end_failed(&Some((journal, key, attempt)), &e.to_string()).await;
-            return Err(Error::Journal(e));
+        match journaled.await {
+            Ok(()) => {}
+            // A model answer has no side effect to protect: when the journal cannot
+            // write, the agent still gets it, unjournaled.
+            Err(
+                e @ (outrigger_journal::Error::Unavailable(_)
+                | outrigger_journal::Error::Storage(_)),
+            ) => {
+                tracing::warn!(key = %key, error = %e, "the journal cannot take this answer; releasing it unjournaled");
+                end_failed(&Some((journal, key, attempt)), &e.to_string()).await;
+            }
+            Err(e) => {
+                end_failed(&Some((journal, key, attempt)), &e.to_string()).await;
+                return Err(Error::Journal(e));
+            }
         }
         parts.headers.remove(header::CONTENT_LENGTH);
         return Ok(Response::from_parts(parts, body::full(bytes)));

@@ -228,6 +228,26 @@ async fn under_total_failure_at_concurrency_50_retries_stay_within_the_budget() 
 }
 
 #[tokio::test(start_paused = true)]
+async fn rate_limits_never_open_the_breaker() {
+    let rig = Rig::new();
+    let script = Script::new(vec![], 429);
+    let p = provider("a", 1);
+    let mech = rig.mechanics(&script, &crate::decider::NoPolicy);
+    for _ in 0..20 {
+        let _ = run(&mech, &plan(vec![&p]), &mut Trail::default()).await;
+    }
+    assert_eq!(
+        rig.breakers.state("a"),
+        outrigger_types::CircuitState::Closed
+    );
+    assert_eq!(
+        script.sent.load(Ordering::SeqCst),
+        20,
+        "every call was sent"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn the_breaker_opens_then_a_probe_half_opens_it() {
     let rig = Rig::new();
     let script = Script::new(vec![], 503);
