@@ -49,3 +49,11 @@ pub enum Error {
     #[error("invalid {what}: {detail}")]
     Invalid { what: &'static str, detail: String },
 }
+
+impl Error {
+    /// The journal cannot write now (the disk or the writer failed), as opposed to a
+    /// refusal about the request: callers with nothing to protect may go on without it.
+    pub fn is_write_failure(&self) -> bool {
+        matches!(self, Self::Unavailable(_) | Self::Storage(_))
+    }
+}

@@ -123,7 +123,30 @@ async fn call_inner(
         Some(_) => streams::key_for(&parts.headers, ctx, &request, &shared.options.streams)?,
         None => None,
     };
-    let (Some(keyed), Some(journal)) = (keyed, shared.journal.clone()) else {
+    // A model call has no side effect to protect: when the journal cannot take the
+    // stream, it is relayed unjournaled rather than refused.
+    let begun = match (keyed, shared.journal.clone()) {
+        (Some(keyed), Some(journal)) => {
+            let stream_request = StreamRequest {
+                fingerprint: streams::fingerprint(&request),
+                task_id: ctx.task_id.clone(),
+                request_id: ctx.request_id.clone(),
+                provider: primary.name.clone(),
+                model: request.model.clone(),
+                policy_versions: shared.decider.versions(),
+            };
+            match journal.stream_begin(&keyed.key, stream_request).await {
+                Ok(begin) => Some((keyed, journal, begin)),
+                Err(e) if e.is_write_failure() => {
+                    tracing::warn!(key = %keyed.key, error = %e, "the journal cannot take this stream; relaying it unjournaled");
+                    None
+                }
+                Err(e) => return Err(Error::Journal(e)),
+            }
+        }
+        _ => None,
+    };
+    let Some((keyed, journal, begin)) = begun else {
         return generate(
             shared,
             request,
@@ -136,47 +159,11 @@ async fn call_inner(
         )
         .await;
     };
-
     let last_event_id = parts
         .headers
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
         .and_then(streams::parse_event_id);
-    let begin = journal
-        .stream_begin(
-            &keyed.key,
-            StreamRequest {
-                fingerprint: streams::fingerprint(&request),
-                task_id: ctx.task_id.clone(),
-                request_id: ctx.request_id.clone(),
-                provider: primary.name.clone(),
-                model: request.model.clone(),
-                policy_versions: shared.decider.versions(),
-            },
-        )
-        .await;
-    let begin = match begin {
-        Ok(begin) => begin,
-        // A model call has no side effect to protect: when the journal cannot take
-        // the stream, it is relayed unjournaled rather than refused.
-        Err(
-            e @ (outrigger_journal::Error::Unavailable(_) | outrigger_journal::Error::Storage(_)),
-        ) => {
-            tracing::warn!(key = %keyed.key, error = %e, "the journal cannot take this stream; relaying it unjournaled");
-            return generate(
-                shared,
-                request,
-                primary,
-                parts.headers,
-                ctx,
-                routed,
-                None,
-                rec,
-            )
-            .await;
-        }
-        Err(e) => return Err(Error::Journal(e)),
-    };
     let attempt = match begin {
         StreamBegin::Mismatch { meta } => {
             return Err(Error::StreamKeyReused {
@@ -571,10 +558,7 @@ async fn produce(
             Ok(()) => {}
             // A model answer has no side effect to protect: when the journal cannot
             // write, the agent still gets it, unjournaled.
-            Err(
-                e @ (outrigger_journal::Error::Unavailable(_)
-                | outrigger_journal::Error::Storage(_)),
-            ) => {
+            Err(e) if e.is_write_failure() => {
                 tracing::warn!(key = %key, error = %e, "the journal cannot take this answer; releasing it unjournaled");
                 end_failed(&Some((journal, key, attempt)), &e.to_string()).await;
             }
