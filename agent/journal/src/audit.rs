@@ -13,7 +13,7 @@ use crate::chain::{self, Head, LogEntry, VerifyReport};
 use crate::options::Durability;
 use crate::record::{Filter, Record, TimelineEntry};
 use crate::store::{Store, keys};
-use crate::stream::{StreamKey, StreamMeta};
+use crate::stream::{StreamKey, StreamMeta, chunk};
 use crate::writer::{decode_record, decode_stream};
 
 /// Reads go straight to the store: they never wait for the writer. They may see a
@@ -133,14 +133,7 @@ impl Reader {
             return Ok(None);
         };
         let mut meta = decode_stream(key.as_str(), &bytes)?;
-        meta.last_seq = match self
-            .store
-            .scan_prefix(&keys::attempt_prefix(key.as_str(), meta.attempt))
-            .next_back()
-        {
-            Some(entry) => keys::event_seq(&entry?.0),
-            None => None,
-        };
+        meta.last_seq = last_seq(&self.store, key.as_str(), meta.attempt)?;
         Ok(Some(meta))
     }
 
@@ -151,26 +144,38 @@ impl Reader {
         after_seq: Option<u64>,
     ) -> Result<Vec<(u64, Bytes)>, Error> {
         let prefix = keys::attempt_prefix(key.as_str(), attempt);
-        let start = match after_seq {
+        let first = match after_seq {
             Some(seq) => match seq.checked_add(1) {
-                Some(next) => keys::event(key.as_str(), attempt, next),
+                Some(next) => next,
                 None => return Ok(Vec::new()),
             },
+            None => 0,
+        };
+        // The chunk holding `first` starts at or before it: begin at the last chunk
+        // key not above it.
+        let at = keys::event(key.as_str(), attempt, first);
+        let start = match self.store.range(&prefix, &at).next_back() {
+            Some(entry) => entry?.0,
             None => prefix.clone(),
         };
-        let iter = self
+        let mut out = Vec::new();
+        for entry in self
             .store
             .range_from(&start)
-            .take_while(move |e| e.as_ref().map_or(true, |(k, _)| k.starts_with(&prefix)));
-        iter.map(|entry| {
+            .take_while(|e| e.as_ref().map_or(true, |(k, _)| k.starts_with(&prefix)))
+        {
             let (k, v) = entry?;
             let seq = keys::event_seq(&k).ok_or_else(|| Error::Decode {
                 what: format!("an event key of stream {key}"),
                 detail: "too short".to_owned(),
             })?;
-            Ok((seq, Bytes::from(v)))
-        })
-        .collect()
+            out.extend(
+                chunk::decode(seq, Bytes::from(v))?
+                    .into_iter()
+                    .filter(|(seq, _)| *seq >= first),
+            );
+        }
+        Ok(out)
     }
 
     pub(crate) fn kv_get(&self, namespace: &str, key: &str) -> Result<Option<Vec<u8>>, Error> {
@@ -260,4 +265,20 @@ impl Audit {
     ) -> Result<Vec<(u64, Bytes)>, Error> {
         self.reader.stream_events(key, attempt, after_seq)
     }
+}
+
+/// The highest sequence number stored for an attempt, if any event is.
+pub(crate) fn last_seq(store: &Store, key: &str, attempt: u32) -> Result<Option<u64>, Error> {
+    let Some(entry) = store
+        .scan_prefix(&keys::attempt_prefix(key, attempt))
+        .next_back()
+    else {
+        return Ok(None);
+    };
+    let (k, v) = entry?;
+    let first = keys::event_seq(&k).ok_or_else(|| Error::Decode {
+        what: format!("an event key of stream {key}"),
+        detail: "too short".to_owned(),
+    })?;
+    Ok(Some(first + chunk::count(&v)?.saturating_sub(1)))
 }

@@ -372,41 +372,48 @@ impl Journal {
         .await
     }
 
-    /// Journals one raw event. `durable = false` (text deltas): returns once applied,
-    /// flushed within `max_batch_delay`. `durable = true` (complete tool-call blocks,
-    /// terminal events): returns once flushed, together with every earlier event.
+    /// Journals raw events numbered from `seq` (typically what one upstream frame
+    /// carried), stored together as one value. `durable = false` (text deltas):
+    /// returns once applied, flushed within `max_batch_delay`. `durable = true`
+    /// (complete tool-call blocks, terminal events): returns once flushed, together
+    /// with every earlier event.
     pub async fn stream_append(
         &self,
         key: &StreamKey,
         attempt: u32,
         seq: u64,
-        event: Bytes,
+        events: Vec<Bytes>,
         durable: bool,
     ) -> Result<(), Error> {
         self.call(|reply| Command::StreamAppend {
             key: key.clone(),
             attempt,
             seq,
-            event,
+            events,
             durable,
+            buffered: false,
             reply,
         })
         .await
     }
 
-    /// Queues a lazily journaled event without waiting for the writer to take it in.
+    /// Queues lazily journaled events without waiting for the writer to take them in.
     ///
-    /// Commands reach the single writer in the order they are sent, so events queued
-    /// one after another keep their order, and a later durable write (or
-    /// `stream_end`) that is awaited is only acknowledged once these are flushed too.
-    /// A write that fails is not reported here; it shows in `Stats` and in the next
-    /// awaited call. Waits only when the writer's queue is full (back-pressure).
+    /// The writer holds such events per stream and writes them out together: with
+    /// the stream's next awaited append, its end or a new attempt, or within
+    /// `max_batch_delay`, whichever comes first; until then `stream_events` does not
+    /// return them (an open stream's clients read the live hub, not the journal).
+    /// Commands reach the single writer in the order they are sent, so events keep
+    /// their order, and a later durable write (or `stream_end`) that is awaited is
+    /// only acknowledged once these are flushed too. A write that fails is not
+    /// reported here; it shows in `Stats`, and the attempt's next awaited call fails.
+    /// Waits only when the writer's queue is full (back-pressure).
     pub async fn stream_append_nowait(
         &self,
         key: &StreamKey,
         attempt: u32,
         seq: u64,
-        event: Bytes,
+        events: Vec<Bytes>,
     ) -> Result<(), Error> {
         let (reply, _ignored) = oneshot::channel();
         self.inner
@@ -415,8 +422,9 @@ impl Journal {
                 key: key.clone(),
                 attempt,
                 seq,
-                event,
+                events,
                 durable: false,
+                buffered: true,
                 reply,
             })
             .await

@@ -137,3 +137,144 @@ pub enum StreamBegin {
     /// Same key, different request.
     Mismatch { meta: StreamMeta },
 }
+
+/// How events sit in the store: the events one `stream_append` took in share one
+/// value, stored under the sequence number of the first.
+///
+/// A single event is stored as its raw bytes. Several are a chunk: a 0 byte (no SSE
+/// event starts with one), the count, then each event as a big-endian `u32` length
+/// and its bytes. Journals written before chunks existed hold only single events, so
+/// they read unchanged.
+pub(crate) mod chunk {
+    use bytes::Bytes;
+
+    use crate::Error;
+
+    const MARK: u8 = 0;
+
+    pub(crate) fn encode(events: &[Bytes]) -> Vec<u8> {
+        if let [single] = events
+            && single.first() != Some(&MARK)
+        {
+            return single.to_vec();
+        }
+        let body: usize = events.iter().map(|e| 4 + e.len()).sum();
+        let mut out = Vec::with_capacity(5 + body);
+        out.push(MARK);
+        out.extend_from_slice(&len32(events.len()).to_be_bytes());
+        for event in events {
+            out.extend_from_slice(&len32(event.len()).to_be_bytes());
+            out.extend_from_slice(event);
+        }
+        out
+    }
+
+    fn len32(n: usize) -> u32 {
+        // Events and chunks are bounded far below 4 GiB by the stream size limit.
+        u32::try_from(n).unwrap_or(u32::MAX)
+    }
+
+    /// How many events the stored value holds.
+    pub(crate) fn count(value: &[u8]) -> Result<u64, Error> {
+        match value.first() {
+            Some(&MARK) => Ok(u64::from(read_u32(value, 1)?)),
+            _ => Ok(1),
+        }
+    }
+
+    /// The events of a stored value, numbered from `first_seq`; slices of `value`.
+    pub(crate) fn decode(first_seq: u64, value: Bytes) -> Result<Vec<(u64, Bytes)>, Error> {
+        if value.first() != Some(&MARK) {
+            return Ok(vec![(first_seq, value)]);
+        }
+        let count = read_u32(&value, 1)?;
+        let mut out = Vec::with_capacity(count as usize);
+        let mut at = 5;
+        for i in 0..u64::from(count) {
+            let len = read_u32(&value, at)? as usize;
+            let start = at + 4;
+            let end = start
+                .checked_add(len)
+                .filter(|&end| end <= value.len())
+                .ok_or_else(|| corrupt("an event runs past the end of its chunk"))?;
+            out.push((first_seq + i, value.slice(start..end)));
+            at = end;
+        }
+        if at != value.len() {
+            return Err(corrupt("bytes left over after the last event of a chunk"));
+        }
+        Ok(out)
+    }
+
+    fn read_u32(value: &[u8], at: usize) -> Result<u32, Error> {
+        value
+            .get(at..at + 4)
+            .and_then(|b| b.try_into().ok())
+            .map(u32::from_be_bytes)
+            .ok_or_else(|| corrupt("a chunk is cut short"))
+    }
+
+    fn corrupt(detail: &str) -> Error {
+        Error::Decode {
+            what: "stream events".to_owned(),
+            detail: detail.to_owned(),
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        fn events(raw: &[&'static str]) -> Vec<Bytes> {
+            raw.iter()
+                .map(|s| Bytes::from_static(s.as_bytes()))
+                .collect()
+        }
+
+        #[test]
+        fn a_single_event_is_stored_raw_and_reads_back() {
+            let one = events(&["data: {\"a\":1}\n\n"]);
+            let stored = encode(&one);
+            assert_eq!(stored, b"data: {\"a\":1}\n\n");
+            assert_eq!(count(&stored).unwrap(), 1);
+            let back = decode(7, Bytes::from(stored)).unwrap();
+            assert_eq!(back, vec![(7, one[0].clone())]);
+        }
+
+        #[test]
+        fn several_events_round_trip_with_their_sequence_numbers() {
+            let many = events(&["data: a\n\n", "", "event: x\ndata: b\n\n"]);
+            let stored = encode(&many);
+            assert_eq!(stored[0], MARK);
+            assert_eq!(count(&stored).unwrap(), 3);
+            let back = decode(10, Bytes::from(stored)).unwrap();
+            let seqs: Vec<u64> = back.iter().map(|(s, _)| *s).collect();
+            assert_eq!(seqs, vec![10, 11, 12]);
+            let bodies: Vec<Bytes> = back.into_iter().map(|(_, b)| b).collect();
+            assert_eq!(bodies, many);
+        }
+
+        #[test]
+        fn a_single_event_that_starts_with_the_mark_is_chunked() {
+            let odd = vec![Bytes::from_static(b"\0odd")];
+            let stored = encode(&odd);
+            assert_eq!(count(&stored).unwrap(), 1);
+            assert_eq!(
+                decode(0, Bytes::from(stored)).unwrap(),
+                vec![(0, odd[0].clone())]
+            );
+        }
+
+        #[test]
+        fn a_damaged_chunk_is_an_error_not_a_short_stream() {
+            let mut stored = encode(&events(&["data: a\n\n", "data: b\n\n"]));
+            stored.truncate(stored.len() - 3);
+            assert!(decode(0, Bytes::from(stored.clone())).is_err());
+            stored.truncate(3);
+            assert!(count(&stored).is_err());
+            let mut long = encode(&events(&["data: a\n\n", "data: b\n\n"]));
+            long.push(b'x');
+            assert!(decode(0, Bytes::from(long)).is_err());
+        }
+    }
+}

@@ -9,7 +9,7 @@
 //! reader ever sees a state that was never made durable, and every waiter gets
 //! `Error::Unavailable` (fail closed).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::SystemTime;
@@ -26,12 +26,18 @@ use crate::record::{Begin, Record, State};
 use crate::state::{self, Effect, Event};
 use crate::stats::{Shared, WriteFault};
 use crate::store::{Store, keys};
-use crate::stream::{StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest, StreamState};
+use crate::stream::{
+    StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest, StreamState, chunk,
+};
 use crate::time::Timestamp;
 
 /// The most expiry-index entries one `reap` call processes, so that a reap after a long
 /// downtime does not build one enormous batch.
 const REAP_LIMIT: usize = 10_000;
+
+/// The most open streams whose state the writer remembers; past it, it starts over
+/// (reading from the store is always correct, only slower).
+const MAX_OPEN_STREAMS: usize = 10_000;
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, Error>>;
 
@@ -57,9 +63,13 @@ pub(crate) enum Command {
     StreamAppend {
         key: StreamKey,
         attempt: u32,
+        /// The sequence number of the first of `events`.
         seq: u64,
-        event: Bytes,
+        events: Vec<Bytes>,
         durable: bool,
+        /// Sent by `stream_append_nowait`: nobody waits, so the writer may hold the
+        /// events (see [`Run`]).
+        buffered: bool,
         reply: Reply<()>,
     },
     StreamEnd {
@@ -125,6 +135,9 @@ pub(crate) struct Batch {
     state_deltas: [i64; 8],
     records_written: u64,
     stream_events: u64,
+    /// Streams whose held events ([`Run`]s) this batch writes out: if it fails, they
+    /// have a hole and take no more events.
+    runs_written: Vec<(StreamKey, u32)>,
     kv_writes: u64,
     replays: u64,
     /// Some write in the batch must be durable before its waiter is answered.
@@ -191,6 +204,23 @@ struct Hot {
     bytes: Vec<u8>,
 }
 
+/// Lazily journaled events of one stream held by the writer, so that a stream whose
+/// events arrive one by one costs one store write per flush interval rather than one
+/// per event. A run is written out (as one chunk) with the stream's next awaited
+/// append, its end, a new attempt, when it grows past [`RUN_EVENTS`] or
+/// [`RUN_BYTES`], and when the flush delay runs out; nobody reads an open stream's
+/// events from the journal meanwhile (its live clients read the proxy's hub).
+struct Run {
+    attempt: u32,
+    first_seq: u64,
+    events: Vec<Bytes>,
+    bytes: usize,
+}
+
+/// The most events, and bytes, one [`Run`] holds before it is written out.
+const RUN_EVENTS: usize = 1_024;
+const RUN_BYTES: usize = 256 * 1024;
+
 /// What the writer owns.
 pub(crate) struct Core {
     store: Arc<Store>,
@@ -201,6 +231,15 @@ pub(crate) struct Core {
     dirty_since: Option<Instant>,
     /// Durable records of calls in flight (updated only after a successful commit).
     hot: HashMap<IdempotencyKey, Hot>,
+    /// The attempt and state of streams seen open, so that an append (one per
+    /// upstream frame) costs no read and decode of the stream's metadata. Updated
+    /// only after a successful commit, like `hot`.
+    open_streams: HashMap<StreamKey, (u32, StreamState)>,
+    /// Held lazy events per stream (see [`Run`]).
+    runs: HashMap<StreamKey, Run>,
+    /// Stream attempts whose held events were lost to a failed write: the rest of
+    /// such an attempt is refused, so the journal never serves a stream with a hole.
+    broken: HashSet<(StreamKey, u32)>,
     /// Makes expiry index keys unique within the epoch.
     expiry_ids: u64,
 }
@@ -237,6 +276,9 @@ impl Core {
             head,
             dirty_since: None,
             hot: HashMap::new(),
+            open_streams: HashMap::new(),
+            runs: HashMap::new(),
+            broken: HashSet::new(),
             expiry_ids: 0,
         }
     }
@@ -365,7 +407,9 @@ impl Core {
                 request,
                 reply,
             } => {
-                let result = self.stream_begin(&key, *request, now, batch);
+                let result = self
+                    .write_run(&key, batch)
+                    .and_then(|()| self.stream_begin(&key, *request, now, batch));
                 // Lazy: a stream's first byte waits for no flush. Losing the start
                 // in a crash loses nothing the agent was given (the first durable
                 // event flushes it too), and a generation cut by a restart is never
@@ -376,11 +420,18 @@ impl Core {
                 key,
                 attempt,
                 seq,
-                event,
+                events,
                 durable,
+                buffered,
                 reply,
             } => {
-                let result = self.stream_append(&key, attempt, seq, &event, durable, batch);
+                let result = if buffered && !durable {
+                    self.hold(key, attempt, seq, events, batch)
+                } else {
+                    self.write_run(&key, batch).and_then(|()| {
+                        self.stream_append(&key, attempt, seq, &events, durable, batch)
+                    })
+                };
                 settle(batch, reply, result, !durable);
             }
             Command::StreamEnd {
@@ -389,7 +440,9 @@ impl Core {
                 end,
                 reply,
             } => {
-                let result = self.stream_end(&key, attempt, end, now, batch);
+                let result = self
+                    .write_run(&key, batch)
+                    .and_then(|()| self.stream_end(&key, attempt, end, now, batch));
                 settle(batch, reply, result, false);
             }
             Command::KvPut {
@@ -516,14 +569,7 @@ impl Core {
     }
 
     fn with_last_seq(&self, mut meta: StreamMeta) -> Result<StreamMeta, Error> {
-        meta.last_seq = match self
-            .store
-            .scan_prefix(&keys::attempt_prefix(meta.key.as_str(), meta.attempt))
-            .next_back()
-        {
-            Some(entry) => keys::event_seq(&entry?.0),
-            None => None,
-        };
+        meta.last_seq = crate::audit::last_seq(&self.store, meta.key.as_str(), meta.attempt)?;
         Ok(meta)
     }
 
@@ -541,6 +587,27 @@ impl Core {
             batch.needs_flush = true;
         }
         Ok(())
+    }
+
+    /// The state of `attempt` of an existing stream, which must be its current one.
+    fn open_stream_state(
+        &self,
+        batch: &Batch,
+        key: &StreamKey,
+        attempt: u32,
+    ) -> Result<StreamState, Error> {
+        if !batch.streams.contains_key(key)
+            && let Some(&(current, state)) = self.open_streams.get(key)
+        {
+            if current != attempt {
+                return Err(Error::Stream {
+                    key: key.to_string(),
+                    detail: format!("attempt {attempt} is not current (attempt {current} is)"),
+                });
+            }
+            return Ok(state);
+        }
+        self.open_stream(batch, key, attempt).map(|meta| meta.state)
     }
 
     fn open_stream(
@@ -570,27 +637,118 @@ impl Core {
         key: &StreamKey,
         attempt: u32,
         seq: u64,
-        event: &Bytes,
+        events: &[Bytes],
         durable: bool,
         batch: &mut Batch,
     ) -> Result<(), Error> {
-        let meta = self.open_stream(batch, key, attempt)?;
-        if meta.state != StreamState::Open {
-            return Err(Error::Stream {
-                key: key.to_string(),
-                detail: format!("attempt {attempt} has ended ({:?})", meta.state),
-            });
-        }
+        self.appendable(batch, key, attempt, events)?;
+        // One value for all the events of this append (see `stream::chunk`).
         batch.put(
             &self.store,
             keys::event(key.as_str(), attempt, seq),
-            Some(event.to_vec()),
+            Some(chunk::encode(events)),
         )?;
-        batch.stream_events += 1;
+        batch.stream_events += events.len() as u64;
         if durable {
             batch.needs_flush = true;
         }
         Ok(())
+    }
+
+    /// Refuses an append that is empty or goes to an attempt that is not open.
+    fn appendable(
+        &self,
+        batch: &Batch,
+        key: &StreamKey,
+        attempt: u32,
+        events: &[Bytes],
+    ) -> Result<(), Error> {
+        if events.is_empty() {
+            return Err(Error::Invalid {
+                what: "stream events",
+                detail: "an append needs at least one event".to_owned(),
+            });
+        }
+        self.check_intact(key, attempt)?;
+        let state = self.open_stream_state(batch, key, attempt)?;
+        if state != StreamState::Open {
+            return Err(Error::Stream {
+                key: key.to_string(),
+                detail: format!("attempt {attempt} has ended ({state:?})"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Refuses more of an attempt whose held events were lost.
+    fn check_intact(&self, key: &StreamKey, attempt: u32) -> Result<(), Error> {
+        if self.broken.contains(&(key.clone(), attempt)) {
+            return Err(Error::Unavailable(format!(
+                "events of stream {key} attempt {attempt} were lost to a failed journal write"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Holds lazily journaled events in the stream's [`Run`].
+    fn hold(
+        &mut self,
+        key: StreamKey,
+        attempt: u32,
+        seq: u64,
+        events: Vec<Bytes>,
+        batch: &mut Batch,
+    ) -> Result<(), Error> {
+        self.appendable(batch, &key, attempt, &events)?;
+        let follows = self.runs.get(&key).is_some_and(|run| {
+            run.attempt == attempt && run.first_seq + run.events.len() as u64 == seq
+        });
+        if !follows {
+            self.write_run(&key, batch)?;
+        }
+        let run = self.runs.entry(key.clone()).or_insert_with(|| Run {
+            attempt,
+            first_seq: seq,
+            events: Vec::new(),
+            bytes: 0,
+        });
+        run.bytes += events.iter().map(Bytes::len).sum::<usize>();
+        run.events.extend(events);
+        if run.events.len() >= RUN_EVENTS || run.bytes >= RUN_BYTES {
+            self.write_run(&key, batch)?;
+        }
+        self.dirty_since.get_or_insert_with(Instant::now);
+        Ok(())
+    }
+
+    /// Writes out the events held for `key`, if any, into `batch`.
+    fn write_run(&mut self, key: &StreamKey, batch: &mut Batch) -> Result<(), Error> {
+        let Some(run) = self.runs.remove(key) else {
+            return Ok(());
+        };
+        match self.stream_append(key, run.attempt, run.first_seq, &run.events, false, batch) {
+            Ok(()) => {
+                batch.runs_written.push((key.clone(), run.attempt));
+                Ok(())
+            }
+            // The attempt ended or was replaced meanwhile: these events belong to
+            // nothing the journal still serves.
+            Err(Error::Stream { detail, .. } | Error::Unavailable(detail)) => {
+                tracing::warn!(%key, %detail, events = run.events.len(), "dropping held events of an ended stream attempt");
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes out every held run into `batch`.
+    pub(crate) fn write_runs(&mut self, batch: &mut Batch) {
+        let keys: Vec<StreamKey> = self.runs.keys().cloned().collect();
+        for key in keys {
+            if let Err(e) = self.write_run(&key, batch) {
+                tracing::warn!(%key, error = %e, "could not write held stream events");
+            }
+        }
     }
 
     fn stream_end(
@@ -601,6 +759,7 @@ impl Core {
         now: SystemTime,
         batch: &mut Batch,
     ) -> Result<(), Error> {
+        self.check_intact(key, attempt)?;
         let mut meta = self.open_stream(batch, key, attempt)?;
         if meta.state != StreamState::Open {
             if meta.end.as_ref() == Some(&end) {
@@ -839,6 +998,7 @@ impl Core {
             self.shared.failing.store(true, Ordering::Relaxed);
             self.head = batch.head_before;
             tracing::error!(%reason, "journal batch not applied; failing its waiters");
+            self.lose_runs(&mut batch);
             fail(batch, &reason);
             return;
         }
@@ -877,12 +1037,38 @@ impl Core {
                     tracing::error!(error = %e, "rolling back an unflushed journal batch failed");
                 }
                 tracing::error!(%reason, "journal flush failed; failing its waiters");
+                self.lose_runs(&mut batch);
                 fail(batch, &reason);
             }
         }
     }
 
+    /// Marks the streams whose held events a failed batch carried.
+    fn lose_runs(&mut self, batch: &mut Batch) {
+        if self.broken.len() >= MAX_OPEN_STREAMS {
+            self.broken.clear();
+        }
+        for (key, attempt) in batch.runs_written.drain(..) {
+            tracing::warn!(%key, attempt, "held stream events were lost to a failed journal write; the attempt takes no more");
+            self.broken.insert((key, attempt));
+        }
+    }
+
     fn remember_in_flight(&mut self, batch: &mut Batch) {
+        for (key, meta) in batch.streams.drain() {
+            match meta {
+                Some(meta) if meta.state == StreamState::Open => {
+                    // Streams cut by a failing journal never end here; bound the map.
+                    if self.open_streams.len() >= MAX_OPEN_STREAMS {
+                        self.open_streams.clear();
+                    }
+                    self.open_streams.insert(key, (meta.attempt, meta.state));
+                }
+                _ => {
+                    self.open_streams.remove(&key);
+                }
+            }
+        }
         for (key, record) in batch.records.drain() {
             match record {
                 Some(record) if record.state.in_flight() => {
@@ -911,8 +1097,17 @@ impl Core {
             .map(|since| since + self.options.max_batch_delay)
     }
 
-    /// Flushes lazy writes whose delay ran out.
+    /// Writes out held stream events and flushes lazy writes whose delay ran out.
     pub(crate) async fn flush_lazy(&mut self) {
+        if !self.runs.is_empty() {
+            let mut batch = self.new_batch();
+            self.write_runs(&mut batch);
+            batch.needs_flush = true;
+            self.commit(batch).await;
+            if self.dirty_since.is_none() {
+                return;
+            }
+        }
         match self.flush().await {
             Ok(()) => self.dirty_since = None,
             Err(reason) => {

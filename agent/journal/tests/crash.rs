@@ -66,13 +66,15 @@ async fn journal_then_abort(dir: &Path) -> TestResult {
     journal.stream_begin(&stream, stream_request()).await?;
     for seq in 0..4 {
         journal
-            .stream_append(&stream, 1, seq, event(seq), false)
+            .stream_append(&stream, 1, seq, vec![event(seq)], false)
             .await?;
     }
-    journal.stream_append(&stream, 1, 4, event(4), true).await?;
+    journal
+        .stream_append(&stream, 1, 4, vec![event(4)], true)
+        .await?;
     for seq in 5..8 {
         journal
-            .stream_append(&stream, 1, seq, event(seq), false)
+            .stream_append(&stream, 1, seq, vec![event(seq)], false)
             .await?;
     }
     std::fs::write(dir.join("acknowledged"), b"")?;

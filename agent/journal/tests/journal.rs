@@ -476,7 +476,13 @@ async fn retention_tombstones_then_purges() -> TestResult {
     let stream = StreamKey::new("s-old")?;
     run.journal.stream_begin(&stream, stream_request(1)).await?;
     run.journal
-        .stream_append(&stream, 1, 0, Bytes::from_static(b"data: x\n\n"), true)
+        .stream_append(
+            &stream,
+            1,
+            0,
+            vec![Bytes::from_static(b"data: x\n\n")],
+            true,
+        )
         .await?;
     run.journal
         .stream_end(
@@ -553,6 +559,153 @@ fn event(i: u64) -> Bytes {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_appended_together_read_back_one_by_one() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let key = StreamKey::new("chat-chunks")?;
+    {
+        let (run, _) = Running::open(Options::new(dir.path()))?;
+        let j = &run.journal;
+        j.stream_begin(&key, stream_request(1)).await?;
+        // Frames of 3, 1 and 4 events, as an upstream might deliver them.
+        j.stream_append(&key, 1, 0, (0..3).map(event).collect(), false)
+            .await?;
+        j.stream_append(&key, 1, 3, vec![event(3)], false).await?;
+        j.stream_append(&key, 1, 4, (4..8).map(event).collect(), true)
+            .await?;
+        let empty = j.stream_append(&key, 1, 8, Vec::new(), false).await;
+        assert!(matches!(empty, Err(Error::Invalid { .. })), "{empty:?}");
+        assert_eq!(j.stats().stream_events, 8);
+        assert_eq!(j.stream_meta(&key)?.and_then(|m| m.last_seq), Some(7));
+        for after in [None, Some(0), Some(1), Some(2), Some(3), Some(5), Some(7)] {
+            let got = j.stream_events(&key, 1, after)?;
+            let from = after.map_or(0, |a| a + 1);
+            let want: Vec<(u64, Bytes)> = (from..8).map(|s| (s, event(s))).collect();
+            assert_eq!(got, want, "after {after:?}");
+        }
+        run.stop().await?;
+    }
+    // The durable append made all eight durable; they read back the same after a
+    // restart, through the audit reader too.
+    let audit = Journal::open_for_audit(dir.path())?;
+    let all = audit.stream_events(&key, 1, Some(4))?;
+    assert_eq!(all, (5..8).map(|s| (s, event(s))).collect::<Vec<_>>());
+    assert_eq!(audit.stream_meta(&key)?.and_then(|m| m.last_seq), Some(7));
+    Ok(())
+}
+
+/// Reads a stream's sequence numbers until `want` of them are there (bounded).
+async fn seqs_within(j: &Journal, key: &StreamKey, want: usize) -> Vec<u64> {
+    let mut seqs = Vec::new();
+    for _ in 0..200 {
+        seqs = j
+            .stream_events(key, 1, None)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
+        if seqs.len() >= want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    seqs
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queued_events_are_written_together_by_the_next_durable_append_or_the_delay() -> TestResult
+{
+    let dir = tempfile::tempdir()?;
+    let mut options = Options::new(dir.path());
+    options.max_batch_delay = Duration::from_millis(40);
+    let (run, _) = Running::open(options)?;
+    let j = &run.journal;
+    let key = StreamKey::new("chat-held")?;
+    j.stream_begin(&key, stream_request(1)).await?;
+    for seq in 0..5 {
+        j.stream_append_nowait(&key, 1, seq, vec![event(seq)])
+            .await?;
+    }
+    // The durable append writes the held five first: six events, no hole.
+    j.stream_append(&key, 1, 5, vec![event(5)], true).await?;
+    let all = j.stream_events(&key, 1, None)?;
+    assert_eq!(all, (0..6).map(|s| (s, event(s))).collect::<Vec<_>>());
+
+    // Held events with nothing after them arrive within the flush delay.
+    for seq in 6..9 {
+        j.stream_append_nowait(&key, 1, seq, vec![event(seq)])
+            .await?;
+    }
+    assert_eq!(seqs_within(j, &key, 9).await, (0..9).collect::<Vec<_>>());
+
+    // And the end writes them before the end record.
+    for seq in 9..12 {
+        j.stream_append_nowait(&key, 1, seq, vec![event(seq)])
+            .await?;
+    }
+    j.stream_end(
+        &key,
+        1,
+        StreamEnd::Completed {
+            usage: serde_json::json!({}),
+        },
+    )
+    .await?;
+    let all = j.stream_events(&key, 1, None)?;
+    assert_eq!(all, (0..12).map(|s| (s, event(s))).collect::<Vec<_>>());
+    assert_eq!(j.stream_meta(&key)?.and_then(|m| m.last_seq), Some(11));
+    assert_eq!(j.stats().stream_events, 12);
+    run.stop().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_events_lost_to_a_failed_write_end_the_attempt_instead_of_leaving_a_hole() -> TestResult
+{
+    let dir = tempfile::tempdir()?;
+    let mut options = Options::new(dir.path());
+    options.max_batch_delay = Duration::from_millis(20);
+    let (run, _) = Running::open(options)?;
+    let j = &run.journal;
+    let key = StreamKey::new("chat-hole")?;
+    j.stream_begin(&key, stream_request(1)).await?;
+    j.stream_append(&key, 1, 0, vec![event(0)], true).await?;
+    j.set_write_fault(Some(WriteFault::FailFlush));
+    j.stream_append_nowait(&key, 1, 1, vec![event(1)]).await?;
+    // Let the delay run out: the held event's write fails.
+    let mut failed = false;
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        if j.stats().flush_errors > 0 {
+            failed = true;
+            break;
+        }
+    }
+    assert!(failed, "the held event was never written");
+    j.set_write_fault(None);
+    // The journal works again, but this attempt lost event 1: event 2 is refused, and
+    // so is the end, so the stream is never served as complete with a hole.
+    let next = j.stream_append(&key, 1, 2, vec![event(2)], true).await;
+    assert!(matches!(next, Err(Error::Unavailable(_))), "{next:?}");
+    let end = j
+        .stream_end(
+            &key,
+            1,
+            StreamEnd::Completed {
+                usage: serde_json::json!({}),
+            },
+        )
+        .await;
+    assert!(matches!(end, Err(Error::Unavailable(_))), "{end:?}");
+    assert_eq!(j.stream_events(&key, 1, None)?, vec![(0, event(0))]);
+    assert_eq!(
+        j.stream_meta(&key)?.map(|m| m.state),
+        Some(StreamState::Open)
+    );
+    run.stop().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_read_back_in_order_across_a_restart() -> TestResult {
     let dir = tempfile::tempdir()?;
     let key = StreamKey::new("chat-1")?;
@@ -564,11 +717,13 @@ async fn streams_read_back_in_order_across_a_restart() -> TestResult {
             StreamBegin::New { attempt: 1 }
         );
         for seq in 0..5 {
-            j.stream_append(&key, 1, seq, event(seq), false).await?;
+            j.stream_append(&key, 1, seq, vec![event(seq)], false)
+                .await?;
         }
-        j.stream_append(&key, 1, 5, event(5), true).await?;
+        j.stream_append(&key, 1, 5, vec![event(5)], true).await?;
         for seq in 6..9 {
-            j.stream_append(&key, 1, seq, event(seq), false).await?;
+            j.stream_append(&key, 1, seq, vec![event(seq)], false)
+                .await?;
         }
         let all = j.stream_events(&key, 1, None)?;
         assert_eq!(
@@ -579,7 +734,7 @@ async fn streams_read_back_in_order_across_a_restart() -> TestResult {
         let tail = j.stream_events(&key, 1, Some(6))?;
         assert_eq!(tail.iter().map(|(s, _)| *s).collect::<Vec<_>>(), [7, 8]);
         assert_eq!(j.stream_meta(&key)?.and_then(|m| m.last_seq), Some(8));
-        let wrong = j.stream_append(&key, 2, 9, event(9), false).await;
+        let wrong = j.stream_append(&key, 2, 9, vec![event(9)], false).await;
         assert!(matches!(wrong, Err(Error::Stream { .. })), "{wrong:?}");
         assert_eq!(j.stats().stream_events, 9);
         run.stop().await?;
@@ -608,7 +763,7 @@ async fn streams_read_back_in_order_across_a_restart() -> TestResult {
         j.stream_begin(&key, stream_request(1)).await?,
         StreamBegin::New { attempt: 2 }
     );
-    j.stream_append(&key, 2, 0, event(100), true).await?;
+    j.stream_append(&key, 2, 0, vec![event(100)], true).await?;
     j.stream_end(
         &key,
         2,

@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use crate::upstream_body::UpstreamBody;
 use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt;
 use http::{HeaderMap, HeaderValue, Response, StatusCode, header};
 use http_body::{Body as HttpBody, Frame};
 use http_body_util::BodyExt;
@@ -349,6 +350,9 @@ pub(crate) struct Production {
     pub permit: Option<crate::resilience::Permit>,
 }
 
+/// The most upstream frames that already arrived taken in as one batch.
+const MAX_COALESCED_FRAMES: usize = 64;
+
 /// The reason a generation ends with when its agent cancelled it (the last client
 /// left under `cancel_on_disconnect`, or `POST /v1/streams/{key}/cancel`).
 pub(crate) const CANCELLED: &str = "cancelled";
@@ -394,35 +398,46 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
     let mut journal_ok = true;
     let mut detached_since: Option<tokio::time::Instant> = None;
     let mut end_recorded = false;
+    // A break or the end met while taking in a burst, handled on the next turn.
+    let mut stashed = None;
+    let mut recheck = tokio::time::interval(Duration::from_millis(500));
+    recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    recheck.reset();
     let ended = 'relay: loop {
-        // Release what has arrived.
-        let mut out = Vec::new();
+        // Release what has arrived: everything one upstream frame carried is
+        // journaled as one append.
+        let mut released = Vec::new();
+        let mut durable = false;
         for raw in scratch.drain(..) {
             bytes += raw.len();
             let release = gate.push(raw);
-            let n = release.events.len();
-            for (i, ev) in release.events.into_iter().enumerate() {
-                // The terminal event is made durable together with the stream's end
-                // record below: one flush per stream, before the agent sees the end.
-                let durable = release.durable && i + 1 == n && !gate.turn.terminal;
-                if journal_ok {
-                    let r = if durable {
-                        journal
-                            .stream_append(&live.key, live.attempt, seq, ev.clone(), true)
-                            .await
-                    } else {
-                        journal
-                            .stream_append_nowait(&live.key, live.attempt, seq, ev.clone())
-                            .await
-                    };
-                    if let Err(e) = r {
-                        tracing::warn!(key = %live.key, error = %e, "the journal stopped taking this stream; it continues unjournaled");
-                        journal_ok = false;
-                    }
-                }
-                observer.on_event(&ev, std::time::Instant::now());
-                out.push(with_id(live.attempt, seq, &ev));
-                seq += 1;
+            durable |= release.durable && !release.events.is_empty();
+            released.extend(release.events);
+        }
+        // A terminal event is made durable together with the stream's end record
+        // below (one flush per stream, before the agent sees the end), and so is
+        // anything released with it.
+        let durable = durable && !gate.turn.terminal;
+        let first_seq = seq;
+        let mut out = Vec::with_capacity(released.len());
+        for ev in &released {
+            observer.on_event(ev, std::time::Instant::now());
+            out.push(with_id(live.attempt, seq, ev));
+            seq += 1;
+        }
+        if journal_ok && !released.is_empty() {
+            let r = if durable {
+                journal
+                    .stream_append(&live.key, live.attempt, first_seq, released, true)
+                    .await
+            } else {
+                journal
+                    .stream_append_nowait(&live.key, live.attempt, first_seq, released)
+                    .await
+            };
+            if let Err(e) = r {
+                tracing::warn!(key = %live.key, error = %e, "the journal stopped taking this stream; it continues unjournaled");
+                journal_ok = false;
             }
         }
         if gate.turn.terminal && journal_ok {
@@ -450,16 +465,19 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
             detached_since = None;
         }
         let idle_deadline = detached_since.map(|t| t + detach);
-        let frame = tokio::select! {
-            f = upstream.frame() => f,
-            () = live.cancel.notified() => {
-                break 'relay Ended::Abandoned(CANCELLED.into());
-            }
-            () = sleep_until_opt(idle_deadline) => {
-                break 'relay Ended::Abandoned(format!("no client for {detach:?}"));
-            }
-            // Re-check the client count now and then.
-            () = tokio::time::sleep(Duration::from_millis(500)) => continue,
+        let frame = match stashed.take() {
+            Some(frame) => frame,
+            None => tokio::select! {
+                f = upstream.frame() => f,
+                () = live.cancel.notified() => {
+                    break 'relay Ended::Abandoned(CANCELLED.into());
+                }
+                () = sleep_until_opt(idle_deadline) => {
+                    break 'relay Ended::Abandoned(format!("no client for {detach:?}"));
+                }
+                // Re-check the client count now and then.
+                _ = recheck.tick() => continue,
+            },
         };
         if live.cancelled.load(Ordering::Acquire) {
             break 'relay Ended::Abandoned(CANCELLED.into());
@@ -470,6 +488,24 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
                     && let Err(e) = framer.push(&data, &mut scratch)
                 {
                     break 'relay Ended::Abandoned(e.to_string());
+                }
+                // Take in whatever else has already arrived, so that a burst is
+                // journaled and forwarded as one batch rather than event by event.
+                for _ in 0..MAX_COALESCED_FRAMES {
+                    match upstream.frame().now_or_never() {
+                        None => break,
+                        Some(Some(Ok(f))) => {
+                            if let Ok(data) = f.into_data()
+                                && let Err(e) = framer.push(&data, &mut scratch)
+                            {
+                                break 'relay Ended::Abandoned(e.to_string());
+                            }
+                        }
+                        Some(other) => {
+                            stashed = Some(other);
+                            break;
+                        }
+                    }
                 }
             }
             Some(Err(e)) => break 'relay Ended::Abandoned(format!("the upstream broke: {e}")),
@@ -500,7 +536,7 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
             let ev = interruption_event(live.dialect, reason);
             if journal_ok {
                 let _ = journal
-                    .stream_append(&live.key, live.attempt, seq, ev.clone(), true)
+                    .stream_append(&live.key, live.attempt, seq, vec![ev.clone()], true)
                     .await;
             }
             live.push([with_id(live.attempt, seq, &ev)]);

@@ -542,7 +542,7 @@ async fn produce(
         // The answer and the end record are made durable by one flush (the end's).
         let journaled = async {
             journal
-                .stream_append(&key, attempt, 0, bytes.clone(), false)
+                .stream_append(&key, attempt, 0, vec![bytes.clone()], false)
                 .await?;
             journal
                 .stream_end(
