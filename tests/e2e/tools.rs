@@ -312,13 +312,23 @@ async fn missing_keys_are_refused_or_counted_per_tool() {
         strict.json()["type"],
         "urn:outrigger:problem:missing-idempotency-key"
     );
-    let loose = call(&e.sidecar, "/tools/payments/x", None, &json!({}), &[]).await;
-    assert_eq!(loose.status, StatusCode::OK);
+    for _ in 0..3 {
+        let loose = call(&e.sidecar, "/tools/payments/x", None, &json!({}), &[]).await;
+        assert_eq!(loose.status, StatusCode::OK);
+    }
     let metrics = get(&e.sidecar.admin_url("/metrics")).await.text();
     assert!(
-        metrics.contains("outrigger_tool_unprotected_total{tool=\"payments\"} 1"),
+        metrics.contains("outrigger_tool_unprotected_total{tool=\"payments\"} 3"),
         "{metrics}"
     );
+    // Warned about once, not once per call: an agent without keys must not flood the log.
+    let warned = e
+        .sidecar
+        .logs()
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("passed through unprotected"))
+        .count();
+    assert_eq!(warned, 1, "{}", e.sidecar.logs());
     // GET passes through unjournaled.
     let read = get(&e.sidecar.url("/tools/payments/lookup?id=1")).await;
     assert_eq!(read.status, StatusCode::OK);

@@ -160,8 +160,12 @@ async fn tool_call(
                 None,
             ));
         }
-        shared.metrics.unprotected_tool_call(&server.name);
-        tracing::warn!(server = %server.name, tool = %tool_name, "MCP tools/call without an idempotency key passed through unprotected");
+        let before = shared.metrics.unprotected_tool_call(&server.name);
+        tools::unprotected(
+            before,
+            &format!("{}/{tool_name}", server.name),
+            ctx.request_id.as_ref(),
+        );
         let resp = pass_through(shared, server, Method::POST, agent, bytes).await?;
         let settled = tools::unjournaled(resp.status());
         return Ok((resp, settled, None));

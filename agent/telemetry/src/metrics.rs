@@ -460,14 +460,15 @@ impl Metrics {
         Inflight { gauge }
     }
 
-    /// Counts a side-effecting tool call that passed through without a key.
-    pub fn unprotected_tool_call(&self, tool: &str) {
+    /// Counts a side-effecting tool call that passed through without a key; returns
+    /// how many the tool had before this one (so the caller can log the first).
+    pub fn unprotected_tool_call(&self, tool: &str) -> u64 {
         self.i()
             .unprotected
             .get_or_create(&ToolLabel {
                 tool: self.inner.labels.tools.get(tool).as_str().to_owned(),
             })
-            .inc();
+            .inc()
     }
 
     // --- GenAI client metrics ---
