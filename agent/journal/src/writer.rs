@@ -1016,11 +1016,11 @@ impl Core {
                 if batch.needs_flush {
                     self.dirty_since = None;
                 }
-                self.remember_in_flight(&mut batch);
                 self.count(&batch);
                 for answer in batch.after_flush.drain(..) {
                     answer(Ok(()));
                 }
+                self.remember_in_flight(&mut batch);
                 if batch.records_written > 0 {
                     self.shared.commits.send_modify(|n| *n = n.wrapping_add(1));
                 }
@@ -1072,10 +1072,8 @@ impl Core {
         for (key, record) in batch.records.drain() {
             match record {
                 Some(record) if record.state.in_flight() => {
-                    let bytes = batch
-                        .writes
-                        .get(&keys::record(key.as_str()))
-                        .and_then(Clone::clone);
+                    // The batch is applied and done with: take its bytes.
+                    let bytes = batch.writes.remove(&keys::record(key.as_str())).flatten();
                     match bytes {
                         Some(bytes) => {
                             self.hot.insert(key, Hot { record, bytes });
