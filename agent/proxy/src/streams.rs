@@ -350,63 +350,6 @@ pub(crate) struct Production {
     pub permit: Option<crate::resilience::Permit>,
 }
 
-/// How long, and for how many events, the producer holds lazily journaled events
-/// before handing them to the journal in one append. The journal flushes them
-/// within its own `max_batch_delay` after that; tool-call blocks, the terminal event
-/// and the end are never held.
-const HOLD: Duration = Duration::from_millis(10);
-const HOLD_EVENTS: usize = 256;
-
-/// Events forwarded but not yet handed to the journal (see [`HOLD`]).
-#[derive(Default)]
-struct Held {
-    events: Vec<Bytes>,
-    /// The sequence number of the first.
-    from: u64,
-    since: Option<tokio::time::Instant>,
-}
-
-impl Held {
-    fn push(&mut self, first_seq: u64, events: Vec<Bytes>) {
-        if self.events.is_empty() {
-            self.from = first_seq;
-            self.since = Some(tokio::time::Instant::now());
-        }
-        self.events.extend(events);
-    }
-
-    fn due(&self) -> Option<tokio::time::Instant> {
-        self.since.map(|t| t + HOLD)
-    }
-
-    /// Hands the held events to the journal: awaited until flushed when `durable`,
-    /// queued otherwise. False when the journal refused them.
-    async fn hand_over(&mut self, journal: &Journal, live: &Live, durable: bool) -> bool {
-        self.since = None;
-        if self.events.is_empty() {
-            return true;
-        }
-        let events = std::mem::take(&mut self.events);
-        let (key, attempt, from) = (&live.key, live.attempt, self.from);
-        let r = if durable {
-            journal
-                .stream_append(key, attempt, from, events, true)
-                .await
-        } else {
-            journal
-                .stream_append_nowait(key, attempt, from, events)
-                .await
-        };
-        match r {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!(%key, error = %e, "the journal stopped taking this stream; it continues unjournaled");
-                false
-            }
-        }
-    }
-}
-
 /// The most upstream frames that already arrived taken in as one batch.
 const MAX_COALESCED_FRAMES: usize = 64;
 
@@ -457,7 +400,6 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
     let mut end_recorded = false;
     // A break or the end met while taking in a burst, handled on the next turn.
     let mut stashed = None;
-    let mut held = Held::default();
     let mut recheck = tokio::time::interval(Duration::from_millis(500));
     recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     recheck.reset();
@@ -484,13 +426,19 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
             seq += 1;
         }
         if journal_ok && !released.is_empty() {
-            held.push(first_seq, released);
-            if durable || held.events.len() >= HOLD_EVENTS {
-                journal_ok = held.hand_over(&journal, &live, durable).await;
+            let r = if durable {
+                journal
+                    .stream_append(&live.key, live.attempt, first_seq, released, true)
+                    .await
+            } else {
+                journal
+                    .stream_append_nowait(&live.key, live.attempt, first_seq, released)
+                    .await
+            };
+            if let Err(e) = r {
+                tracing::warn!(key = %live.key, error = %e, "the journal stopped taking this stream; it continues unjournaled");
+                journal_ok = false;
             }
-        }
-        if gate.turn.terminal && journal_ok {
-            journal_ok = held.hand_over(&journal, &live, false).await;
         }
         if gate.turn.terminal && journal_ok {
             end_recorded = true;
@@ -521,12 +469,6 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
             Some(frame) => frame,
             None => tokio::select! {
                 f = upstream.frame() => f,
-                () = sleep_until_opt(held.due()) => {
-                    if journal_ok {
-                        journal_ok = held.hand_over(&journal, &live, false).await;
-                    }
-                    continue;
-                }
                 () = live.cancel.notified() => {
                     break 'relay Ended::Abandoned(CANCELLED.into());
                 }
@@ -593,8 +535,9 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
             }
             let ev = interruption_event(live.dialect, reason);
             if journal_ok {
-                held.push(seq, vec![ev.clone()]);
-                journal_ok = held.hand_over(&journal, &live, true).await;
+                let _ = journal
+                    .stream_append(&live.key, live.attempt, seq, vec![ev.clone()], true)
+                    .await;
             }
             live.push([with_id(live.attempt, seq, &ev)]);
             StreamEnd::Abandoned {
@@ -602,9 +545,6 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
             }
         }
     };
-    if journal_ok && !end_recorded {
-        journal_ok = held.hand_over(&journal, &live, false).await;
-    }
     if journal_ok
         && !end_recorded
         && let Err(e) = journal.stream_end(&live.key, live.attempt, end).await
