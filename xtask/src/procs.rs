@@ -8,7 +8,12 @@ use anyhow::{Context, bail};
 
 /// The repository root (xtask lives one level below it).
 pub fn root() -> PathBuf {
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    // `cargo run` sets CARGO_MANIFEST_DIR for the process it starts: prefer it to the
+    // compile-time value, so that a binary shared through one target directory by
+    // two checkouts works on the checkout it was started from.
+    let manifest = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")));
     manifest.parent().map(Path::to_path_buf).unwrap_or(manifest)
 }
 
