@@ -165,10 +165,7 @@ impl Reader {
             .take_while(|e| e.as_ref().map_or(true, |(k, _)| k.starts_with(&prefix)))
         {
             let (k, v) = entry?;
-            let seq = keys::event_seq(&k).ok_or_else(|| Error::Decode {
-                what: format!("an event key of stream {key}"),
-                detail: "too short".to_owned(),
-            })?;
+            let seq = first_seq_of(key.as_str(), &k)?;
             out.extend(
                 chunk::decode(seq, Bytes::from(v))?
                     .into_iter()
@@ -276,9 +273,14 @@ pub(crate) fn last_seq(store: &Store, key: &str, attempt: u32) -> Result<Option<
         return Ok(None);
     };
     let (k, v) = entry?;
-    let first = keys::event_seq(&k).ok_or_else(|| Error::Decode {
+    let first = first_seq_of(key, &k)?;
+    Ok(Some(first + chunk::count(&v)?.saturating_sub(1)))
+}
+
+/// The sequence number of the first event stored under an event key.
+fn first_seq_of(key: &str, storage_key: &[u8]) -> Result<u64, Error> {
+    keys::event_seq(storage_key).ok_or_else(|| Error::Decode {
         what: format!("an event key of stream {key}"),
         detail: "too short".to_owned(),
-    })?;
-    Ok(Some(first + chunk::count(&v)?.saturating_sub(1)))
+    })
 }

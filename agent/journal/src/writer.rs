@@ -231,10 +231,10 @@ pub(crate) struct Core {
     dirty_since: Option<Instant>,
     /// Durable records of calls in flight (updated only after a successful commit).
     hot: HashMap<IdempotencyKey, Hot>,
-    /// The attempt and state of streams seen open, so that an append (one per
-    /// upstream frame) costs no read and decode of the stream's metadata. Updated
-    /// only after a successful commit, like `hot`.
-    open_streams: HashMap<StreamKey, (u32, StreamState)>,
+    /// The current attempt of streams seen open, so that an append (one per upstream
+    /// batch) costs no read and decode of the stream's metadata. Updated only after a
+    /// successful commit, like `hot`; a stream leaves it when it ends.
+    open_streams: HashMap<StreamKey, u32>,
     /// Held lazy events per stream (see [`Run`]).
     runs: HashMap<StreamKey, Run>,
     /// Stream attempts whose held events were lost to a failed write: the rest of
@@ -597,7 +597,7 @@ impl Core {
         attempt: u32,
     ) -> Result<StreamState, Error> {
         if !batch.streams.contains_key(key)
-            && let Some(&(current, state)) = self.open_streams.get(key)
+            && let Some(&current) = self.open_streams.get(key)
         {
             if current != attempt {
                 return Err(Error::Stream {
@@ -605,7 +605,7 @@ impl Core {
                     detail: format!("attempt {attempt} is not current (attempt {current} is)"),
                 });
             }
-            return Ok(state);
+            return Ok(StreamState::Open);
         }
         self.open_stream(batch, key, attempt).map(|meta| meta.state)
     }
@@ -738,16 +738,6 @@ impl Core {
                 Ok(())
             }
             Err(e) => Err(e),
-        }
-    }
-
-    /// Writes out every held run into `batch`.
-    pub(crate) fn write_runs(&mut self, batch: &mut Batch) {
-        let keys: Vec<StreamKey> = self.runs.keys().cloned().collect();
-        for key in keys {
-            if let Err(e) = self.write_run(&key, batch) {
-                tracing::warn!(%key, error = %e, "could not write held stream events");
-            }
         }
     }
 
@@ -1054,6 +1044,8 @@ impl Core {
         }
     }
 
+    /// After a successful commit: remembers the open streams and the in-flight
+    /// records the batch wrote, and forgets those that ended.
     fn remember_in_flight(&mut self, batch: &mut Batch) {
         for (key, meta) in batch.streams.drain() {
             match meta {
@@ -1062,7 +1054,7 @@ impl Core {
                     if self.open_streams.len() >= MAX_OPEN_STREAMS {
                         self.open_streams.clear();
                     }
-                    self.open_streams.insert(key, (meta.attempt, meta.state));
+                    self.open_streams.insert(key, meta.attempt);
                 }
                 _ => {
                     self.open_streams.remove(&key);
@@ -1099,7 +1091,12 @@ impl Core {
     pub(crate) async fn flush_lazy(&mut self) {
         if !self.runs.is_empty() {
             let mut batch = self.new_batch();
-            self.write_runs(&mut batch);
+            let keys: Vec<StreamKey> = self.runs.keys().cloned().collect();
+            for key in keys {
+                if let Err(e) = self.write_run(&key, &mut batch) {
+                    tracing::warn!(%key, error = %e, "could not write held stream events");
+                }
+            }
             batch.needs_flush = true;
             self.commit(batch).await;
             if self.dirty_since.is_none() {

@@ -163,7 +163,7 @@ async fn tool_call(
         let before = shared.metrics.unprotected_tool_call(&server.name);
         tools::unprotected(
             before,
-            &format!("{}/{tool_name}", server.name),
+            format_args!("{}/{tool_name}", server.name),
             ctx.request_id.as_ref(),
         );
         let resp = pass_through(shared, server, Method::POST, agent, bytes).await?;

@@ -404,8 +404,8 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
     recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     recheck.reset();
     let ended = 'relay: loop {
-        // Release what has arrived: everything one upstream frame carried is
-        // journaled as one append.
+        // Release what has arrived: everything taken in together (one frame, or a
+        // burst of them) is journaled as one append.
         let mut released = Vec::new();
         let mut durable = false;
         for raw in scratch.drain(..) {

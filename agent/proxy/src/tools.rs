@@ -101,16 +101,16 @@ pub async fn call(
 /// Logs a tool call that passed through without a key: at WARN for the first of a
 /// tool (since the sidecar started), then at DEBUG, so that an agent that never sends
 /// keys does not flood the log; `outrigger_tool_unprotected_total` counts them all.
-pub(crate) fn unprotected(before: u64, tool: &str, request_id: &str) {
+pub(crate) fn unprotected(before: u64, tool: std::fmt::Arguments<'_>, request_id: &str) {
     if before == 0 {
         tracing::warn!(
-            tool,
+            %tool,
             request_id,
             "tool call without an idempotency key passed through unprotected; further ones are logged at debug and counted in outrigger_tool_unprotected_total"
         );
     } else {
         tracing::debug!(
-            tool,
+            %tool,
             request_id,
             "tool call without an idempotency key passed through unprotected"
         );
@@ -201,7 +201,11 @@ async fn journal_call(
         }
         if journaled {
             let before = shared.metrics.unprotected_tool_call(&tool.name);
-            unprotected(before, &tool.name, ctx.request_id.as_ref());
+            unprotected(
+                before,
+                format_args!("{}", tool.name),
+                ctx.request_id.as_ref(),
+            );
         }
         // Nothing is journaled here, so the agent's own key (if any) is the only
         // protection the tool gets: pass it through unchanged.
