@@ -5,12 +5,16 @@
 //! - `nginx`: Debian's nginx as a plain reverse proxy (the floor any HTTP proxy is
 //!   held to; installed with apt-get when missing);
 //! - `floor`: a minimal hyper pass-through proxy (`outrigger-mock passthrough`);
-//! - `sidecar`: `outrigger serve`.
+//! - `sidecar`: `outrigger serve`;
+//! - with `--compare BIN`: the same sidecar targets again on another `outrigger`
+//!   binary (named `…@base`, typically a build of the previous commit), so a change
+//!   is measured against the version before it in the same run.
 //!
 //! On a 2-core machine the load generator, the upstream and the proxy share the
 //! cores, so the proxy's CPU time per request (read from /proc) and its ratio to
 //! nginx are the figures to trust; throughput is reported too. Each measurement is
-//! repeated (`--rounds`, default 3) and the median round is reported.
+//! repeated (`--rounds`, default 3; the targets of a scenario take turns, round by
+//! round) and the median round is reported.
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
@@ -33,6 +37,8 @@ struct Options {
     rounds: usize,
     suites: Vec<String>,
     out: Option<PathBuf>,
+    /// Another `outrigger` binary measured side by side with this one.
+    compare: Option<PathBuf>,
 }
 
 fn parse(args: &[String]) -> anyhow::Result<Options> {
@@ -43,6 +49,7 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
             .map(String::from)
             .to_vec(),
         out: None,
+        compare: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -56,9 +63,10 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
             "--rounds" => o.rounds = val()?.parse()?,
             "--suite" => o.suites = val()?.split(',').map(str::to_string).collect(),
             "--out" => o.out = Some(PathBuf::from(val()?)),
+            "--compare" => o.compare = Some(PathBuf::from(val()?)),
             other => bail!(
                 "unknown argument {other:?}; usage: cargo xtask bench [--duration SECS] [--rounds N] \
-                 [--suite models,streams,ttfb,resume,tools,policies] [--out FILE]"
+                 [--suite models,streams,ttfb,resume,tools,policies] [--out FILE] [--compare OUTRIGGER_BIN]"
             ),
         }
     }
@@ -69,11 +77,13 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
 /// the URL prefix that reaches the upstream through it.
 #[derive(Clone)]
 struct Measured {
-    name: &'static str,
+    name: String,
     url: String,
     pids: Vec<u32>,
     /// Send a fresh `Idempotency-Key` with every request (journaled tool calls).
     unique_key: bool,
+    /// The admin plane of the sidecar behind it (journal statistics).
+    admin: Option<String>,
 }
 
 /// Everything the scenarios can point at.
@@ -82,6 +92,8 @@ struct Targets {
     nginx: Option<Measured>,
     floor: Measured,
     sidecar: Measured,
+    /// The `--compare` sidecar.
+    base: Option<Measured>,
     tool_direct: Measured,
     tool_nginx: Option<Measured>,
 }
@@ -125,28 +137,21 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
 
     let nginx = start_nginx(&work, mock_addr, tool_addr)?;
 
-    let sidecar_addr = free_port()?;
-    let admin_addr = free_port()?;
-    let config = work.join("outrigger.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[listen]\ndata = \"{sidecar_addr}\"\nadmin = \"{admin_addr}\"\n\
-             [journal]\ndir = {:?}\n[log]\nlevel = \"warn\"\n\
-             [[providers]]\nname = \"mock\"\nkind = \"openai\"\nbase_url = \"http://{mock_addr}/v1\"\n\
-             api_key_env = \"BENCH_KEY\"\nmodels = [\"*\"]\n\
-             [[tools]]\nname = \"bench\"\nkind = \"http\"\nbase_url = \"http://{tool_addr}\"\nclass = \"keyed\"\n",
-            work.join("data").display().to_string()
-        ),
+    let (sidecar, sidecar_addr, admin_addr) = start_sidecar(
+        &bins.join("outrigger"),
+        &work.join("sidecar"),
+        mock_addr,
+        tool_addr,
     )?;
-    let sidecar = Proc::spawn(
-        "sidecar",
-        Command::new(bins.join("outrigger"))
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env("BENCH_KEY", "bench-key"),
-    )?;
-
+    let base = match &opts.compare {
+        Some(bin) => Some(start_sidecar(
+            bin,
+            &work.join("base"),
+            mock_addr,
+            tool_addr,
+        )?),
+        None => None,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -159,6 +164,14 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             Duration::from_secs(60),
         )
         .await?;
+        if let Some((_, _, admin)) = &base {
+            client::wait_ready(
+                &client,
+                &format!("http://{admin}/readyz"),
+                Duration::from_secs(60),
+            )
+            .await?;
+        }
         client::wait_ready(
             &client,
             &format!("http://{mock_addr}/v1/models"),
@@ -189,11 +202,12 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         anyhow::Ok(())
     })?;
 
-    let m = |name, url: String, pids: Vec<u32>| Measured {
-        name,
+    let m = |name: &str, url: String, pids: Vec<u32>| Measured {
+        name: name.to_string(),
         url,
         pids,
         unique_key: false,
+        admin: None,
     };
     let targets = Targets {
         direct: m("direct", format!("http://{mock_addr}"), vec![]),
@@ -201,11 +215,18 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             .as_ref()
             .map(|n| m("nginx", format!("http://{}", n.addr), n.pids.clone())),
         floor: m("floor", format!("http://{floor_addr}"), vec![floor.pid()]),
-        sidecar: m(
-            "sidecar",
-            format!("http://{sidecar_addr}"),
-            vec![sidecar.pid()],
-        ),
+        sidecar: Measured {
+            admin: Some(format!("http://{admin_addr}")),
+            ..m(
+                "sidecar",
+                format!("http://{sidecar_addr}"),
+                vec![sidecar.pid()],
+            )
+        },
+        base: base.as_ref().map(|(proc, data, admin)| Measured {
+            admin: Some(format!("http://{admin}")),
+            ..m("sidecar@base", format!("http://{data}"), vec![proc.pid()])
+        }),
         tool_direct: m("direct", format!("http://{tool_addr}"), vec![]),
         tool_nginx: nginx.as_ref().map(|n| {
             m(
@@ -215,8 +236,6 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             )
         }),
     };
-    let admin_url = format!("http://{admin_addr}");
-
     let scenarios = scenarios(&opts.suites, &targets)?;
     let mut report = Vec::new();
     for sc in &scenarios {
@@ -224,18 +243,22 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             "\n== {} ({} rounds of {:?})",
             sc.name, opts.rounds, opts.duration
         );
-        let mut rows = BTreeMap::new();
-        for t in &sc.targets {
-            let mut rounds = Vec::new();
-            let before = if t.unique_key {
-                journal_stats(&rt, &client, &admin_url)
-            } else {
-                None
-            };
-            for _ in 0..opts.rounds {
-                rounds.push(rt.block_on(measure(&client, t, sc, opts.duration))?);
+        // Targets take turns round by round, so a slow spell of the machine hits
+        // them alike.
+        let stats = |t: &Measured| match (&t.admin, t.unique_key) {
+            (Some(admin), true) => journal_stats(&rt, &client, admin),
+            _ => None,
+        };
+        let before: Vec<_> = sc.targets.iter().map(stats).collect();
+        let mut rounds: Vec<Vec<Row>> = sc.targets.iter().map(|_| Vec::new()).collect();
+        for _ in 0..opts.rounds {
+            for (t, r) in sc.targets.iter().zip(&mut rounds) {
+                r.push(rt.block_on(measure(&client, t, sc, opts.duration))?);
             }
-            if let (Some(before), Some(after)) = (before, journal_stats(&rt, &client, &admin_url)) {
+        }
+        let mut rows = BTreeMap::new();
+        for ((t, mut rounds), before) in sc.targets.iter().zip(rounds).zip(before) {
+            if let (Some(before), Some(after)) = (before, stats(t)) {
                 let records = after.0.saturating_sub(before.0).max(1);
                 let flushes = after.1.saturating_sub(before.1);
                 let calls = rounds.iter().map(|r| r.requests).sum::<u64>().max(1);
@@ -259,7 +282,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
                 sc.unit,
                 median.rss_mib
             );
-            rows.insert(t.name, median);
+            rows.insert(t.name.as_str(), median);
         }
         let ratio = |a: &str, b: &str, f: fn(&Row) -> f64| match (rows.get(a), rows.get(b)) {
             (Some(x), Some(y)) if f(y) > 0.0 => Some(f(x) / f(y)),
@@ -270,10 +293,15 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             _ => None,
         };
         let mut ratios = serde_json::Map::new();
-        for name in ["sidecar", "journaled", "unjournaled", "replayed"] {
-            if !rows.contains_key(name) {
-                continue;
-            }
+        let measured: Vec<&str> = rows
+            .keys()
+            .copied()
+            .filter(|n| {
+                let kind = n.strip_suffix("@base").unwrap_or(n);
+                ["sidecar", "journaled", "unjournaled", "replayed"].contains(&kind)
+            })
+            .collect();
+        for &name in &measured {
             let cpu_nginx = ratio(name, "nginx", |r| r.cpu_us_per_unit);
             let cpu_floor = ratio(name, "floor", |r| r.cpu_us_per_unit);
             let tput_nginx = ratio(name, "nginx", |r| r.throughput);
@@ -303,6 +331,26 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         if let Some(r) = ratio("journaled", "unjournaled", |r| r.throughput) {
             println!("  journaled/unjournaled throughput {}", fmt_ratio(Some(r)));
             ratios.insert("journaled_vs_unjournaled_throughput".into(), json!(r));
+        }
+        // This binary against the `--compare` one, target by target.
+        for &name in measured.iter().filter(|n| !n.ends_with("@base")) {
+            let base = format!("{name}@base");
+            let cpu = ratio(name, &base, |r| r.cpu_us_per_unit);
+            let tput = ratio(name, &base, |r| r.throughput);
+            let p50 = ratio(name, &base, |r| r.p50_ms);
+            if cpu.is_none() && tput.is_none() {
+                continue;
+            }
+            println!(
+                "  {name} vs {base}: cpu {}  throughput {}  p50 {}",
+                fmt_ratio(cpu),
+                fmt_ratio(tput),
+                fmt_ratio(p50)
+            );
+            ratios.insert(
+                format!("{name}_vs_base"),
+                json!({"cpu": cpu, "throughput": tput, "p50": p50}),
+            );
         }
         report.push(json!({
             "scenario": sc.name, "unit": sc.unit,
@@ -344,6 +392,29 @@ struct Scenario {
 }
 
 fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
+    let mut out = suite_scenarios(suites, t)?;
+    if let Some(base) = &t.base {
+        // Every target served by the sidecar again on the `--compare` one.
+        for sc in &mut out {
+            let twins: Vec<Measured> = sc
+                .targets
+                .iter()
+                .filter(|m| m.pids == t.sidecar.pids)
+                .map(|m| Measured {
+                    name: format!("{}@base", m.name),
+                    url: m.url.replacen(&t.sidecar.url, &base.url, 1),
+                    pids: base.pids.clone(),
+                    admin: base.admin.clone(),
+                    unique_key: m.unique_key,
+                })
+                .collect();
+            sc.targets.extend(twins);
+        }
+    }
+    Ok(out)
+}
+
+fn suite_scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
     let mut out = Vec::new();
     let proxies = || {
         let mut v = vec![t.direct.clone()];
@@ -420,7 +491,7 @@ fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
                                   "messages": [{"role": "user", "content": "resume me"}]});
                 out.push(Scenario {
                     targets: vec![Measured {
-                        name: "replayed",
+                        name: "replayed".into(),
                         ..t.sidecar.clone()
                     }],
                     name: "replay of a journaled 1,000-event stream, concurrency 1".into(),
@@ -449,16 +520,15 @@ fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
                     targets.extend(t.tool_nginx.clone());
                     let sidecar_tool = format!("{}/tools/bench", t.sidecar.url);
                     targets.push(Measured {
-                        name: "unjournaled",
+                        name: "unjournaled".into(),
                         url: sidecar_tool.clone(),
-                        pids: t.sidecar.pids.clone(),
-                        unique_key: false,
+                        ..t.sidecar.clone()
                     });
                     targets.push(Measured {
-                        name: "journaled",
+                        name: "journaled".into(),
                         url: sidecar_tool,
-                        pids: t.sidecar.pids.clone(),
                         unique_key: true,
+                        ..t.sidecar.clone()
                     });
                     out.push(Scenario {
                         targets,
@@ -481,10 +551,43 @@ fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
     Ok(out)
 }
 
+/// Starts `outrigger serve` from `bin` with its data under `dir`, pointed at the
+/// mocks; returns the process and its data and admin addresses.
+fn start_sidecar(
+    bin: &Path,
+    dir: &Path,
+    mock_addr: SocketAddr,
+    tool_addr: SocketAddr,
+) -> anyhow::Result<(Proc, SocketAddr, SocketAddr)> {
+    std::fs::create_dir_all(dir)?;
+    let data = free_port()?;
+    let admin = free_port()?;
+    let config = dir.join("outrigger.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[listen]\ndata = \"{data}\"\nadmin = \"{admin}\"\n\
+             [journal]\ndir = {:?}\n[log]\nlevel = \"warn\"\n\
+             [[providers]]\nname = \"mock\"\nkind = \"openai\"\nbase_url = \"http://{mock_addr}/v1\"\n\
+             api_key_env = \"BENCH_KEY\"\nmodels = [\"*\"]\n\
+             [[tools]]\nname = \"bench\"\nkind = \"http\"\nbase_url = \"http://{tool_addr}\"\nclass = \"keyed\"\n",
+            dir.join("data").display().to_string()
+        ),
+    )?;
+    let proc = Proc::spawn(
+        &format!("sidecar ({})", bin.display()),
+        Command::new(bin)
+            .args(["serve", "--config"])
+            .arg(&config)
+            .env("BENCH_KEY", "bench-key"),
+    )?;
+    Ok((proc, data, admin))
+}
+
 /// The sidecar target with journaling on (a fresh `Idempotency-Key` per request).
 fn journaled(sidecar: &Measured) -> Measured {
     Measured {
-        name: "journaled",
+        name: "journaled".into(),
         unique_key: true,
         ..sidecar.clone()
     }
