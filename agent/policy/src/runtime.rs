@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::hash::Hasher;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,13 @@ use crate::{Error, convert};
 
 /// How often the [`Ticker`] advances the epoch; a deadline is a whole number of ticks.
 pub const TICK: Duration = Duration::from_millis(1);
+
+/// Ticks the epoch keeps advancing after the last guest call returned, before the
+/// ticker parks: a steady stream of decisions never waits for it to wake.
+const IDLE_TICKS: u32 = 100;
+
+/// How often a parked ticker looks whether its runtime is gone.
+const PARKED_RECHECK: Duration = Duration::from_secs(1);
 
 /// The longest log line a policy may write; the rest is cut.
 const MAX_LOG_LINE: usize = 1_000;
@@ -152,7 +159,48 @@ struct RuntimeInner {
     compat: String,
     origin: Instant,
     pooling: bool,
-    ticking: Arc<AtomicBool>,
+    clock: Arc<Clock>,
+}
+
+/// The epoch clock shared by the [`Ticker`] and the calls. It advances only while
+/// guest code runs (and for [`IDLE_TICKS`] after), so an idle sidecar does not
+/// wake a thousand times a second: deadlines are counted in ticks of guest time.
+#[derive(Debug, Default)]
+struct Clock {
+    /// Ticks so far.
+    ticks: AtomicU64,
+    /// Guest calls in progress.
+    running: AtomicUsize,
+    /// The ticker parked (or is about to): a call that starts must wake it.
+    parked: AtomicBool,
+    ticker: Mutex<Option<std::thread::Thread>>,
+}
+
+impl Clock {
+    /// Marks a guest call in progress until the guard drops, waking the ticker.
+    fn enter(&self) -> Running<'_> {
+        // SeqCst pairs with the ticker's: either it sees this call before parking,
+        // or this call sees it parked and wakes it.
+        self.running.fetch_add(1, Ordering::SeqCst);
+        if self.parked.load(Ordering::SeqCst)
+            && let Some(ticker) = self
+                .ticker
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .as_ref()
+        {
+            ticker.unpark();
+        }
+        Running(self)
+    }
+}
+
+struct Running<'a>(&'a Clock);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl std::fmt::Debug for Runtime {
@@ -206,7 +254,7 @@ impl Runtime {
                 compat,
                 origin: Instant::now(),
                 pooling,
-                ticking: Arc::new(AtomicBool::new(false)),
+                clock: Arc::new(Clock::default()),
             }),
         })
     }
@@ -224,15 +272,22 @@ impl Runtime {
     /// Whether a [`Ticker`] has advanced the epoch at least once. Without one,
     /// deadlines are not enforced.
     pub fn ticking(&self) -> bool {
-        self.inner.ticking.load(Ordering::Relaxed)
+        self.ticks() > 0
     }
 
-    /// The thread body that advances the epoch every [`TICK`]; the binary runs it.
+    /// How many times a [`Ticker`] has advanced the epoch. It advances only while
+    /// guest code runs and shortly after.
+    pub fn ticks(&self) -> u64 {
+        self.inner.clock.ticks.load(Ordering::Relaxed)
+    }
+
+    /// The thread body that advances the epoch every [`TICK`] while guest code
+    /// runs; the binary runs it.
     pub fn ticker(&self) -> Ticker {
         Ticker {
             engine: self.inner.engine.clone(),
             runtime: Arc::downgrade(&self.inner),
-            ticking: Arc::clone(&self.inner.ticking),
+            clock: Arc::clone(&self.inner.clock),
         }
     }
 
@@ -426,11 +481,12 @@ impl Hasher for Sha256Hasher {
     }
 }
 
-/// Advances the engine's epoch every [`TICK`] so that deadlines fire.
+/// Advances the engine's epoch every [`TICK`] so that deadlines fire, and parks
+/// while no guest code runs.
 pub struct Ticker {
     engine: Engine,
     runtime: Weak<RuntimeInner>,
-    ticking: Arc<AtomicBool>,
+    clock: Arc<Clock>,
 }
 
 impl std::fmt::Debug for Ticker {
@@ -443,10 +499,26 @@ impl Ticker {
     /// Loops until the runtime (every `Registry`/`Runtime` clone) is dropped. Run it
     /// on a dedicated thread.
     pub fn run(self) {
+        let clock = &self.clock;
+        *clock.ticker.lock().unwrap_or_else(PoisonError::into_inner) = Some(std::thread::current());
+        let mut idle = 0u32;
         while self.runtime.strong_count() > 0 {
+            if clock.running.load(Ordering::SeqCst) > 0 {
+                idle = 0;
+            } else if idle >= IDLE_TICKS {
+                clock.parked.store(true, Ordering::SeqCst);
+                if clock.running.load(Ordering::SeqCst) == 0 {
+                    std::thread::park_timeout(PARKED_RECHECK);
+                }
+                clock.parked.store(false, Ordering::SeqCst);
+                idle = 0;
+                continue;
+            } else {
+                idle += 1;
+            }
             std::thread::sleep(TICK);
             self.engine.increment_epoch();
-            self.ticking.store(true, Ordering::Relaxed);
+            clock.ticks.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
@@ -599,6 +671,7 @@ impl Loaded {
             return Err(Fault::MissingHook(hook));
         }
         let inner = &self.inner;
+        let _running = inner.runtime.inner.clock.enter();
         let taken = inner
             .warm
             .lock()

@@ -796,3 +796,37 @@ fn configuration_errors_are_reported_together() {
         assert!(message.contains(part), "{message}");
     }
 }
+
+/// The epoch clock ticks only while guest code runs: an idle registry stops
+/// waking, and a call after a long idle spell still has its deadline enforced.
+#[test]
+fn the_epoch_clock_rests_while_idle_and_wakes_for_a_call() {
+    let f = Fixture::new(vec![named(Hook::Retry, "p")], |_| {});
+    let runtime = f.registry.runtime();
+    // Wait (bounded) until two readings 200 ms apart agree: the ticker has parked.
+    let started = std::time::Instant::now();
+    let rested = loop {
+        let before = runtime.ticks();
+        std::thread::sleep(Duration::from_millis(200));
+        let after = runtime.ticks();
+        if after == before {
+            break after;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the epoch kept advancing with no guest call: {before} -> {after}"
+        );
+    };
+    // A guest that never returns is still stopped at its deadline.
+    f.install("p", misbehave());
+    let mut binding = named(Hook::Retry, "p");
+    binding.params.insert("mode".into(), "loop".into());
+    let report = f.registry.reconfigure(vec![binding]).expect("reconfigure");
+    match report.outcome(Hook::Retry) {
+        Some(ReloadOutcome::Failed { error, .. }) => {
+            assert!(error.contains("deadline"), "{error}")
+        }
+        other => panic!("expected the deadline to stop the smoke test: {other:?}"),
+    }
+    assert!(runtime.ticks() > rested, "the clock advanced for the call");
+}
