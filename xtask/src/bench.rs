@@ -261,7 +261,12 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             if let (Some(before), Some(after)) = (before, stats(t)) {
                 let records = after.0.saturating_sub(before.0).max(1);
                 let flushes = after.1.saturating_sub(before.1);
-                let calls = rounds.iter().map(|r| r.requests).sum::<u64>().max(1);
+                // The statistics span the warm-ups too: count their calls.
+                let calls = rounds
+                    .iter()
+                    .map(|r| r.requests + r.warmup_requests)
+                    .sum::<u64>()
+                    .max(1);
                 println!(
                     "  {:8} journal: {records} records, {flushes} flushes = {:.3} flushes/record, {:.3} flushes/call",
                     t.name,
@@ -626,6 +631,8 @@ struct Row {
     cpu_us_per_unit: f64,
     rss_mib: f64,
     requests: u64,
+    /// Requests of the warm-up before the measured run.
+    warmup_requests: u64,
     errors: u64,
 }
 
@@ -644,7 +651,7 @@ async fn measure(
     duration: Duration,
 ) -> anyhow::Result<Row> {
     // Warm up connections and caches.
-    let _ = load(client, t, sc, Duration::from_millis(500)).await?;
+    let (warmup, _) = load(client, t, sc, Duration::from_millis(500)).await?;
     let cpu_before = cpu_ticks(&t.pids);
     let started = Instant::now();
     let (latencies, errors) = load(client, t, sc, duration).await?;
@@ -671,6 +678,7 @@ async fn measure(
         },
         rss_mib: t.pids.iter().map(|p| peak_rss_kib(*p)).sum::<u64>() as f64 / 1024.0,
         requests,
+        warmup_requests: warmup.len() as u64,
         errors,
     })
 }
