@@ -158,13 +158,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         .build()?;
     let client = client::client();
     rt.block_on(async {
-        client::wait_ready(
-            &client,
-            &format!("http://{admin_addr}/readyz"),
-            Duration::from_secs(60),
-        )
-        .await?;
-        if let Some((_, _, admin)) = &base {
+        for admin in std::iter::once(admin_addr).chain(base.as_ref().map(|b| b.2)) {
             client::wait_ready(
                 &client,
                 &format!("http://{admin}/readyz"),

@@ -269,12 +269,6 @@ impl Runtime {
         self.inner.pooling
     }
 
-    /// Whether a [`Ticker`] has advanced the epoch at least once. Without one,
-    /// deadlines are not enforced.
-    pub fn ticking(&self) -> bool {
-        self.ticks() > 0
-    }
-
     /// How many times a [`Ticker`] has advanced the epoch. It advances only while
     /// guest code runs and shortly after.
     pub fn ticks(&self) -> u64 {
@@ -511,7 +505,11 @@ impl Ticker {
                     std::thread::park_timeout(PARKED_RECHECK);
                 }
                 clock.parked.store(false, Ordering::SeqCst);
-                idle = 0;
+                // Woken for a call: tick again. Woken only to look whether the
+                // runtime is gone: rest again at once.
+                if clock.running.load(Ordering::SeqCst) > 0 {
+                    idle = 0;
+                }
                 continue;
             } else {
                 idle += 1;
