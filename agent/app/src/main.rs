@@ -8,6 +8,7 @@ mod admin;
 mod audit;
 mod config;
 mod drill;
+mod memory;
 mod policies;
 mod serve;
 mod tools_cli;
@@ -18,7 +19,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 /// mimalloc rather than glibc's malloc: the request path allocates many small,
-/// short-lived buffers across threads (see docs/benchmarks.md).
+/// short-lived buffers across threads (see docs/benchmarks.md). [`memory`] hands
+/// what the policy compiler freed back to the OS.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -48,6 +48,9 @@ pub fn start(options: outrigger_policy::Options) -> anyhow::Result<Registry> {
         })
         .collect();
     let registry = Registry::new(options, builtins)?;
+    if registry.runtime().compilations() > 0 {
+        crate::memory::release_compiler_memory();
+    }
     let ticker = registry.ticker();
     std::thread::Builder::new()
         .name("policy-epoch".into())
@@ -94,7 +97,16 @@ impl FaultCounters {
 /// Runs a reload off the async threads, logs what changed and counts the swaps.
 pub async fn reload(registry: &Registry, metrics: &Metrics, why: &str) -> ReloadReport {
     let r = registry.clone();
-    let report = match tokio::task::spawn_blocking(move || r.reload()).await {
+    let report = match tokio::task::spawn_blocking(move || {
+        let compiled = r.runtime().compilations();
+        let report = r.reload();
+        if r.runtime().compilations() > compiled {
+            crate::memory::release_compiler_memory();
+        }
+        report
+    })
+    .await
+    {
         Ok(report) => report,
         Err(e) => {
             tracing::error!(error = %e, "the policy reload task failed");

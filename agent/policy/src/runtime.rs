@@ -160,6 +160,8 @@ struct RuntimeInner {
     origin: Instant,
     pooling: bool,
     clock: Arc<Clock>,
+    /// Components compiled (rather than loaded from the cache) so far.
+    compilations: AtomicU64,
 }
 
 /// The epoch clock shared by the [`Ticker`] and the calls. It advances only while
@@ -255,6 +257,7 @@ impl Runtime {
                 origin: Instant::now(),
                 pooling,
                 clock: Arc::new(Clock::default()),
+                compilations: AtomicU64::new(0),
             }),
         })
     }
@@ -361,11 +364,22 @@ impl Runtime {
         })
     }
 
+    /// Components compiled so far (cache misses and runtimes without a cache,
+    /// failed compilations included). Compiling is what makes the process's memory
+    /// grow, so a caller may want to release the compiler's garbage after it.
+    pub fn compilations(&self) -> u64 {
+        self.inner.compilations.load(Ordering::Relaxed)
+    }
+
     /// The compiled component, from the cache when a compatible artifact is there.
     fn component(&self, bytes: &[u8], content_hash: &str) -> Result<(Component, bool), Error> {
         let engine = &self.inner.engine;
+        let compile = |bytes| {
+            self.inner.compilations.fetch_add(1, Ordering::Relaxed);
+            compile(engine, bytes)
+        };
         let Some(dir) = &self.inner.options.cache_dir else {
-            return Ok((compile(engine, bytes)?, false));
+            return Ok((compile(bytes)?, false));
         };
         let path = dir.join(format!("{content_hash}-{}.cwasm", self.inner.compat));
         if path.is_file() {
@@ -376,7 +390,7 @@ impl Runtime {
                 }
             }
         }
-        let component = compile(engine, bytes)?;
+        let component = compile(bytes)?;
         match component.serialize() {
             Ok(artifact) => {
                 if let Err(e) = write_atomically(&path, &artifact) {

@@ -738,6 +738,7 @@ fn a_second_registry_loads_from_the_cache_without_compiling() {
         cold.iter().all(|s| s.loaded_from_cache == Some(false)),
         "{cold:?}"
     );
+    assert_eq!(first.runtime().compilations(), 3, "one per built-in");
     drop(first);
     let second = Registry::new(options(), builtins()).expect("second");
     let warm = second.status();
@@ -745,6 +746,7 @@ fn a_second_registry_loads_from_the_cache_without_compiling() {
         warm.iter().all(|s| s.loaded_from_cache == Some(true)),
         "{warm:?}"
     );
+    assert_eq!(second.runtime().compilations(), 0);
     let total =
         |s: &[outrigger_policy::BindingStatus]| s.iter().filter_map(|b| b.load_ms).sum::<f64>();
     assert!(
@@ -767,6 +769,7 @@ fn a_second_registry_loads_from_the_cache_without_compiling() {
             .iter()
             .all(|s| s.loaded_from_cache == Some(false) && s.version.is_some())
     );
+    assert_eq!(third.runtime().compilations(), 3);
 }
 
 #[test]
