@@ -961,3 +961,50 @@ fn opening_nothing_is_a_clear_error() -> TestResult {
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_stream_is_started_once_however_many_ask_at_once() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    for round in 0..20 {
+        let key = StreamKey::new(format!("race-{round}"))?;
+        let tasks: Vec<_> = (0..8)
+            .map(|_| {
+                let (j, key) = (run.journal.clone(), key.clone());
+                tokio::spawn(async move { j.stream_begin(&key, stream_request(1)).await })
+            })
+            .collect();
+        let mut new = 0;
+        for task in tasks {
+            match task.await?? {
+                StreamBegin::New { attempt } => {
+                    assert_eq!(attempt, 1);
+                    new += 1;
+                }
+                StreamBegin::Existing { meta } => assert_eq!(meta.attempt, 1),
+                other => panic!("round {round}: {other:?}"),
+            }
+        }
+        assert_eq!(new, 1, "round {round}: one generation per key");
+    }
+    // The start is in the journal ahead of the events appended after it.
+    let key = StreamKey::new("fast-then-events")?;
+    let begun = run.journal.stream_begin(&key, stream_request(2)).await?;
+    assert!(
+        matches!(begun, StreamBegin::New { attempt: 1 }),
+        "{begun:?}"
+    );
+    run.journal
+        .stream_append(&key, 1, 0, vec![event(0)], true)
+        .await?;
+    let meta = run.journal.stream_meta(&key)?.ok_or("no metadata")?;
+    assert_eq!((meta.attempt, meta.state), (1, StreamState::Open));
+    assert_eq!(
+        run.journal.stream_events(&key, 1, None)?,
+        vec![(0, event(0))]
+    );
+    // Another body under the same key is refused, not started again.
+    let again = run.journal.stream_begin(&key, stream_request(3)).await?;
+    assert!(matches!(again, StreamBegin::Mismatch { .. }), "{again:?}");
+    run.stop().await
+}
