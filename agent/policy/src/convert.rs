@@ -1,6 +1,11 @@
 //! Conversions between `outrigger_types` (what the sidecar speaks) and the generated
 //! WIT bindings (what crosses into a component). Durations cross as whole
 //! milliseconds, saturating.
+//!
+//! What goes into a hook borrows from the sidecar's own values (the bindings are
+//! generated borrowing): no string is copied on the host side. A WIT list becomes a
+//! slice, so the lists are gathered first (`*Lists`), one allocation per request at
+//! most, and the request is then built borrowing them.
 
 use std::time::Duration;
 
@@ -42,35 +47,53 @@ fn tool_class(c: ot::ToolClass) -> wit::ToolClass {
     }
 }
 
-pub(crate) fn call_context(c: &ot::CallContext) -> wit::CallContext {
-    wit::CallContext {
-        task_id: c.task_id.clone(),
-        request_id: c.request_id.clone(),
-        kind: match c.kind {
-            ot::CallKind::Model => wit::CallKind::Model,
-            ot::CallKind::Tool => wit::CallKind::Tool,
-        },
-        target: c.target.clone(),
-        model: c.model.clone(),
-        tool_class: c.tool_class.map(tool_class),
-        attempt: c.attempt,
-        elapsed_ms: millis(c.elapsed),
-        dispatched: c.dispatched,
-        history: c
-            .history
-            .iter()
-            .map(|a| wit::Attempt {
-                target: a.target.clone(),
-                failure: failure(&a.failure),
-                elapsed_ms: millis(a.elapsed),
-            })
-            .collect(),
-        retry_budget: wit::RetryBudget {
-            available: c.retry_budget.available,
-            retries_in_window: c.retry_budget.retries_in_window,
-            requests_in_window: c.retry_budget.requests_in_window,
-        },
-        fallbacks: c.fallbacks.clone(),
+/// The lists a [`wit::CallContext`] borrows.
+pub(crate) struct CallContextLists<'a> {
+    ctx: &'a ot::CallContext,
+    history: Vec<wit::Attempt<'a>>,
+    fallbacks: Vec<&'a str>,
+}
+
+impl<'a> CallContextLists<'a> {
+    pub(crate) fn new(ctx: &'a ot::CallContext) -> Self {
+        Self {
+            ctx,
+            history: ctx
+                .history
+                .iter()
+                .map(|a| wit::Attempt {
+                    target: &a.target,
+                    failure: failure(&a.failure),
+                    elapsed_ms: millis(a.elapsed),
+                })
+                .collect(),
+            fallbacks: ctx.fallbacks.iter().map(String::as_str).collect(),
+        }
+    }
+
+    pub(crate) fn wit(&self) -> wit::CallContext<'_> {
+        let c = self.ctx;
+        wit::CallContext {
+            task_id: c.task_id.as_deref(),
+            request_id: &c.request_id,
+            kind: match c.kind {
+                ot::CallKind::Model => wit::CallKind::Model,
+                ot::CallKind::Tool => wit::CallKind::Tool,
+            },
+            target: &c.target,
+            model: c.model.as_deref(),
+            tool_class: c.tool_class.map(tool_class),
+            attempt: c.attempt,
+            elapsed_ms: millis(c.elapsed),
+            dispatched: c.dispatched,
+            history: &self.history,
+            retry_budget: wit::RetryBudget {
+                available: c.retry_budget.available,
+                retries_in_window: c.retry_budget.retries_in_window,
+                requests_in_window: c.retry_budget.requests_in_window,
+            },
+            fallbacks: &self.fallbacks,
+        }
     }
 }
 
@@ -84,15 +107,15 @@ pub(crate) fn retry_decision(d: wit::RetryDecision) -> ot::RetryDecision {
     }
 }
 
-fn candidate(c: &ot::Candidate) -> wit::Candidate {
+fn candidate<'a>(c: &'a ot::Candidate, modalities: &'a [&'a str]) -> wit::Candidate<'a> {
     wit::Candidate {
-        name: c.name.clone(),
-        provider: c.provider.clone(),
-        model: c.model.clone(),
+        name: &c.name,
+        provider: &c.provider,
+        model: &c.model,
         supports_tools: c.supports_tools,
         supports_streaming: c.supports_streaming,
         context_window: c.context_window,
-        modalities: c.modalities.clone(),
+        modalities,
         circuit: match c.circuit {
             ot::CircuitState::Closed => wit::CircuitState::Closed,
             ot::CircuitState::Open => wit::CircuitState::Open,
@@ -111,16 +134,55 @@ fn candidate(c: &ot::Candidate) -> wit::Candidate {
     }
 }
 
-pub(crate) fn fallback_request(r: &ot::FallbackRequest) -> wit::FallbackRequest {
-    wit::FallbackRequest {
-        task_id: r.task_id.clone(),
-        request_id: r.request_id.clone(),
-        model: r.model.clone(),
-        needs_tools: r.needs_tools,
-        streaming: r.streaming,
-        estimated_tokens: r.estimated_tokens,
-        modalities: r.modalities.clone(),
-        candidates: r.candidates.iter().map(candidate).collect(),
+/// The lists a [`wit::FallbackRequest`] borrows: every modality name of the request
+/// and its candidates in one vector (the request's first, then each candidate's).
+pub(crate) struct FallbackLists<'a> {
+    request: &'a ot::FallbackRequest,
+    modalities: Vec<&'a str>,
+}
+
+impl<'a> FallbackLists<'a> {
+    pub(crate) fn new(request: &'a ot::FallbackRequest) -> Self {
+        let modalities = request
+            .modalities
+            .iter()
+            .chain(request.candidates.iter().flat_map(|c| &c.modalities))
+            .map(String::as_str)
+            .collect();
+        Self {
+            request,
+            modalities,
+        }
+    }
+
+    pub(crate) fn candidates(&self) -> Vec<wit::Candidate<'_>> {
+        let mut at = self.request.modalities.len();
+        self.request
+            .candidates
+            .iter()
+            .map(|c| {
+                let own = &self.modalities[at..at + c.modalities.len()];
+                at += c.modalities.len();
+                candidate(c, own)
+            })
+            .collect()
+    }
+
+    pub(crate) fn wit<'b>(
+        &'b self,
+        candidates: &'b [wit::Candidate<'b>],
+    ) -> wit::FallbackRequest<'b> {
+        let r = self.request;
+        wit::FallbackRequest {
+            task_id: r.task_id.as_deref(),
+            request_id: &r.request_id,
+            model: &r.model,
+            needs_tools: r.needs_tools,
+            streaming: r.streaming,
+            estimated_tokens: r.estimated_tokens,
+            modalities: &self.modalities[..r.modalities.len()],
+            candidates,
+        }
     }
 }
 
@@ -147,25 +209,41 @@ fn limits(l: &ot::Limits) -> wit::Limits {
     }
 }
 
-pub(crate) fn budget_request(r: &ot::BudgetRequest) -> wit::BudgetRequest {
-    wit::BudgetRequest {
-        task_id: r.task_id.clone(),
-        request_id: r.request_id.clone(),
-        model: r.model.clone(),
-        estimated_tokens_in: r.estimated_tokens_in,
-        estimated_tokens_out: r.estimated_tokens_out,
-        estimated_cost_micros: r.estimated_cost_micros,
-        usage: usage(&r.usage),
-        limits: limits(&r.limits),
-        downgrades: r
-            .downgrades
-            .iter()
-            .map(|d| wit::DowngradeOption {
-                model: d.model.clone(),
-                cost_per_mtok_in: d.cost_per_mtok_in,
-                cost_per_mtok_out: d.cost_per_mtok_out,
-            })
-            .collect(),
+/// The list a [`wit::BudgetRequest`] borrows.
+pub(crate) struct BudgetLists<'a> {
+    request: &'a ot::BudgetRequest,
+    downgrades: Vec<wit::DowngradeOption<'a>>,
+}
+
+impl<'a> BudgetLists<'a> {
+    pub(crate) fn new(request: &'a ot::BudgetRequest) -> Self {
+        Self {
+            request,
+            downgrades: request
+                .downgrades
+                .iter()
+                .map(|d| wit::DowngradeOption {
+                    model: &d.model,
+                    cost_per_mtok_in: d.cost_per_mtok_in,
+                    cost_per_mtok_out: d.cost_per_mtok_out,
+                })
+                .collect(),
+        }
+    }
+
+    pub(crate) fn wit(&self) -> wit::BudgetRequest<'_> {
+        let r = self.request;
+        wit::BudgetRequest {
+            task_id: r.task_id.as_deref(),
+            request_id: &r.request_id,
+            model: &r.model,
+            estimated_tokens_in: r.estimated_tokens_in,
+            estimated_tokens_out: r.estimated_tokens_out,
+            estimated_cost_micros: r.estimated_cost_micros,
+            usage: usage(&r.usage),
+            limits: limits(&r.limits),
+            downgrades: &self.downgrades,
+        }
     }
 }
 

@@ -641,9 +641,10 @@ impl Loaded {
         ctx: &outrigger_types::CallContext,
         failure: &outrigger_types::Failure,
     ) -> Result<outrigger_types::RetryDecision, Fault> {
-        let (ctx, failure) = (convert::call_context(ctx), convert::failure(failure));
+        let lists = convert::CallContextLists::new(ctx);
+        let (ctx, failure) = (lists.wit(), convert::failure(failure));
         self.call(Hook::Retry, |store, guests| match guests.retry {
-            Some(guest) => Ok(guest.call_decide(store, &ctx, failure)),
+            Some(guest) => Ok(guest.call_decide(store, ctx, failure)),
             None => Err(Fault::MissingHook(Hook::Retry)),
         })
         .map(convert::retry_decision)
@@ -654,9 +655,11 @@ impl Loaded {
         &self,
         request: &outrigger_types::FallbackRequest,
     ) -> Result<Vec<String>, Fault> {
-        let request = convert::fallback_request(request);
+        let lists = convert::FallbackLists::new(request);
+        let candidates = lists.candidates();
+        let request = lists.wit(&candidates);
         self.call(Hook::Fallback, |store, guests| match guests.fallback {
-            Some(guest) => Ok(guest.call_order(store, &request)),
+            Some(guest) => Ok(guest.call_order(store, request)),
             None => Err(Fault::MissingHook(Hook::Fallback)),
         })
     }
@@ -666,9 +669,10 @@ impl Loaded {
         &self,
         request: &outrigger_types::BudgetRequest,
     ) -> Result<outrigger_types::BudgetDecision, Fault> {
-        let request = convert::budget_request(request);
+        let lists = convert::BudgetLists::new(request);
+        let request = lists.wit();
         self.call(Hook::Budget, |store, guests| match guests.budget {
-            Some(guest) => Ok(guest.call_admit(store, &request)),
+            Some(guest) => Ok(guest.call_admit(store, request)),
             None => Err(Fault::MissingHook(Hook::Budget)),
         })
         .map(convert::budget_decision)

@@ -321,6 +321,28 @@ fn builtin_fallback_and_budget_decisions() {
     assert_eq!(d.value, ["a", "b", "half"]);
     assert_eq!(d.version, builtin_version(Hook::Fallback));
 
+    // Each candidate's own modalities reach the guest (they cross as one gathered
+    // list, sliced per candidate): only those accepting every modality the request
+    // uses are kept, and an empty list means unknown.
+    let accepts = |name: &str, modalities: &[&str]| Candidate {
+        modalities: modalities.iter().map(|m| (*m).to_owned()).collect(),
+        ..candidate(name)
+    };
+    let request = FallbackRequest {
+        modalities: vec!["text".into(), "image".into()],
+        ..fallback_request(
+            "f-modalities",
+            vec![
+                accepts("text-only", &["text"]),
+                accepts("vision", &["image", "text"]),
+                accepts("unknown", &[]),
+                accepts("audio", &["text", "audio"]),
+                accepts("all", &["text", "image", "audio"]),
+            ],
+        )
+    };
+    assert_eq!(r.fallback(&request).value, ["vision", "unknown", "all"]);
+
     let limits = Limits {
         tokens_total: Some(1_000),
         ..Limits::default()
