@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 
+use memchr::memmem;
 use serde_json::Value;
 
 use crate::keys::IssuedCall;
@@ -98,7 +99,7 @@ impl Turn {
     /// their JSON. Anything that might open, grow or close a block, report usage or an
     /// error, or end the turn takes the full path.
     fn fast_path(&self, raw: &[u8]) -> Option<Kind> {
-        let has = |needle: &[u8]| raw.windows(needle.len()).any(|w| w == needle);
+        let has = |needle: &[u8]| memmem::find(raw, needle).is_some();
         match self.dialect {
             Dialect::OpenAi => {
                 let plain_text = raw.starts_with(b"data: {")

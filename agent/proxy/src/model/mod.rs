@@ -883,7 +883,7 @@ fn scrub(bytes: Bytes, provider: &Provider) -> Bytes {
     let Some(key) = provider.api_key.as_ref().map(|k| k.expose()) else {
         return bytes;
     };
-    if key.is_empty() || !bytes.windows(key.len()).any(|w| w == key.as_bytes()) {
+    if key.is_empty() || memchr::memmem::find(&bytes, key.as_bytes()).is_none() {
         return bytes;
     }
     let text = String::from_utf8_lossy(&bytes).replace(key, "<redacted>");
