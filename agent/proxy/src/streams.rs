@@ -145,10 +145,35 @@ fn no_cache(h: &HeaderMap) -> bool {
 
 /// `id: <attempt>:<seq>` in front of a raw event.
 pub fn with_id(attempt: u32, seq: u64, raw: &[u8]) -> Bytes {
-    let mut b = BytesMut::with_capacity(raw.len() + 24);
-    b.extend_from_slice(format!("id: {attempt}:{seq}\n").as_bytes());
-    b.extend_from_slice(raw);
+    let mut b = BytesMut::with_capacity(raw.len() + ID_LINE_MAX);
+    push_with_id(&mut b, attempt, seq, raw);
     b.freeze()
+}
+
+/// The longest `id:` line ours can be (`id: ` + u32 + `:` + u64 + LF).
+const ID_LINE_MAX: usize = 4 + 10 + 1 + 20 + 1;
+
+/// Appends `raw` to `out` with its `id:` line in front, formatted in place.
+fn push_with_id(out: &mut BytesMut, attempt: u32, seq: u64, raw: &[u8]) {
+    use std::fmt::Write as _;
+    out.reserve(raw.len() + ID_LINE_MAX);
+    // Writing into a `BytesMut` cannot fail.
+    let _ = writeln!(out, "id: {attempt}:{seq}");
+    out.extend_from_slice(raw);
+}
+
+/// The events of one upstream batch, numbered from `first_seq`, with their `id:`
+/// lines: written into one buffer and split from it, so a batch costs one
+/// allocation, not two per event.
+fn with_ids(attempt: u32, first_seq: u64, events: &[Bytes]) -> Vec<Bytes> {
+    let total = events.iter().map(|e| e.len() + ID_LINE_MAX).sum();
+    let mut buf = BytesMut::with_capacity(total);
+    let mut out = Vec::with_capacity(events.len());
+    for (seq, ev) in (first_seq..).zip(events) {
+        push_with_id(&mut buf, attempt, seq, ev);
+        out.push(buf.split().freeze());
+    }
+    out
 }
 
 /// Parses a `Last-Event-ID` of ours (`<attempt>:<seq>`).
@@ -419,12 +444,12 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
         // anything released with it.
         let durable = durable && !gate.turn.terminal;
         let first_seq = seq;
-        let mut out = Vec::with_capacity(released.len());
+        let now = std::time::Instant::now();
         for ev in &released {
-            observer.on_event(ev, std::time::Instant::now());
-            out.push(with_id(live.attempt, seq, ev));
-            seq += 1;
+            observer.on_event(ev, now);
         }
+        let out = with_ids(live.attempt, first_seq, &released);
+        seq += released.len() as u64;
         if journal_ok && !released.is_empty() {
             let r = if durable {
                 journal
@@ -593,7 +618,7 @@ pub fn live_response(live: &Arc<Live>, from: usize, replayed: bool) -> Response<
 pub fn journal_response(events: Vec<(u64, Bytes)>, attempt: u32) -> Response<Body> {
     let mut out = BytesMut::new();
     for (seq, raw) in events {
-        out.extend_from_slice(&with_id(attempt, seq, &raw));
+        push_with_id(&mut out, attempt, seq, &raw);
     }
     let mut resp = Response::new(crate::body::full(out.freeze()));
     sse_headers(resp.headers_mut(), true);
