@@ -48,9 +48,7 @@ pub fn start(options: outrigger_policy::Options) -> anyhow::Result<Registry> {
         })
         .collect();
     let registry = Registry::new(options, builtins)?;
-    if registry.runtime().compilations() > 0 {
-        crate::memory::release_compiler_memory();
-    }
+    release_if_compiled(&registry, 0);
     let ticker = registry.ticker();
     std::thread::Builder::new()
         .name("policy-epoch".into())
@@ -67,6 +65,14 @@ pub fn start(options: outrigger_policy::Options) -> anyhow::Result<Registry> {
         );
     }
     Ok(registry)
+}
+
+/// Hands the compiler's freed memory back when the registry compiled anything since
+/// it had `before` compilations (a load from the cache compiles nothing).
+fn release_if_compiled(registry: &Registry, before: u64) {
+    if registry.runtime().compilations() > before {
+        crate::memory::release_compiler_memory();
+    }
 }
 
 /// Folds the host's per-binding fault counters into the metrics (as deltas since the
@@ -98,11 +104,9 @@ impl FaultCounters {
 pub async fn reload(registry: &Registry, metrics: &Metrics, why: &str) -> ReloadReport {
     let r = registry.clone();
     let report = match tokio::task::spawn_blocking(move || {
-        let compiled = r.runtime().compilations();
+        let before = r.runtime().compilations();
         let report = r.reload();
-        if r.runtime().compilations() > compiled {
-            crate::memory::release_compiler_memory();
-        }
+        release_if_compiled(&r, before);
         report
     })
     .await

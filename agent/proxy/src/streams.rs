@@ -143,17 +143,11 @@ fn no_cache(h: &HeaderMap) -> bool {
         })
 }
 
-/// `id: <attempt>:<seq>` in front of a raw event.
-pub fn with_id(attempt: u32, seq: u64, raw: &[u8]) -> Bytes {
-    let mut b = BytesMut::with_capacity(raw.len() + ID_LINE_MAX);
-    push_with_id(&mut b, attempt, seq, raw);
-    b.freeze()
-}
-
 /// The longest `id:` line ours can be (`id: ` + u32 + `:` + u64 + LF).
 const ID_LINE_MAX: usize = 4 + 10 + 1 + 20 + 1;
 
-/// Appends `raw` to `out` with its `id:` line in front, formatted in place.
+/// Appends `raw` to `out` with its `id: <attempt>:<seq>` line in front, formatted in
+/// place.
 fn push_with_id(out: &mut BytesMut, attempt: u32, seq: u64, raw: &[u8]) {
     use std::fmt::Write as _;
     out.reserve(raw.len() + ID_LINE_MAX);
@@ -564,7 +558,7 @@ async fn produce(p: Production, mut upstream: UpstreamBody) {
                     .stream_append(&live.key, live.attempt, seq, vec![ev.clone()], true)
                     .await;
             }
-            live.push([with_id(live.attempt, seq, &ev)]);
+            live.push(with_ids(live.attempt, seq, std::slice::from_ref(&ev)));
             StreamEnd::Abandoned {
                 reason: reason.clone(),
             }
