@@ -32,7 +32,9 @@ impl RetryPolicy for JitteredRetry {
         };
         let decision = decide(&params, &ctx, &failure, host::random());
         if let RetryDecision::GiveUp(reason) = &decision {
-            host::info(&format!("request {}: giving up: {reason}", ctx.request_id));
+            // The host tags every log line with the call's task and request ids;
+            // `host::task_id()` and `host::request_id()` return them too.
+            host::info(&format!("giving up: {reason}"));
         }
         decision
     }

@@ -30,14 +30,10 @@ impl RetryPolicy for Conservative {
 }
 
 impl FallbackPolicy for Conservative {
-    fn order(request: FallbackRequest) -> Vec<String> {
-        let mut names: Vec<String> = Vec::new();
-        for candidate in request.candidates {
-            if !names.contains(&candidate.name) {
-                names.push(candidate.name);
-            }
-        }
-        names
+    fn order(request: FallbackRequest) -> Vec<u32> {
+        // Every candidate, in the configured order.
+        let count = u32::try_from(request.candidates.len()).unwrap_or(u32::MAX);
+        (0..count).collect()
     }
 }
 

@@ -7,7 +7,8 @@
 //! exports exactly those hooks; the sidecar detects which. The types are the WIT
 //! package `outrigger:policy@0.1.0` (`wit/policy.wit`), generated once here and
 //! shared by every hook; [`host`] wraps the only capabilities a policy has (log,
-//! monotonic time, randomness, its own parameters). There is no filesystem, network
+//! monotonic time, randomness, its own parameters, the ids of the call being
+//! decided). There is no filesystem, network
 //! or environment, and a policy runs under a deadline and a memory cap, so decide
 //! quickly and allocate little.
 //!
@@ -53,8 +54,8 @@ mod bindings {
 
 pub use bindings::outrigger::policy::types::{
     Attempt, BudgetDecision, BudgetRequest, CallContext, CallKind, Candidate, CircuitState,
-    DowngradeOption, Failure, FallbackRequest, GpuHealth, Limits, RetryBudget, RetryDecision,
-    StreamInterruption, ToolClass, Usage,
+    DowngradeOption, Failure, FallbackRequest, GpuHealth, Limits, Modalities, RetryBudget,
+    RetryDecision, StreamInterruption, ToolClass, Usage,
 };
 
 include!(concat!(env!("OUT_DIR"), "/export_macros.rs"));
@@ -78,9 +79,9 @@ pub trait RetryPolicy {
 
 /// A fallback policy: which candidate targets to try, in which order.
 pub trait FallbackPolicy {
-    /// Returns candidate names in the order to try. Names must come from
-    /// `request.candidates`, at most once each; names left out are not tried.
-    fn order(request: FallbackRequest) -> Vec<String>;
+    /// Returns the candidates to try, best first, as indices into
+    /// `request.candidates`, at most once each; candidates left out are not tried.
+    fn order(request: FallbackRequest) -> Vec<u32>;
 }
 
 /// A budget policy: admit, reject or downgrade a call before it is sent.
@@ -89,8 +90,8 @@ pub trait BudgetPolicy {
     fn admit(request: BudgetRequest) -> BudgetDecision;
 }
 
-/// The host's capabilities: logging, monotonic time, randomness and the policy's
-/// parameters from the sidecar's config.
+/// The host's capabilities: logging, monotonic time, randomness, the policy's
+/// parameters from the sidecar's config and the ids of the call being decided.
 ///
 /// These are WebAssembly imports: they exist only inside the sidecar (or the test
 /// kit). Calling them from a native unit test panics, which is why decision logic
@@ -148,6 +149,16 @@ pub mod host {
     /// The policy's parameter `name` from the sidecar's config, as written there.
     pub fn param(name: &str) -> Option<String> {
         imports::param(name)
+    }
+
+    /// The agent's task id of the call being decided, when it sent one.
+    pub fn task_id() -> Option<String> {
+        imports::task_id()
+    }
+
+    /// The sidecar's id for the request being decided.
+    pub fn request_id() -> String {
+        imports::request_id()
     }
 
     /// The parameter `name` parsed as `T`, or `default` when it is absent. A value
@@ -255,6 +266,17 @@ impl CallContext {
     }
 }
 
+impl FallbackRequest {
+    /// The index of the candidate called `name`, as [`FallbackPolicy::order`]
+    /// returns it.
+    pub fn index_of(&self, name: &str) -> Option<u32> {
+        self.candidates
+            .iter()
+            .position(|c| c.name == name)
+            .and_then(|i| u32::try_from(i).ok())
+    }
+}
+
 impl RetryDecision {
     /// Retry the same target after `delay` (whole milliseconds, saturating).
     pub fn retry_after(delay: Duration) -> Self {
@@ -343,8 +365,6 @@ mod tests {
 
     fn ctx() -> CallContext {
         CallContext {
-            task_id: None,
-            request_id: "r1".into(),
             kind: CallKind::Tool,
             target: "a".into(),
             model: None,

@@ -12,7 +12,7 @@ use http::Uri;
 use outrigger_proxy::options::{
     self as popts, Capabilities, Dialect, Limits, ModelPattern, Provider, Secret, Tool, ToolKind,
 };
-use outrigger_types::ToolClass;
+use outrigger_types::{Modalities, ToolClass};
 
 pub mod raw;
 
@@ -703,6 +703,13 @@ fn providers(raw: &raw::Config, env: &[(String, String)], p: &mut Problems) -> V
         if rp.models.is_empty() {
             p.add(at("models"), "list at least one model, or \"*\" for any");
         }
+        let mut modalities = Modalities::EMPTY;
+        for (j, name) in rp.modalities.iter().enumerate() {
+            match Modalities::parse(name) {
+                Ok(m) => modalities |= m,
+                Err(e) => p.add(at(&format!("modalities[{j}]")), e),
+            }
+        }
         let mut price = |k: &str, v: Option<f64>| match v {
             None => 0,
             Some(d) if d.is_finite() && d >= 0.0 => (d * 1_000_000.0).round() as u64,
@@ -720,7 +727,7 @@ fn providers(raw: &raw::Config, env: &[(String, String)], p: &mut Problems) -> V
             supports_tools: rp.supports_tools.unwrap_or(true),
             supports_streaming: rp.supports_streaming.unwrap_or(true),
             context_window: rp.context_window.unwrap_or(0),
-            modalities: rp.modalities.clone(),
+            modalities,
             local: rp.local.unwrap_or(false),
             price_in: price("price_in", rp.price_in),
             price_out: price("price_out", rp.price_out),

@@ -24,7 +24,7 @@ impl Decider for PolicyDecider {
         self.0.retry(ctx, failure)
     }
 
-    fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<String>> {
+    fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<usize>> {
         self.0.fallback(req)
     }
 

@@ -21,7 +21,7 @@ use outrigger_policy::{
 };
 use outrigger_types::{
     BudgetRequest, CallContext, CallKind, Candidate, CircuitState, DowngradeOption, Failure,
-    FallbackRequest, Limits, RetryBudget, Usage,
+    FallbackRequest, Limits, Modalities, RetryBudget, Usage,
 };
 
 const CALLS: usize = 20_000;
@@ -272,12 +272,10 @@ fn inputs() -> (CallContext, Failure, FallbackRequest, BudgetRequest) {
     };
     let candidate = |name: &str| Candidate {
         name: name.into(),
-        provider: name.into(),
-        model: format!("{name}-model"),
         supports_tools: true,
         supports_streaming: true,
         context_window: 128_000,
-        modalities: vec!["text".into()],
+        modalities: Modalities::TEXT,
         circuit: CircuitState::Closed,
         local: false,
         gpu: None,
@@ -291,7 +289,7 @@ fn inputs() -> (CallContext, Failure, FallbackRequest, BudgetRequest) {
         needs_tools: true,
         streaming: true,
         estimated_tokens: 3_000,
-        modalities: vec!["text".into()],
+        modalities: Modalities::TEXT,
         candidates: vec![
             candidate("openai"),
             candidate("anthropic"),

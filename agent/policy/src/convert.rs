@@ -4,8 +4,8 @@
 //!
 //! What goes into a hook borrows from the sidecar's own values (the bindings are
 //! generated borrowing): no string is copied on the host side. A WIT list becomes a
-//! slice, so the lists are gathered first (`*Lists`), one allocation per request at
-//! most, and the request is then built borrowing them.
+//! slice, so the lists are gathered first (`*Lists`, `candidates`), one allocation
+//! per list, and the request is then built borrowing them.
 
 use std::time::Duration;
 
@@ -74,8 +74,6 @@ impl<'a> CallContextLists<'a> {
     pub(crate) fn wit(&self) -> wit::CallContext<'_> {
         let c = self.ctx;
         wit::CallContext {
-            task_id: c.task_id.as_deref(),
-            request_id: &c.request_id,
             kind: match c.kind {
                 ot::CallKind::Model => wit::CallKind::Model,
                 ot::CallKind::Tool => wit::CallKind::Tool,
@@ -107,15 +105,25 @@ pub(crate) fn retry_decision(d: wit::RetryDecision) -> ot::RetryDecision {
     }
 }
 
-fn candidate<'a>(c: &'a ot::Candidate, modalities: &'a [&'a str]) -> wit::Candidate<'a> {
+fn modalities(m: ot::Modalities) -> wit::Modalities {
+    const BOTH: [(ot::Modalities, wit::Modalities); 4] = [
+        (ot::Modalities::TEXT, wit::Modalities::TEXT),
+        (ot::Modalities::IMAGE, wit::Modalities::IMAGE),
+        (ot::Modalities::AUDIO, wit::Modalities::AUDIO),
+        (ot::Modalities::DOCUMENT, wit::Modalities::DOCUMENT),
+    ];
+    BOTH.iter()
+        .filter(|(ours, _)| m.contains(*ours))
+        .fold(wit::Modalities::empty(), |set, (_, theirs)| set | *theirs)
+}
+
+fn candidate(c: &ot::Candidate) -> wit::Candidate<'_> {
     wit::Candidate {
         name: &c.name,
-        provider: &c.provider,
-        model: &c.model,
         supports_tools: c.supports_tools,
         supports_streaming: c.supports_streaming,
         context_window: c.context_window,
-        modalities,
+        modalities: modalities(c.modalities),
         circuit: match c.circuit {
             ot::CircuitState::Closed => wit::CircuitState::Closed,
             ot::CircuitState::Open => wit::CircuitState::Open,
@@ -134,55 +142,22 @@ fn candidate<'a>(c: &'a ot::Candidate, modalities: &'a [&'a str]) -> wit::Candid
     }
 }
 
-/// The lists a [`wit::FallbackRequest`] borrows: every modality name of the request
-/// and its candidates in one vector (the request's first, then each candidate's).
-pub(crate) struct FallbackLists<'a> {
-    request: &'a ot::FallbackRequest,
-    modalities: Vec<&'a str>,
+/// The candidates of a [`wit::FallbackRequest`], gathered into the slice it borrows.
+pub(crate) fn candidates(request: &ot::FallbackRequest) -> Vec<wit::Candidate<'_>> {
+    request.candidates.iter().map(candidate).collect()
 }
 
-impl<'a> FallbackLists<'a> {
-    pub(crate) fn new(request: &'a ot::FallbackRequest) -> Self {
-        let modalities = request
-            .modalities
-            .iter()
-            .chain(request.candidates.iter().flat_map(|c| &c.modalities))
-            .map(String::as_str)
-            .collect();
-        Self {
-            request,
-            modalities,
-        }
-    }
-
-    pub(crate) fn candidates(&self) -> Vec<wit::Candidate<'_>> {
-        let mut at = self.request.modalities.len();
-        self.request
-            .candidates
-            .iter()
-            .map(|c| {
-                let own = &self.modalities[at..at + c.modalities.len()];
-                at += c.modalities.len();
-                candidate(c, own)
-            })
-            .collect()
-    }
-
-    pub(crate) fn wit<'b>(
-        &'b self,
-        candidates: &'b [wit::Candidate<'b>],
-    ) -> wit::FallbackRequest<'b> {
-        let r = self.request;
-        wit::FallbackRequest {
-            task_id: r.task_id.as_deref(),
-            request_id: &r.request_id,
-            model: &r.model,
-            needs_tools: r.needs_tools,
-            streaming: r.streaming,
-            estimated_tokens: r.estimated_tokens,
-            modalities: &self.modalities[..r.modalities.len()],
-            candidates,
-        }
+pub(crate) fn fallback_request<'a>(
+    r: &'a ot::FallbackRequest,
+    candidates: &'a [wit::Candidate<'a>],
+) -> wit::FallbackRequest<'a> {
+    wit::FallbackRequest {
+        model: &r.model,
+        needs_tools: r.needs_tools,
+        streaming: r.streaming,
+        estimated_tokens: r.estimated_tokens,
+        modalities: modalities(r.modalities),
+        candidates,
     }
 }
 
@@ -234,8 +209,6 @@ impl<'a> BudgetLists<'a> {
     pub(crate) fn wit(&self) -> wit::BudgetRequest<'_> {
         let r = self.request;
         wit::BudgetRequest {
-            task_id: r.task_id.as_deref(),
-            request_id: &r.request_id,
             model: &r.model,
             estimated_tokens_in: r.estimated_tokens_in,
             estimated_tokens_out: r.estimated_tokens_out,

@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use arc_swap::ArcSwapOption;
 use outrigger_types::{
     BudgetDecision, BudgetRequest, CallContext, CallKind, Candidate, CircuitState, Decided,
-    DecisionSource, DowngradeOption, Failure, FallbackRequest, Limits, PolicyVersion, RetryBudget,
-    RetryDecision, Usage,
+    DecisionSource, DowngradeOption, Failure, FallbackRequest, Limits, Modalities, PolicyVersion,
+    RetryBudget, RetryDecision, Usage,
 };
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -582,8 +582,9 @@ impl Registry {
         )
     }
 
-    /// Orders the candidate targets of a call; names left out are not tried.
-    pub fn fallback(&self, request: &FallbackRequest) -> Decided<Vec<String>> {
+    /// Orders the candidate targets of a call, as indices into its candidates;
+    /// candidates left out are not tried.
+    pub fn fallback(&self, request: &FallbackRequest) -> Decided<Vec<usize>> {
         self.decide(
             Hook::Fallback,
             |loaded| {
@@ -620,11 +621,12 @@ impl Registry {
         let slot = &self.inner.slots[hook.index()];
         slot.counters.calls.fetch_add(1, Ordering::Relaxed);
         let _in_flight = InFlight::enter(&slot.counters.in_flight);
-        let active = slot.active.load_full();
-        let builtin = slot.builtin.load_full();
-        let Some(active) = active else {
+        // Guards, not clones: no reference count moves on the common path. The
+        // built-in is looked at only when it must stand in.
+        let active = slot.active.load();
+        let Some(active) = active.as_deref() else {
             // Nothing could be loaded for this binding: the built-in stands in.
-            if let Some(builtin) = builtin
+            if let Some(builtin) = slot.builtin.load().as_deref()
                 && let Ok(value) = ask(&builtin.loaded)
             {
                 slot.counters.contained.fetch_add(1, Ordering::Relaxed);
@@ -649,6 +651,7 @@ impl Registry {
             return decided(strict(reason), failed, DecisionSource::Contained);
         }
         slot.counters.contained.fetch_add(1, Ordering::Relaxed);
+        let builtin = slot.builtin.load_full();
         let stand_ins = active.previous.iter().chain(
             builtin
                 .iter()
@@ -793,14 +796,11 @@ fn check_bindings(
 
 /// The candidates in configured order, each once: the fallback decision when no
 /// policy can decide, and the strict one.
-fn configured_order(request: &FallbackRequest) -> Vec<String> {
-    let mut names: Vec<String> = Vec::with_capacity(request.candidates.len());
-    for candidate in &request.candidates {
-        if !names.contains(&candidate.name) {
-            names.push(candidate.name.clone());
-        }
-    }
-    names
+fn configured_order(request: &FallbackRequest) -> Vec<usize> {
+    let candidates = &request.candidates;
+    (0..candidates.len())
+        .filter(|&i| !candidates[..i].iter().any(|c| c.name == candidates[i].name))
+        .collect()
 }
 
 /// The budget decision when no policy can decide: reject only what the limits
@@ -852,12 +852,10 @@ fn smoke_test(loaded: &Loaded, hook: Hook, max_delay: Duration) -> Result<(), Fa
         Hook::Fallback => {
             let candidate = |name: &str| Candidate {
                 name: name.into(),
-                provider: "smoke".into(),
-                model: "smoke-model".into(),
                 supports_tools: true,
                 supports_streaming: true,
                 context_window: 128_000,
-                modalities: vec!["text".into()],
+                modalities: Modalities::TEXT,
                 circuit: CircuitState::Closed,
                 local: false,
                 gpu: None,
@@ -871,7 +869,7 @@ fn smoke_test(loaded: &Loaded, hook: Hook, max_delay: Duration) -> Result<(), Fa
                 needs_tools: false,
                 streaming: true,
                 estimated_tokens: 1_000,
-                modalities: vec!["text".into()],
+                modalities: Modalities::TEXT,
                 candidates: vec![candidate("smoke-a"), candidate("smoke-b")],
             };
             let order = loaded.fallback(&request)?;

@@ -641,26 +641,33 @@ impl Loaded {
         ctx: &outrigger_types::CallContext,
         failure: &outrigger_types::Failure,
     ) -> Result<outrigger_types::RetryDecision, Fault> {
+        let ids = (ctx.task_id.as_deref(), ctx.request_id.as_str());
         let lists = convert::CallContextLists::new(ctx);
         let (ctx, failure) = (lists.wit(), convert::failure(failure));
-        self.call(Hook::Retry, |store, guests| match guests.retry {
+        self.call(Hook::Retry, ids, |store, guests| match guests.retry {
             Some(guest) => Ok(guest.call_decide(store, ctx, failure)),
             None => Err(Fault::MissingHook(Hook::Retry)),
         })
         .map(convert::retry_decision)
     }
 
-    /// Asks the fallback hook, unvalidated.
+    /// Asks the fallback hook, unvalidated: indices into `request.candidates`.
     pub fn fallback(
         &self,
         request: &outrigger_types::FallbackRequest,
-    ) -> Result<Vec<String>, Fault> {
-        let lists = convert::FallbackLists::new(request);
-        let candidates = lists.candidates();
-        let request = lists.wit(&candidates);
-        self.call(Hook::Fallback, |store, guests| match guests.fallback {
+    ) -> Result<Vec<usize>, Fault> {
+        let ids = (request.task_id.as_deref(), request.request_id.as_str());
+        let candidates = convert::candidates(request);
+        let request = convert::fallback_request(request, &candidates);
+        self.call(Hook::Fallback, ids, |store, guests| match guests.fallback {
             Some(guest) => Ok(guest.call_order(store, request)),
             None => Err(Fault::MissingHook(Hook::Fallback)),
+        })
+        .map(|order| {
+            order
+                .into_iter()
+                .map(|i| usize::try_from(i).unwrap_or(usize::MAX))
+                .collect()
         })
     }
 
@@ -669,18 +676,22 @@ impl Loaded {
         &self,
         request: &outrigger_types::BudgetRequest,
     ) -> Result<outrigger_types::BudgetDecision, Fault> {
+        let ids = (request.task_id.as_deref(), request.request_id.as_str());
         let lists = convert::BudgetLists::new(request);
         let request = lists.wit();
-        self.call(Hook::Budget, |store, guests| match guests.budget {
+        self.call(Hook::Budget, ids, |store, guests| match guests.budget {
             Some(guest) => Ok(guest.call_admit(store, request)),
             None => Err(Fault::MissingHook(Hook::Budget)),
         })
         .map(convert::budget_decision)
     }
 
+    /// Runs `f` on a warm instance; `ids` (task id, request id) answer the
+    /// guest's `host.task-id` and `host.request-id` during the call.
     fn call<R>(
         &self,
         hook: Hook,
+        ids: (Option<&str>, &str),
         f: impl FnOnce(&mut Store<State>, Guests<'_>) -> Result<wasmtime::Result<R>, Fault>,
     ) -> Result<R, Fault> {
         if !self.implements(hook) {
@@ -698,7 +709,7 @@ impl Loaded {
             None => self.instantiate()?,
         };
         let options = &inner.runtime.inner.options;
-        warm.store.data_mut().begin_call(options.seed);
+        warm.store.data_mut().begin_call(options.seed, ids);
         warm.store
             .set_epoch_deadline(deadline_ticks(options.deadline));
         let result = {
@@ -852,6 +863,10 @@ pub(crate) struct State {
     origin: Instant,
     seed: Option<u64>,
     rng: Option<rand::rngs::StdRng>,
+    /// The call being decided: its task id (when it has one) and request id,
+    /// kept in buffers reused from call to call.
+    task_id: Option<String>,
+    request_id: String,
 }
 
 impl State {
@@ -881,14 +896,26 @@ impl State {
             origin,
             seed: None,
             rng: None,
+            task_id: None,
+            request_id: String::new(),
         }
     }
 
-    /// Resets the per-call random source: seeded, the same call draws the same
-    /// numbers whatever the instance served before.
-    fn begin_call(&mut self, seed: Option<u64>) {
+    /// Resets the per-call random source (seeded, the same call draws the same
+    /// numbers whatever the instance served before) and records the call's ids.
+    fn begin_call(&mut self, seed: Option<u64>, (task_id, request_id): (Option<&str>, &str)) {
         self.seed = seed;
         self.rng = None;
+        match (task_id, &mut self.task_id) {
+            (Some(id), Some(kept)) => {
+                kept.clear();
+                kept.push_str(id);
+            }
+            (Some(id), kept) => *kept = Some(id.to_owned()),
+            (None, kept) => *kept = None,
+        }
+        self.request_id.clear();
+        self.request_id.push_str(request_id);
     }
 }
 
@@ -915,11 +942,13 @@ impl host::Host for State {
             line.push('…');
         }
         let policy = &*self.label;
+        let task_id = self.task_id.as_deref();
+        let request_id = self.request_id.as_str();
         match level {
-            host::Level::Debug => tracing::debug!(policy, "{line}"),
-            host::Level::Info => tracing::info!(policy, "{line}"),
-            host::Level::Warn => tracing::warn!(policy, "{line}"),
-            host::Level::Error => tracing::error!(policy, "{line}"),
+            host::Level::Debug => tracing::debug!(policy, task_id, request_id, "{line}"),
+            host::Level::Info => tracing::info!(policy, task_id, request_id, "{line}"),
+            host::Level::Warn => tracing::warn!(policy, task_id, request_id, "{line}"),
+            host::Level::Error => tracing::error!(policy, task_id, request_id, "{line}"),
         }
     }
 
@@ -939,5 +968,13 @@ impl host::Host for State {
 
     fn param(&mut self, name: String) -> Option<String> {
         self.params.get(&name).cloned()
+    }
+
+    fn task_id(&mut self) -> Option<String> {
+        self.task_id.clone()
+    }
+
+    fn request_id(&mut self) -> String {
+        self.request_id.clone()
     }
 }

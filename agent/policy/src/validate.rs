@@ -2,7 +2,6 @@
 //! like a trap: contained, logged and counted. The test kit's conformance suite uses
 //! the same checks, so "conformant" and "accepted by the host" mean the same thing.
 
-use std::collections::HashSet;
 use std::time::Duration;
 
 use outrigger_types::{
@@ -54,15 +53,18 @@ pub fn retry(
     }
 }
 
-/// Checks a fallback order: a duplicate-free subset of the candidate names.
-pub fn fallback(request: &FallbackRequest, order: &[String]) -> Result<(), String> {
-    let mut seen = HashSet::with_capacity(order.len());
-    for name in order {
-        if !request.candidates.iter().any(|c| &c.name == name) {
-            return Err(format!("{name:?} is not a candidate"));
-        }
-        if !seen.insert(name.as_str()) {
-            return Err(format!("{name:?} appears twice in the order"));
+/// Checks a fallback order: duplicate-free indices into the candidates.
+pub fn fallback(request: &FallbackRequest, order: &[usize]) -> Result<(), String> {
+    let count = request.candidates.len();
+    let mut seen = vec![false; count];
+    for &i in order {
+        let Some(slot) = seen.get_mut(i) else {
+            return Err(format!(
+                "index {i} is not a candidate (there are {count}, numbered from 0)"
+            ));
+        };
+        if std::mem::replace(slot, true) {
+            return Err(format!("candidate {i} appears twice in the order"));
         }
     }
     Ok(())

@@ -19,8 +19,8 @@ use outrigger_policy::{
 };
 use outrigger_types::{
     AttemptRecord, BudgetDecision, BudgetRequest, CallContext, CallKind, Candidate, CircuitState,
-    DecisionSource, DowngradeOption, Failure, FallbackRequest, GpuState, Limits, PolicyVersion,
-    RetryBudget, RetryDecision, ToolClass, Usage,
+    DecisionSource, DowngradeOption, Failure, FallbackRequest, GpuState, Limits, Modalities,
+    PolicyVersion, RetryBudget, RetryDecision, ToolClass, Usage,
 };
 
 fn builtins() -> Vec<BuiltinComponent> {
@@ -160,12 +160,10 @@ fn ctx(request_id: &str, attempt: u32) -> CallContext {
 fn candidate(name: &str) -> Candidate {
     Candidate {
         name: name.into(),
-        provider: "p".into(),
-        model: format!("{name}-model"),
         supports_tools: true,
         supports_streaming: true,
         context_window: 0,
-        modalities: Vec::new(),
+        modalities: Modalities::EMPTY,
         circuit: CircuitState::Closed,
         local: false,
         gpu: None,
@@ -182,9 +180,17 @@ fn fallback_request(request_id: &str, candidates: Vec<Candidate>) -> FallbackReq
         needs_tools: false,
         streaming: false,
         estimated_tokens: 0,
-        modalities: Vec::new(),
+        modalities: Modalities::TEXT,
         candidates,
     }
+}
+
+/// The names of the candidates a fallback decision picked, in its order.
+fn names<'a>(request: &'a FallbackRequest, order: &[usize]) -> Vec<&'a str> {
+    order
+        .iter()
+        .map(|&i| request.candidates[i].name.as_str())
+        .collect()
 }
 
 fn budget_request(request_id: &str, usage: Usage, limits: Limits) -> BudgetRequest {
@@ -318,18 +324,17 @@ fn builtin_fallback_and_budget_decisions() {
         )
     };
     let d = r.fallback(&request);
-    assert_eq!(d.value, ["a", "b", "half"]);
+    assert_eq!(names(&request, &d.value), ["a", "b", "half"]);
     assert_eq!(d.version, builtin_version(Hook::Fallback));
 
-    // Each candidate's own modalities reach the guest (they cross as one gathered
-    // list, sliced per candidate): only those accepting every modality the request
-    // uses are kept, and an empty list means unknown.
+    // Each candidate's own modalities reach the guest: only those accepting every
+    // modality the request uses are kept, and an empty set means unknown.
     let accepts = |name: &str, modalities: &[&str]| Candidate {
-        modalities: modalities.iter().map(|m| (*m).to_owned()).collect(),
+        modalities: Modalities::from_names(modalities).unwrap(),
         ..candidate(name)
     };
     let request = FallbackRequest {
-        modalities: vec!["text".into(), "image".into()],
+        modalities: Modalities::TEXT | Modalities::IMAGE,
         ..fallback_request(
             "f-modalities",
             vec![
@@ -341,7 +346,18 @@ fn builtin_fallback_and_budget_decisions() {
             ],
         )
     };
-    assert_eq!(r.fallback(&request).value, ["vision", "unknown", "all"]);
+    assert_eq!(
+        names(&request, &r.fallback(&request).value),
+        ["vision", "unknown", "all"]
+    );
+    let documents = FallbackRequest {
+        modalities: Modalities::TEXT | Modalities::DOCUMENT,
+        ..request.clone()
+    };
+    assert_eq!(
+        names(&documents, &r.fallback(&documents).value),
+        ["unknown"]
+    );
 
     let limits = Limits {
         tokens_total: Some(1_000),
@@ -464,6 +480,26 @@ fn bad_versions_never_replace_a_good_one() {
     assert_eq!(status.load_errors, 9);
 }
 
+/// The call's ids are not in the hook's input: the guest asks the host, and gets
+/// the ids of the call it is deciding, never those of the instance's last call.
+#[test]
+fn a_policy_asks_the_host_for_the_calls_ids() {
+    let f = Fixture::new(vec![named(Hook::Retry, "p")], |_| {});
+    f.install("p", misbehave());
+    assert!(f.registry.reload().is_ok());
+    let reason = |ctx: &CallContext| match f.registry.retry(ctx, &Failure::Timeout).value {
+        RetryDecision::GiveUp(reason) => reason,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(reason(&ctx("ids", 1)), r#"task=Some("task-1") request=ids"#);
+    let no_task = CallContext {
+        task_id: None,
+        ..ctx("ids", 1)
+    };
+    assert_eq!(reason(&no_task), "task=None request=ids");
+    assert_eq!(reason(&ctx("ids", 2)), r#"task=Some("task-1") request=ids"#);
+}
+
 /// S4: a policy gets no capabilities. The guest asks for the environment, the file
 /// system and a loopback socket, and reports what it got.
 #[test]
@@ -529,12 +565,13 @@ fn faults_at_call_time_are_contained_and_counted() {
     );
     assert_eq!(s.calls, 9);
 
+    // The guest answers an index past the last candidate: refused, contained.
     let order = f.registry.fallback(&fallback_request(
         "invalid",
         vec![candidate("a"), candidate("b")],
     ));
     assert_eq!(order.source, DecisionSource::Contained);
-    assert_eq!(order.value, ["a", "b"]);
+    assert_eq!(order.value, [0, 1]);
     let budget = f.registry.budget(&budget_request(
         "invalid",
         Usage::default(),
@@ -608,7 +645,7 @@ fn fail_closed_gives_the_strict_decision() {
         "trap",
         vec![candidate("x"), candidate("y")],
     ));
-    assert_eq!(o.value, ["x", "y"]);
+    assert_eq!(o.value, [0, 1]);
     assert_eq!(
         f.registry
             .binding_status(Hook::Retry)

@@ -12,8 +12,8 @@ use outrigger_types::{
 pub trait Decider: Send + Sync + 'static {
     /// What to do after `failure` ended attempt `ctx.attempt`.
     fn retry(&self, ctx: &CallContext, failure: &Failure) -> Decided<RetryDecision>;
-    /// The candidates to try, in order (names from `req.candidates`).
-    fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<String>>;
+    /// The candidates to try, in order, as indices into `req.candidates`.
+    fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<usize>>;
     /// Admit, reject or downgrade a call before it is sent.
     fn budget(&self, req: &BudgetRequest) -> Decided<BudgetDecision>;
     /// The policy versions in force now, which journal records name. Empty when
@@ -36,11 +36,8 @@ impl Decider for NoPolicy {
         )
     }
 
-    fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<String>> {
-        host_default(
-            "fallback",
-            req.candidates.iter().map(|c| c.name.clone()).collect(),
-        )
+    fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<usize>> {
+        host_default("fallback", (0..req.candidates.len()).collect())
     }
 
     fn budget(&self, _: &BudgetRequest) -> Decided<BudgetDecision> {

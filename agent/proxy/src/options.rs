@@ -120,7 +120,7 @@ pub struct Capabilities {
     /// Context window in tokens; 0 when unknown.
     pub context_window: u32,
     /// Supported input modalities; empty when unknown (nothing is filtered).
-    pub modalities: Vec<String>,
+    pub modalities: outrigger_types::Modalities,
     /// Served from this node's GPUs (its health follows theirs).
     pub local: bool,
     /// Micro-dollars per million input / output tokens.

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{Failure, GpuState, Limits, PolicyVersion, ToolClass, Usage};
+use crate::{Failure, GpuState, Limits, Modalities, PolicyVersion, ToolClass, Usage};
 
 /// Which kind of call a decision is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -91,14 +91,14 @@ impl CircuitState {
 /// A target a model call could go to.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Candidate {
+    /// The target's configured name (a provider's name).
     pub name: String,
-    pub provider: String,
-    pub model: String,
     pub supports_tools: bool,
     pub supports_streaming: bool,
     /// Context window in tokens; 0 when unknown.
     pub context_window: u32,
-    pub modalities: Vec<String>,
+    /// Input modalities it accepts; empty when unknown.
+    pub modalities: Modalities,
     pub circuit: CircuitState,
     pub local: bool,
     /// `None` when the target does not run on a local GPU.
@@ -116,7 +116,7 @@ pub struct FallbackRequest {
     pub needs_tools: bool,
     pub streaming: bool,
     pub estimated_tokens: u32,
-    pub modalities: Vec<String>,
+    pub modalities: Modalities,
     pub candidates: Vec<Candidate>,
 }
 

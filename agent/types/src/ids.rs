@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -141,24 +142,38 @@ impl RequestId {
 
 /// The version of a policy that made a decision: the binding name and the first 16
 /// hex digits of the SHA-256 of the component's bytes, e.g. `retry@4f1c…`.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct PolicyVersion(String);
+///
+/// Every decision carries the version that made it, so the text is shared: a clone
+/// is a reference count, not a copy.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PolicyVersion(Arc<str>);
 
 impl PolicyVersion {
     pub fn new(binding: &str, content_hash_hex: &str) -> Self {
         let short = &content_hash_hex[..content_hash_hex.len().min(16)];
-        Self(format!("{binding}@{short}"))
+        Self(format!("{binding}@{short}").into())
     }
 
     /// The version recorded when no component was consulted (for example the
     /// sidecar's own hard-wired fallback while no policy is loaded).
     pub fn host_default(binding: &str) -> Self {
-        Self(format!("{binding}@host-default"))
+        Self(format!("{binding}@host-default").into())
     }
 
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+}
+
+impl Serialize for PolicyVersion {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(&self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for PolicyVersion {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        String::deserialize(deserializer).map(|s| Self(s.into()))
     }
 }
 
@@ -281,7 +296,7 @@ macro_rules! string_newtype_impls {
         }
         impl From<$t> for String {
             fn from(v: $t) -> String {
-                v.0
+                v.0.to_string()
             }
         }
     )*};

@@ -16,6 +16,7 @@ mod decision;
 mod failure;
 mod gpu;
 mod ids;
+mod modality;
 mod usage;
 
 pub use cause::{Cause, Exclusion, Outcome};
@@ -26,4 +27,5 @@ pub use decision::{
 pub use failure::Failure;
 pub use gpu::{GpuState, GpuSummary};
 pub use ids::{Fingerprint, IdError, IdempotencyKey, PolicyVersion, RequestId, TaskId, ToolClass};
+pub use modality::Modalities;
 pub use usage::{Limits, Usage};

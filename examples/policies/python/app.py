@@ -128,7 +128,7 @@ def decide(
             return types.BudgetDecision_Reject(reason(over))
         host.log(
             host.Level.WARN,
-            f"task {request.task_id or '-'} is near its budget and no cheaper model is offered",
+            f"task {host.task_id() or '-'} is near its budget and no cheaper model is offered",
         )
         return types.BudgetDecision_Admit()
 

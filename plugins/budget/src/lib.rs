@@ -159,8 +159,6 @@ mod tests {
         estimated_cost: u64,
     ) -> BudgetRequest {
         BudgetRequest {
-            task_id: Some("t".into()),
-            request_id: "r".into(),
             model: "big".into(),
             estimated_tokens_in: estimated_in,
             estimated_tokens_out: 0,

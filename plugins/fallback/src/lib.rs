@@ -6,9 +6,10 @@
 //! the known prompt estimate, a modality it does not accept), when its circuit is
 //! open, or when it is served by this node's GPUs and they are unhealthy. The rest
 //! keep the configured order, except that half-open circuits (still being probed) go
-//! after closed ones. The result never names a candidate twice, so a misconfigured
-//! duplicate cannot make the host try a target twice. [`order`] is a pure function so
-//! it is unit-tested natively.
+//! after closed ones. The result (indices into the candidates) never names a
+//! candidate twice, nor two candidates of the same name, so a misconfigured
+//! duplicate cannot make the host try a target twice. [`order`] is a pure function
+//! so it is unit-tested natively.
 
 use outrigger_policy_sdk::{Candidate, CircuitState, FallbackPolicy, FallbackRequest, GpuHealth};
 
@@ -16,37 +17,39 @@ use outrigger_policy_sdk::{Candidate, CircuitState, FallbackPolicy, FallbackRequ
 pub struct BuiltinFallback;
 
 impl FallbackPolicy for BuiltinFallback {
-    fn order(request: FallbackRequest) -> Vec<String> {
+    fn order(request: FallbackRequest) -> Vec<u32> {
         order(&request)
     }
 }
 
 outrigger_policy_sdk::export_fallback!(BuiltinFallback);
 
-/// The candidates to try, in order.
-pub fn order(request: &FallbackRequest) -> Vec<String> {
-    let usable: Vec<&Candidate> = request
-        .candidates
-        .iter()
-        .filter(|c| can_serve(request, c))
-        .filter(|c| c.circuit != CircuitState::Open)
-        .filter(|c| !(c.local && c.gpu == GpuHealth::Unhealthy))
-        .collect();
-    let closed = usable.iter().filter(|c| c.circuit == CircuitState::Closed);
-    let half_open = usable
-        .iter()
-        .filter(|c| c.circuit == CircuitState::HalfOpen);
-    let mut names: Vec<String> = Vec::with_capacity(usable.len());
-    for candidate in closed.chain(half_open) {
-        if !names.contains(&candidate.name) {
-            names.push(candidate.name.clone());
+/// The candidates to try, in order, as indices into `request.candidates`.
+pub fn order(request: &FallbackRequest) -> Vec<u32> {
+    let candidates = &request.candidates;
+    let usable = |circuit: CircuitState| {
+        candidates.iter().enumerate().filter(move |(_, c)| {
+            c.circuit == circuit
+                && can_serve(request, c)
+                && !(c.local && c.gpu == GpuHealth::Unhealthy)
+        })
+    };
+    let mut order: Vec<u32> = Vec::with_capacity(candidates.len());
+    for (i, candidate) in usable(CircuitState::Closed).chain(usable(CircuitState::HalfOpen)) {
+        let named_before = order.iter().any(|&j| {
+            candidates
+                .get(j as usize)
+                .is_some_and(|c| c.name == candidate.name)
+        });
+        if let (false, Ok(i)) = (named_before, u32::try_from(i)) {
+            order.push(i);
         }
     }
-    names
+    order
 }
 
 /// Whether `candidate` has what `request` needs. Unknowns (a context window or a
-/// prompt estimate of 0, an empty modality list) do not disqualify.
+/// prompt estimate of 0, an empty modality set) do not disqualify.
 pub fn can_serve(request: &FallbackRequest, candidate: &Candidate) -> bool {
     if request.needs_tools && !candidate.supports_tools {
         return false;
@@ -60,26 +63,33 @@ pub fn can_serve(request: &FallbackRequest, candidate: &Candidate) -> bool {
     {
         return false;
     }
-    candidate.modalities.is_empty()
-        || request
-            .modalities
-            .iter()
-            .all(|m| candidate.modalities.contains(m))
+    candidate.modalities.is_empty() || candidate.modalities.contains(request.modalities)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use outrigger_policy_sdk::Modalities;
+
+    /// The names of the candidates `order` picks, in its order.
+    fn names(request: &FallbackRequest) -> Vec<&str> {
+        order(request)
+            .into_iter()
+            .map(|i| {
+                request.candidates[usize::try_from(i).unwrap()]
+                    .name
+                    .as_str()
+            })
+            .collect()
+    }
 
     fn candidate(name: &str) -> Candidate {
         Candidate {
             name: name.into(),
-            provider: "p".into(),
-            model: "m".into(),
             supports_tools: true,
             supports_streaming: true,
             context_window: 0,
-            modalities: Vec::new(),
+            modalities: Modalities::empty(),
             circuit: CircuitState::Closed,
             local: false,
             gpu: GpuHealth::NotApplicable,
@@ -90,13 +100,11 @@ mod tests {
 
     fn request(candidates: Vec<Candidate>) -> FallbackRequest {
         FallbackRequest {
-            task_id: None,
-            request_id: "r".into(),
             model: "m".into(),
             needs_tools: false,
             streaming: false,
             estimated_tokens: 0,
-            modalities: Vec::new(),
+            modalities: Modalities::TEXT,
             candidates,
         }
     }
@@ -104,7 +112,7 @@ mod tests {
     #[test]
     fn keeps_configured_order_when_all_fit() {
         let r = request(vec![candidate("a"), candidate("b"), candidate("c")]);
-        assert_eq!(order(&r), ["a", "b", "c"]);
+        assert_eq!(names(&r), ["a", "b", "c"]);
     }
 
     #[test]
@@ -140,7 +148,7 @@ mod tests {
             ..candidate("ok-gpu")
         };
         let text_only = Candidate {
-            modalities: vec!["text".into()],
+            modalities: Modalities::TEXT,
             ..candidate("text-only")
         };
         let all = vec![
@@ -156,7 +164,7 @@ mod tests {
 
         let plain = request(all.clone());
         assert_eq!(
-            order(&plain),
+            names(&plain),
             [
                 "no-tools",
                 "no-stream",
@@ -172,40 +180,40 @@ mod tests {
             needs_tools: true,
             ..request(all.clone())
         };
-        assert!(!order(&tools).contains(&"no-tools".to_string()));
+        assert!(!names(&tools).contains(&"no-tools"));
 
         let stream = FallbackRequest {
             streaming: true,
             ..request(all.clone())
         };
-        assert!(!order(&stream).contains(&"no-stream".to_string()));
+        assert!(!names(&stream).contains(&"no-stream"));
 
         let long = FallbackRequest {
             estimated_tokens: 8_001,
             ..request(all.clone())
         };
-        assert!(!order(&long).contains(&"small".to_string()));
+        assert!(!names(&long).contains(&"small"));
         let fits = FallbackRequest {
             estimated_tokens: 8_000,
             ..request(all.clone())
         };
-        assert!(order(&fits).contains(&"small".to_string()));
+        assert!(names(&fits).contains(&"small"));
 
         let image = FallbackRequest {
-            modalities: vec!["image".into()],
+            modalities: Modalities::TEXT | Modalities::IMAGE,
             ..request(all)
         };
-        assert!(!order(&image).contains(&"text-only".to_string()));
+        assert!(!names(&image).contains(&"text-only"));
     }
 
     #[test]
     fn never_names_a_candidate_twice() {
         let r = request(vec![candidate("a"), candidate("a"), candidate("b")]);
-        assert_eq!(order(&r), ["a", "b"]);
+        assert_eq!(names(&r), ["a", "b"]);
     }
 
     #[test]
     fn empty_in_empty_out() {
-        assert!(order(&request(Vec::new())).is_empty());
+        assert!(names(&request(Vec::new())).is_empty());
     }
 }

@@ -152,8 +152,6 @@ mod tests {
 
     fn ctx(attempt: u32) -> CallContext {
         CallContext {
-            task_id: Some("t".into()),
-            request_id: "r".into(),
             kind: CallKind::Model,
             target: "openai".into(),
             model: Some("gpt".into()),

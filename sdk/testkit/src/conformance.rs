@@ -13,7 +13,7 @@ use std::time::Duration;
 use outrigger_policy::{Fault, Hook, Loaded, validate};
 use outrigger_types::{
     AttemptRecord, BudgetRequest, CallContext, CallKind, Candidate, CircuitState, DowngradeOption,
-    Failure, FallbackRequest, GpuState, Limits, RetryBudget, ToolClass, Usage,
+    Failure, FallbackRequest, GpuState, Limits, Modalities, RetryBudget, ToolClass, Usage,
 };
 use serde::Serialize;
 
@@ -246,12 +246,10 @@ fn retry_inputs() -> Vec<(String, CallContext, Failure)> {
 fn candidate(name: &str) -> Candidate {
     Candidate {
         name: name.into(),
-        provider: "provider".into(),
-        model: format!("{name}-model"),
         supports_tools: true,
         supports_streaming: true,
         context_window: 128_000,
-        modalities: vec!["text".into()],
+        modalities: Modalities::TEXT,
         circuit: CircuitState::Closed,
         local: false,
         gpu: None,
@@ -268,7 +266,7 @@ fn base_fallback(candidates: Vec<Candidate>) -> FallbackRequest {
         needs_tools: false,
         streaming: false,
         estimated_tokens: 2_000,
-        modalities: vec!["text".into()],
+        modalities: Modalities::TEXT,
         candidates,
     }
 }
@@ -295,7 +293,7 @@ fn fallback_inputs() -> Vec<(String, FallbackRequest)> {
         },
         Candidate {
             context_window: 0,
-            modalities: Vec::new(),
+            modalities: Modalities::EMPTY,
             ..candidate("unknowns")
         },
         candidate("a"),
@@ -339,7 +337,7 @@ fn fallback_inputs() -> Vec<(String, FallbackRequest)> {
                 request_id: String::new(),
                 model: String::new(),
                 estimated_tokens: u32::MAX,
-                modalities: vec![String::new()],
+                modalities: Modalities::from_bits_truncate(u8::MAX),
                 ..base_fallback(vec![Candidate {
                     context_window: 0,
                     cost_per_mtok_in: u64::MAX,

@@ -12,8 +12,8 @@ use std::time::Duration;
 use outrigger_policy::{Hook, Loaded, validate};
 use outrigger_types::{
     AttemptRecord, BudgetDecision, BudgetRequest, CallContext, CallKind, Candidate, CircuitState,
-    DowngradeOption, Failure, FallbackRequest, GpuState, Limits, RetryBudget, RetryDecision,
-    ToolClass, Usage,
+    DowngradeOption, Failure, FallbackRequest, GpuState, Limits, Modalities, RetryBudget,
+    RetryDecision, ToolClass, Usage,
 };
 use serde::{Deserialize, Serialize};
 
@@ -163,8 +163,9 @@ pub struct FallbackStep {
     pub streaming: bool,
     #[serde(default)]
     pub estimated_tokens: u32,
+    /// Modality names (`text`, `image`, `audio`, `document`).
     #[serde(default)]
-    pub modalities: Vec<String>,
+    pub modalities: Modalities,
     pub candidates: Vec<ScenarioCandidate>,
 }
 
@@ -173,18 +174,15 @@ pub struct FallbackStep {
 #[serde(deny_unknown_fields)]
 pub struct ScenarioCandidate {
     pub name: String,
-    #[serde(default)]
-    pub provider: String,
-    #[serde(default)]
-    pub model: String,
     #[serde(default = "yes")]
     pub supports_tools: bool,
     #[serde(default = "yes")]
     pub supports_streaming: bool,
     #[serde(default)]
     pub context_window: u32,
+    /// Modality names; empty means unknown (not filtered).
     #[serde(default)]
-    pub modalities: Vec<String>,
+    pub modalities: Modalities,
     #[serde(default = "closed")]
     pub circuit: CircuitState,
     #[serde(default)]
@@ -401,18 +399,16 @@ fn run_fallback(loaded: &Loaded, step: &Step, fallback: &FallbackStep) -> StepRe
         needs_tools: fallback.needs_tools,
         streaming: fallback.streaming,
         estimated_tokens: fallback.estimated_tokens,
-        modalities: fallback.modalities.clone(),
+        modalities: fallback.modalities,
         candidates: fallback
             .candidates
             .iter()
             .map(|c| Candidate {
                 name: c.name.clone(),
-                provider: c.provider.clone(),
-                model: c.model.clone(),
                 supports_tools: c.supports_tools,
                 supports_streaming: c.supports_streaming,
                 context_window: c.context_window,
-                modalities: c.modalities.clone(),
+                modalities: c.modalities,
                 circuit: c.circuit,
                 local: c.local,
                 gpu: c.gpu,
@@ -423,17 +419,26 @@ fn run_fallback(loaded: &Loaded, step: &Step, fallback: &FallbackStep) -> StepRe
     };
     let (decision, problem) = match loaded.fallback(&request) {
         Err(fault) => ("-".to_string(), Some(fault.to_string())),
-        Ok(order) => {
-            let problem = validate::fallback(&request, &order)
-                .err()
-                .map(|e| format!("the host would refuse this: {e}"))
-                .or_else(|| {
-                    let expect = step.expect.as_ref()?;
-                    let wanted = expect.order.as_ref()?;
-                    (wanted != &order).then(|| format!("expected order {wanted:?}"))
-                });
-            (format!("[{}]", order.join(", ")), problem)
-        }
+        Ok(order) => match validate::fallback(&request, &order) {
+            Err(e) => (
+                format!("{order:?}"),
+                Some(format!("the host would refuse this: {e}")),
+            ),
+            Ok(()) => {
+                // Reported and compared by name: the indices point into `candidates`.
+                let names: Vec<&str> = order
+                    .iter()
+                    .map(|&i| request.candidates[i].name.as_str())
+                    .collect();
+                let problem = step
+                    .expect
+                    .as_ref()
+                    .and_then(|expect| expect.order.as_ref())
+                    .filter(|wanted| **wanted != names)
+                    .map(|wanted| format!("expected order {wanted:?}"));
+                (format!("[{}]", names.join(", ")), problem)
+            }
+        },
     };
     StepReport {
         name: step.name.clone(),

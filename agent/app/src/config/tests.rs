@@ -81,6 +81,7 @@ kind = "gemini"
 base_url = "ftp://x"
 api_key_env = "OUTRIGGER_TEST_UNSET_VAR"
 models = []
+modalities = ["text", "video"]
 
 [[tools]]
 name = "bad name"
@@ -101,6 +102,7 @@ class = "sometimes"
         "providers[0].base_url",
         "providers[0].api_key_env",
         "providers[0].models",
+        "providers[0].modalities[1]",
         "tools[0].name",
         "tools[0].class",
     ] {
@@ -108,6 +110,10 @@ class = "sometimes"
     }
     let text = err.to_string();
     assert!(text.contains("problems:"), "{text}");
+    assert!(
+        text.contains("unknown modality \"video\"; known: text, image, audio, document"),
+        "{text}"
+    );
 }
 
 #[test]

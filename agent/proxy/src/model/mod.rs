@@ -731,12 +731,10 @@ fn order<'a>(
         .iter()
         .map(|p| Candidate {
             name: p.name.clone(),
-            provider: p.name.clone(),
-            model: model_for(p, primary, request).to_string(),
             supports_tools: p.caps.supports_tools,
             supports_streaming: p.caps.supports_streaming,
             context_window: p.caps.context_window,
-            modalities: p.caps.modalities.clone(),
+            modalities: p.caps.modalities,
             circuit: shared.breakers.state(&p.name),
             local: p.caps.local,
             gpu: p.caps.local.then_some(if gpu.present {
@@ -755,14 +753,14 @@ fn order<'a>(
         needs_tools: request.has_tools,
         streaming: request.stream,
         estimated_tokens: u32::try_from(request.estimated_prompt_tokens).unwrap_or(u32::MAX),
-        modalities: request.modalities.clone(),
+        modalities: request.modalities,
         candidates,
     });
     trail.policy_versions.push(decided.version.clone());
     decided
         .value
         .iter()
-        .filter_map(|name| targets.iter().find(|p| &p.name == name).copied())
+        .filter_map(|&i| targets.get(i).copied())
         .collect()
 }
 

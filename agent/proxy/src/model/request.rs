@@ -1,9 +1,12 @@
 //! What the sidecar needs to know about a model request: the model, whether it
-//! streams, whether it carries tools or images, and a token estimate — read once
-//! from the agent's JSON without re-encoding it unless the model must change.
+//! streams, whether it carries tools, images, audio or documents, and a token
+//! estimate — read once from the agent's JSON without re-encoding it unless the
+//! model must change.
 
 use bytes::Bytes;
 use serde_json::Value;
+
+use outrigger_types::Modalities;
 
 use crate::error::Error;
 use crate::options::Dialect;
@@ -14,7 +17,7 @@ pub struct ModelRequest {
     pub model: String,
     pub stream: bool,
     pub has_tools: bool,
-    pub modalities: Vec<String>,
+    pub modalities: Modalities,
     /// A rough prompt-size estimate (bytes / 4), for budgets and context checks.
     pub estimated_prompt_tokens: u64,
     /// `max_tokens` / `max_completion_tokens` if given.
@@ -42,17 +45,21 @@ impl ModelRequest {
             .to_string();
         let stream = v["stream"].as_bool().unwrap_or(false);
         let has_tools = v["tools"].as_array().is_some_and(|t| !t.is_empty());
-        let mut modalities = vec!["text".to_string()];
-        let has_image = v["messages"].as_array().into_iter().flatten().any(|m| {
-            m["content"].as_array().into_iter().flatten().any(|part| {
-                matches!(
-                    part["type"].as_str(),
-                    Some("image_url" | "image" | "input_image")
-                )
-            })
-        });
-        if has_image {
-            modalities.push("image".to_string());
+        // Text always; other modalities from the content parts' types (OpenAI's and
+        // Anthropic's names).
+        let mut modalities = Modalities::TEXT;
+        let parts = v["messages"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|m| m["content"].as_array().into_iter().flatten());
+        for part in parts {
+            modalities |= match part["type"].as_str() {
+                Some("image_url" | "image" | "input_image") => Modalities::IMAGE,
+                Some("input_audio" | "audio") => Modalities::AUDIO,
+                Some("file" | "input_file" | "document") => Modalities::DOCUMENT,
+                _ => Modalities::EMPTY,
+            };
         }
         let max_output_tokens = v["max_completion_tokens"]
             .as_u64()
@@ -102,11 +109,19 @@ mod tests {
         let r = ModelRequest::parse(Dialect::OpenAi, body).unwrap();
         assert_eq!(r.model, "gpt-4o");
         assert!(r.stream && r.has_tools);
-        assert_eq!(r.modalities, ["text", "image"]);
+        assert_eq!(r.modalities, Modalities::TEXT | Modalities::IMAGE);
         assert_eq!(r.max_output_tokens, Some(50));
         let swapped: Value = serde_json::from_slice(&r.with_model("gpt-4o-mini")).unwrap();
         assert_eq!(swapped["model"], "gpt-4o-mini");
         assert_eq!(swapped["max_tokens"], 50);
+        let pdf = Bytes::from(
+            r#"{"model":"claude","messages":[{"role":"user","content":[{"type":"document","source":{}},{"type":"text","text":"sum up"}]}]}"#,
+        );
+        let pdf_request = ModelRequest::parse(Dialect::Anthropic, pdf).unwrap();
+        assert_eq!(
+            pdf_request.modalities,
+            Modalities::TEXT | Modalities::DOCUMENT
+        );
     }
 
     #[test]

@@ -165,8 +165,6 @@ mod tests {
 
     fn ctx(attempt: u32, elapsed_ms: u64, fallbacks: &[&str]) -> CallContext {
         CallContext {
-            task_id: Some("task".into()),
-            request_id: "call".into(),
             kind: CallKind::Model,
             target: "primary".into(),
             model: Some("model".into()),

@@ -97,8 +97,8 @@ impl Decider for LikeBuiltin {
             _ => RetryDecision::RetryAfter(Duration::from_millis(10)),
         })
     }
-    fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<String>> {
-        decided(req.candidates.iter().map(|c| c.name.clone()).collect())
+    fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<usize>> {
+        decided((0..req.candidates.len()).collect())
     }
     fn budget(&self, _: &BudgetRequest) -> Decided<BudgetDecision> {
         decided(BudgetDecision::Admit)
@@ -257,8 +257,8 @@ async fn the_breaker_opens_then_a_probe_half_opens_it() {
         fn retry(&self, _: &CallContext, _: &Failure) -> Decided<RetryDecision> {
             decided(RetryDecision::GiveUp("no".into()))
         }
-        fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<String>> {
-            decided(req.candidates.iter().map(|c| c.name.clone()).collect())
+        fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<usize>> {
+            decided((0..req.candidates.len()).collect())
         }
         fn budget(&self, _: &BudgetRequest) -> Decided<BudgetDecision> {
             decided(BudgetDecision::Admit)

@@ -1,6 +1,7 @@
 //! A policy that misbehaves on request, for the policy host's tests. It implements
 //! all three hooks (so it also shows that one component can), and picks its
-//! behaviour from its `mode` parameter, or else from the request id:
+//! behaviour from its `mode` parameter, or else from the request id (which it asks
+//! the host for, `host::request_id`):
 //!
 //! - `trap`: panics (a wasm trap);
 //! - `loop`: never returns (the deadline must stop it);
@@ -10,6 +11,7 @@
 //! - `jitter`: retries after a random delay below one second;
 //! - `reach`: tries to read the environment, the file system and the network, and
 //!   gives up with a report of what it got (the host grants none of them);
+//! - `ids`: gives up with the call's ids as the host reports them;
 //! - anything else: answers normally — retry after `delay_ms` (param, default 1),
 //!   the candidates in reverse order, admit.
 
@@ -28,6 +30,7 @@ enum Mode {
     Invalid,
     Jitter,
     Reach,
+    Ids,
 }
 
 /// What a policy that reaches for the outside world gets: `env:none`, `fs:denied`,
@@ -50,8 +53,8 @@ fn reach() -> String {
     format!("{env} {fs} {net}")
 }
 
-fn act(request_id: &str) -> Mode {
-    let mode = host::param("mode").unwrap_or_else(|| request_id.to_string());
+fn act() -> Mode {
+    let mode = host::param("mode").unwrap_or_else(host::request_id);
     match mode.as_str() {
         "trap" => panic!("deliberate trap"),
         "loop" => loop {
@@ -66,6 +69,7 @@ fn act(request_id: &str) -> Mode {
         "invalid" => Mode::Invalid,
         "jitter" => Mode::Jitter,
         "reach" => Mode::Reach,
+        "ids" => Mode::Ids,
         other => {
             if let Some(ms) = other
                 .strip_prefix("slow:")
@@ -82,38 +86,50 @@ fn act(request_id: &str) -> Mode {
 }
 
 impl RetryPolicy for Misbehave {
-    fn decide(ctx: CallContext, _failure: Failure) -> RetryDecision {
-        match act(&ctx.request_id) {
+    fn decide(_ctx: CallContext, _failure: Failure) -> RetryDecision {
+        match act() {
             Mode::Invalid => RetryDecision::RetryAfter(u64::MAX),
             Mode::Jitter => RetryDecision::RetryAfter(host::random_up_to(999)),
             Mode::Reach => RetryDecision::give_up(reach()),
+            Mode::Ids => RetryDecision::give_up(format!(
+                "task={:?} request={}",
+                host::task_id(),
+                host::request_id()
+            )),
             Mode::Normal => RetryDecision::RetryAfter(host::param_or("delay_ms", 1)),
         }
     }
 }
 
 impl FallbackPolicy for Misbehave {
-    fn order(request: FallbackRequest) -> Vec<String> {
-        match act(&request.request_id) {
-            Mode::Invalid => vec!["not-a-candidate".into()],
-            Mode::Jitter | Mode::Reach | Mode::Normal => {
-                let mut names: Vec<String> = Vec::new();
-                for candidate in request.candidates.into_iter().rev() {
-                    if !names.contains(&candidate.name) {
-                        names.push(candidate.name);
+    fn order(request: FallbackRequest) -> Vec<u32> {
+        match act() {
+            Mode::Invalid => vec![u32::try_from(request.candidates.len()).unwrap_or(u32::MAX)],
+            Mode::Jitter | Mode::Reach | Mode::Ids | Mode::Normal => {
+                let mut order: Vec<u32> = Vec::new();
+                let mut names: Vec<&str> = Vec::new();
+                for (i, candidate) in (0..)
+                    .zip(&request.candidates)
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .rev()
+                {
+                    if !names.contains(&candidate.name.as_str()) {
+                        order.push(i);
+                        names.push(&candidate.name);
                     }
                 }
-                names
+                order
             }
         }
     }
 }
 
 impl BudgetPolicy for Misbehave {
-    fn admit(request: BudgetRequest) -> BudgetDecision {
-        match act(&request.request_id) {
+    fn admit(_request: BudgetRequest) -> BudgetDecision {
+        match act() {
             Mode::Invalid => BudgetDecision::downgrade("a-model-nobody-offered"),
-            Mode::Jitter | Mode::Reach | Mode::Normal => BudgetDecision::Admit,
+            Mode::Jitter | Mode::Reach | Mode::Ids | Mode::Normal => BudgetDecision::Admit,
         }
     }
 }
