@@ -58,6 +58,8 @@ pub use bindings::outrigger::policy::types::{
     RetryDecision, StreamInterruption, ToolClass, Usage,
 };
 
+pub mod alloc;
+
 include!(concat!(env!("OUT_DIR"), "/export_macros.rs"));
 
 /// Not public API: what the export macros need from inside the caller's crate.

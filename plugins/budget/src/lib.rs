@@ -18,6 +18,12 @@ use outrigger_policy_sdk::{
     BudgetDecision, BudgetPolicy, BudgetRequest, DowngradeOption, Usage, host,
 };
 
+// Decisions allocate a few small blocks each; recycle them (see the SDK's `alloc`).
+#[cfg(target_family = "wasm")]
+#[global_allocator]
+static ALLOCATOR: outrigger_policy_sdk::alloc::SmallBlockCache =
+    outrigger_policy_sdk::alloc::SmallBlockCache::new();
+
 /// The policy's parameters.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Params {

@@ -13,6 +13,12 @@
 
 use outrigger_policy_sdk::{Candidate, CircuitState, FallbackPolicy, FallbackRequest, GpuHealth};
 
+// Decisions allocate a few small blocks each; recycle them (see the SDK's `alloc`).
+#[cfg(target_family = "wasm")]
+#[global_allocator]
+static ALLOCATOR: outrigger_policy_sdk::alloc::SmallBlockCache =
+    outrigger_policy_sdk::alloc::SmallBlockCache::new();
+
 /// The built-in fallback policy.
 pub struct BuiltinFallback;
 

@@ -16,6 +16,12 @@ use std::sync::OnceLock;
 
 use outrigger_policy_sdk::{CallContext, Failure, RetryDecision, RetryPolicy, host};
 
+// Decisions allocate a few small blocks each; recycle them (see the SDK's `alloc`).
+#[cfg(target_family = "wasm")]
+#[global_allocator]
+static ALLOCATOR: outrigger_policy_sdk::alloc::SmallBlockCache =
+    outrigger_policy_sdk::alloc::SmallBlockCache::new();
+
 /// The policy's parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Params {

@@ -26,6 +26,13 @@ use std::sync::OnceLock;
 
 use outrigger_policy_sdk::{CallContext, Failure, RetryDecision, RetryPolicy, host};
 
+// Recycle the few small blocks each decision allocates instead of calling the C
+// allocator for every one (optional; see the SDK's `alloc` module).
+#[cfg(target_family = "wasm")]
+#[global_allocator]
+static ALLOCATOR: outrigger_policy_sdk::alloc::SmallBlockCache =
+    outrigger_policy_sdk::alloc::SmallBlockCache::new();
+
 /// The policy's parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Params {
