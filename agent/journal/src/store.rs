@@ -1,7 +1,7 @@
-//! The only module that names sled: one `Db`, one tree, prefixed keys (so that each
-//! group commit is a single atomic `apply_batch`), and the journal's own write-ahead
-//! log that makes a batch durable. Nothing sled-typed leaves this file, so the engine
-//! can be swapped (redb, fjall) without touching the state machine or the writer.
+//! The only module that names sled: one `Db`, one tree, prefixed keys, and the
+//! journal's own write-ahead log that makes each group commit atomic and durable.
+//! Nothing sled-typed leaves this file, so the engine can be swapped (redb, fjall)
+//! without touching the state machine or the writer.
 //!
 //! Why a log of our own: sled's `flush` hands the write to its thread pool and waits
 //! on a condition variable (waking every idle pool thread), then `sync_file_range`s;
@@ -338,14 +338,14 @@ impl Wal {
         })
     }
 
-    /// Writes `frame` at the end; returns where it starts. A write that fails is
-    /// taken back, so no torn frame stays in front of later ones.
-    fn append(&mut self, frame: &[u8]) -> Result<u64, Error> {
+    /// Writes `frame` at the end. A write that fails is taken back, so no torn frame
+    /// stays in front of later ones.
+    fn append(&mut self, frame: &[u8]) -> Result<(), Error> {
         let start = self.len;
         match self.file.write_all_at(frame, start) {
             Ok(()) => {
                 self.len = start + frame.len() as u64;
-                Ok(start)
+                Ok(())
             }
             Err(e) => {
                 self.take_back(start);
