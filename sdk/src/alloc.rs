@@ -13,8 +13,9 @@
 //! It is correct whoever allocated a block: a freed block is filed by the size the
 //! C allocator says it really has (`malloc_usable_size`), never by the size the
 //! caller claims, so a block is only ever reused for a request that fits in it.
-//! That matters because not every `free` in a component passes the size it
-//! allocated (allocators that trust it, such as talc, trap there).
+//! (talc, which relies on the size a `free` passes, traps in the built-ins'
+//! bindings; a free that passes another size than was allocated is the likely
+//! cause.)
 //!
 //! Install it in a policy crate (single-threaded WebAssembly only; the type is not
 //! `Sync` elsewhere):
