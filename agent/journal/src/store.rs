@@ -137,8 +137,8 @@ impl Store {
             return Ok(());
         }
         let (frames, whole) = frames(&bytes);
-        for payload in &frames {
-            apply_frame(&self.db, payload)?;
+        for writes in &frames {
+            apply_writes(&self.db, writes)?;
         }
         if whole < bytes.len() {
             tracing::warn!(
@@ -215,10 +215,11 @@ impl Store {
         if let Some(reason) = &wal.broken {
             return Err(Error::Storage(reason.clone()));
         }
+        let writes: Vec<Write<'a>> = writes.into_iter().collect();
         let mut frame = std::mem::take(&mut wal.frame);
         frame.clear();
         frame.extend_from_slice(&[0; FRAME_HEADER]);
-        for (key, value) in writes {
+        for &(key, value) in &writes {
             match value {
                 Some(value) => push_write(&mut frame, OP_PUT, key, Some(value)),
                 None => push_write(&mut frame, OP_REMOVE, key, None),
@@ -232,8 +233,8 @@ impl Store {
         // The frame makes the batch atomic across a crash, so sled gets the writes
         // one by one: its `apply_batch` rolls its I/O buffer twice per batch (two
         // `sync_file_range`s on its thread pool), whatever the flush policy.
-        let applied = apply_frame(&self.db, &frame[FRAME_HEADER..]);
         wal.frame = frame;
+        let applied = apply_writes(&self.db, &writes);
         if let Err(e) = applied {
             // Part of the batch may be in sled now. The frame stays, so a restart
             // completes the batch; until then nothing more is written.
@@ -408,10 +409,10 @@ fn seal(frame: &mut [u8]) -> Result<(), Error> {
     Ok(())
 }
 
-/// The payloads of the whole, intact frames at the start of `bytes`, and how many
+/// The writes of the whole, intact frames at the start of `bytes`, and how many
 /// bytes they span. Reading stops at the first frame that is cut short, fails its
 /// CRC or does not parse.
-fn frames(bytes: &[u8]) -> (Vec<&[u8]>, usize) {
+fn frames(bytes: &[u8]) -> (Vec<Vec<Write<'_>>>, usize) {
     let mut out = Vec::new();
     let mut at = 0;
     while let Some(header) = bytes.get(at..at + FRAME_HEADER) {
@@ -420,10 +421,13 @@ fn frames(bytes: &[u8]) -> (Vec<&[u8]>, usize) {
         let Some(payload) = bytes.get(at + FRAME_HEADER..at + FRAME_HEADER + len) else {
             break;
         };
-        if crc32fast::hash(payload) != crc || parse(payload).is_none() {
+        if crc32fast::hash(payload) != crc {
             break;
         }
-        out.push(payload);
+        let Some(writes) = parse(payload) else {
+            break;
+        };
+        out.push(writes);
         at += FRAME_HEADER + len;
     }
     (out, at)
@@ -457,9 +461,9 @@ fn parse(payload: &[u8]) -> Option<Vec<Write<'_>>> {
     Some(out)
 }
 
-/// Applies a frame's writes to sled, in order.
-fn apply_frame(db: &sled::Db, payload: &[u8]) -> Result<(), Error> {
-    for (key, value) in parse(payload).unwrap_or_default() {
+/// Applies a batch's writes to sled, in order.
+fn apply_writes(db: &sled::Db, writes: &[Write<'_>]) -> Result<(), Error> {
+    for &(key, value) in writes {
         match value {
             Some(value) => db.insert(key, value).map(drop),
             None => db.remove(key).map(drop),

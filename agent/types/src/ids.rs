@@ -145,7 +145,8 @@ impl RequestId {
 ///
 /// Every decision carries the version that made it, so the text is shared: a clone
 /// is a reference count, not a copy.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
 pub struct PolicyVersion(Arc<str>);
 
 impl PolicyVersion {
@@ -162,18 +163,6 @@ impl PolicyVersion {
 
     pub fn as_str(&self) -> &str {
         &self.0
-    }
-}
-
-impl Serialize for PolicyVersion {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(&self.0)
-    }
-}
-
-impl<'de> Deserialize<'de> for PolicyVersion {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        String::deserialize(deserializer).map(|s| Self(s.into()))
     }
 }
 

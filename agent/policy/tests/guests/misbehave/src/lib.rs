@@ -108,13 +108,10 @@ impl FallbackPolicy for Misbehave {
             Mode::Jitter | Mode::Reach | Mode::Ids | Mode::Normal => {
                 let mut order: Vec<u32> = Vec::new();
                 let mut names: Vec<&str> = Vec::new();
-                for (i, candidate) in (0..)
-                    .zip(&request.candidates)
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .rev()
-                {
-                    if !names.contains(&candidate.name.as_str()) {
+                for (i, candidate) in request.candidates.iter().enumerate().rev() {
+                    if let (false, Ok(i)) =
+                        (names.contains(&candidate.name.as_str()), u32::try_from(i))
+                    {
                         order.push(i);
                         names.push(&candidate.name);
                     }
