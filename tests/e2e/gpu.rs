@@ -31,7 +31,7 @@ async fn without_nvml_the_sidecar_says_so_and_stays_ready() {
     // Launching NVML happens on its own thread: wait for the verdict.
     let mut doc = doc;
     for _ in 0..100 {
-        if doc["nvml"]["state"] != "starting" && doc["nvml"] != "starting" {
+        if doc["nvml"]["status"] != "starting" {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
