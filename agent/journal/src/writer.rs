@@ -1166,6 +1166,9 @@ impl Writer {
                 None => self.rx.recv().await,
             };
             let Some(first) = first else { break };
+            // Let the tasks that are ready run first: what they send joins this batch
+            // (on one worker thread, the writer would otherwise run after every sender).
+            tokio::task::yield_now().await;
             let mut batch = self.core.new_batch();
             self.core.handle(first, &mut batch);
             while batch.commands < self.max_batch {
