@@ -357,7 +357,6 @@ impl Registry {
 
 /// What the producer needs besides the upstream body.
 pub(crate) struct Production {
-    pub shared: Arc<Shared>,
     pub journal: Journal,
     pub live: Arc<Live>,
     pub gate: Gate,
@@ -386,198 +385,294 @@ pub enum Ended {
     Abandoned(String),
 }
 
-/// Starts a generation under `live` and returns at once; `upstream` is drained by a
-/// task of its own, independent of any client.
-pub(crate) fn spawn(
-    shared: &Arc<Shared>,
-    live: Arc<Live>,
-    production: Production,
-    upstream: UpstreamBody,
-) {
-    shared.streams.insert(live);
-    tokio::spawn(produce(production, upstream));
+/// Events the gate released in one turn, not yet journaled or forwarded.
+struct Batch {
+    first_seq: u64,
+    /// As journaled.
+    events: Vec<Bytes>,
+    /// As forwarded: each with its `id:`.
+    out: Vec<Bytes>,
+    /// Journaled durably before it is forwarded (a complete tool-call block).
+    durable: bool,
+    /// Holds the terminal event.
+    terminal: bool,
 }
 
-async fn produce(p: Production, mut upstream: UpstreamBody) {
+/// A generation's producer: the gate, the journal and the hub, driven by one task.
+struct Producer {
+    shared: Arc<Shared>,
+    journal: Journal,
+    live: Arc<Live>,
+    gate: Gate,
+    framer: Framer,
+    observer: Box<dyn crate::relay::StreamObserver>,
+    permit: Option<crate::resilience::Permit>,
+    /// Raw events framed but not yet passed through the gate.
+    scratch: Vec<Bytes>,
+    seq: u64,
+    bytes: usize,
+    journal_ok: bool,
+    end_recorded: bool,
+}
+
+/// Starts a generation under its hub and returns at once; the upstream is drained
+/// by a task of its own, independent of any client.
+///
+/// The events already in hand (the first upstream frame's) are released here when
+/// nothing has to be made durable first, so that the response's first poll finds
+/// them and the first byte does not wait for the producer task to be scheduled.
+pub(crate) fn start(shared: &Arc<Shared>, production: Production, upstream: UpstreamBody) {
     let Production {
-        shared,
         journal,
         live,
-        mut gate,
-        mut framer,
+        gate,
+        framer,
         first_events,
-        mut observer,
+        observer,
         permit,
-    } = p;
-    let max_bytes = shared.options.streams.max_stream_bytes;
-    let detach = shared.options.streams.detach_timeout;
-    let mut seq = 0u64;
-    let mut bytes = 0usize;
-    let mut scratch: Vec<Bytes> = first_events;
-    let mut journal_ok = true;
-    let mut detached_since: Option<tokio::time::Instant> = None;
-    let mut end_recorded = false;
-    // A break or the end met while taking in a burst, handled on the next turn.
-    let mut stashed = None;
-    let mut recheck = tokio::time::interval(Duration::from_millis(500));
-    recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    recheck.reset();
-    let ended = 'relay: loop {
-        // Release what has arrived: everything taken in together (one frame, or a
-        // burst of them) is journaled as one append.
-        let mut released = Vec::new();
+    } = production;
+    shared.streams.insert(live.clone());
+    let mut producer = Producer {
+        shared: shared.clone(),
+        journal,
+        live,
+        gate,
+        framer,
+        observer,
+        permit,
+        scratch: first_events,
+        seq: 0,
+        bytes: 0,
+        journal_ok: true,
+        end_recorded: false,
+    };
+    let mut batch = producer.take_in();
+    let pending = if batch.durable || batch.terminal || batch.events.is_empty() {
+        Some(batch)
+    } else {
+        let events = std::mem::take(&mut batch.events);
+        match producer.journal.try_stream_append_nowait(
+            &producer.live.key,
+            producer.live.attempt,
+            batch.first_seq,
+            events,
+        ) {
+            Ok(()) => {
+                producer.live.push(batch.out);
+                None
+            }
+            // The writer cannot take them now: the task waits for it (or reports why).
+            Err(events) => {
+                batch.events = events;
+                Some(batch)
+            }
+        }
+    };
+    tokio::spawn(producer.run(pending, upstream));
+}
+
+impl Producer {
+    /// Passes the framed events through the gate: what it releases is one batch,
+    /// journaled as one append.
+    fn take_in(&mut self) -> Batch {
+        let mut events = Vec::new();
         let mut durable = false;
-        for raw in scratch.drain(..) {
-            bytes += raw.len();
-            let release = gate.push(raw);
+        for raw in self.scratch.drain(..) {
+            self.bytes += raw.len();
+            let release = self.gate.push(raw);
             durable |= release.durable && !release.events.is_empty();
-            released.extend(release.events);
+            events.extend(release.events);
         }
         // A terminal event is made durable together with the stream's end record
-        // below (one flush per stream, before the agent sees the end), and so is
-        // anything released with it.
-        let durable = durable && !gate.turn.terminal;
-        let first_seq = seq;
+        // (one flush per stream, before the agent sees the end), and so is anything
+        // released with it.
+        let terminal = self.gate.turn.terminal;
+        let first_seq = self.seq;
         let now = std::time::Instant::now();
-        for ev in &released {
-            observer.on_event(ev, now);
+        for ev in &events {
+            self.observer.on_event(ev, now);
         }
-        let out = with_ids(live.attempt, first_seq, &released);
-        seq += released.len() as u64;
-        if journal_ok && !released.is_empty() {
-            let r = if durable {
-                journal
-                    .stream_append(&live.key, live.attempt, first_seq, released, true)
+        let out = with_ids(self.live.attempt, first_seq, &events);
+        self.seq += events.len() as u64;
+        Batch {
+            first_seq,
+            events,
+            out,
+            durable: durable && !terminal,
+            terminal,
+        }
+    }
+
+    /// Journals a batch, then hands it to the stream's clients; `true` when it held
+    /// the terminal event.
+    async fn settle(&mut self, batch: Batch) -> bool {
+        let key = &self.live.key;
+        let attempt = self.live.attempt;
+        if self.journal_ok && !batch.events.is_empty() {
+            let r = if batch.durable {
+                self.journal
+                    .stream_append(key, attempt, batch.first_seq, batch.events, true)
                     .await
             } else {
-                journal
-                    .stream_append_nowait(&live.key, live.attempt, first_seq, released)
+                self.journal
+                    .stream_append_nowait(key, attempt, batch.first_seq, batch.events)
                     .await
             };
             if let Err(e) = r {
-                tracing::warn!(key = %live.key, error = %e, "the journal stopped taking this stream; it continues unjournaled");
-                journal_ok = false;
+                tracing::warn!(%key, error = %e, "the journal stopped taking this stream; it continues unjournaled");
+                self.journal_ok = false;
             }
         }
-        if gate.turn.terminal && journal_ok {
-            end_recorded = true;
-            if let Err(e) = journal
-                .stream_end(&live.key, live.attempt, completed(&gate))
+        if batch.terminal && self.journal_ok {
+            self.end_recorded = true;
+            if let Err(e) = self
+                .journal
+                .stream_end(key, attempt, completed(&self.gate))
                 .await
             {
-                tracing::warn!(key = %live.key, error = %e, "could not record the end of a stream");
+                tracing::warn!(%key, error = %e, "could not record the end of a stream");
             }
         }
-        if !out.is_empty() {
-            live.push(out);
+        if !batch.out.is_empty() {
+            self.live.push(batch.out);
         }
-        if gate.turn.terminal {
-            break 'relay Ended::Completed;
-        }
-        if bytes > max_bytes {
-            break 'relay Ended::Abandoned(format!("the stream passed {max_bytes} bytes"));
-        }
-        // Bound the time a generation runs with nobody listening.
-        if live.clients() == 0 {
-            detached_since.get_or_insert_with(tokio::time::Instant::now);
-        } else {
-            detached_since = None;
-        }
-        let idle_deadline = detached_since.map(|t| t + detach);
-        let frame = match stashed.take() {
-            Some(frame) => frame,
-            None => tokio::select! {
-                f = upstream.frame() => f,
-                () = live.cancel.notified() => {
-                    break 'relay Ended::Abandoned(CANCELLED.into());
-                }
-                () = sleep_until_opt(idle_deadline) => {
-                    break 'relay Ended::Abandoned(format!("no client for {detach:?}"));
-                }
-                // Re-check the client count now and then.
-                _ = recheck.tick() => continue,
-            },
-        };
-        if live.cancelled.load(Ordering::Acquire) {
-            break 'relay Ended::Abandoned(CANCELLED.into());
-        }
-        match frame {
-            Some(Ok(f)) => {
-                if let Ok(data) = f.into_data()
-                    && let Err(e) = framer.push(&data, &mut scratch)
-                {
-                    break 'relay Ended::Abandoned(e.to_string());
-                }
-                // Take in whatever else has already arrived, so that a burst is
-                // journaled and forwarded as one batch rather than event by event.
-                for _ in 0..MAX_COALESCED_FRAMES {
-                    match upstream.frame().now_or_never() {
-                        None => break,
-                        Some(Some(Ok(f))) => {
-                            if let Ok(data) = f.into_data()
-                                && let Err(e) = framer.push(&data, &mut scratch)
-                            {
-                                break 'relay Ended::Abandoned(e.to_string());
+        batch.terminal
+    }
+
+    /// Drains the upstream after `pending` (a batch [`start`] could not settle).
+    async fn run(mut self, mut pending: Option<Batch>, mut upstream: UpstreamBody) {
+        let max_bytes = self.shared.options.streams.max_stream_bytes;
+        let detach = self.shared.options.streams.detach_timeout;
+        let mut detached_since: Option<tokio::time::Instant> = None;
+        // A break or the end met while taking in a burst, handled on the next turn.
+        let mut stashed = None;
+        let mut recheck = tokio::time::interval(Duration::from_millis(500));
+        recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        recheck.reset();
+        let live = self.live.clone();
+        let ended = 'relay: loop {
+            if let Some(batch) = pending.take()
+                && self.settle(batch).await
+            {
+                break 'relay Ended::Completed;
+            }
+            if self.bytes > max_bytes {
+                break 'relay Ended::Abandoned(format!("the stream passed {max_bytes} bytes"));
+            }
+            // Bound the time a generation runs with nobody listening.
+            if live.clients() == 0 {
+                detached_since.get_or_insert_with(tokio::time::Instant::now);
+            } else {
+                detached_since = None;
+            }
+            let idle_deadline = detached_since.map(|t| t + detach);
+            let frame = match stashed.take() {
+                Some(frame) => frame,
+                None => tokio::select! {
+                    f = upstream.frame() => f,
+                    () = live.cancel.notified() => {
+                        break 'relay Ended::Abandoned(CANCELLED.into());
+                    }
+                    () = sleep_until_opt(idle_deadline) => {
+                        break 'relay Ended::Abandoned(format!("no client for {detach:?}"));
+                    }
+                    // Re-check the client count now and then.
+                    _ = recheck.tick() => continue,
+                },
+            };
+            if live.cancelled.load(Ordering::Acquire) {
+                break 'relay Ended::Abandoned(CANCELLED.into());
+            }
+            match frame {
+                Some(Ok(f)) => {
+                    if let Ok(data) = f.into_data()
+                        && let Err(e) = self.framer.push(&data, &mut self.scratch)
+                    {
+                        break 'relay Ended::Abandoned(e.to_string());
+                    }
+                    // Take in whatever else has already arrived, so that a burst is
+                    // journaled and forwarded as one batch rather than event by event.
+                    for _ in 0..MAX_COALESCED_FRAMES {
+                        match upstream.frame().now_or_never() {
+                            None => break,
+                            Some(Some(Ok(f))) => {
+                                if let Ok(data) = f.into_data()
+                                    && let Err(e) = self.framer.push(&data, &mut self.scratch)
+                                {
+                                    break 'relay Ended::Abandoned(e.to_string());
+                                }
+                            }
+                            Some(other) => {
+                                stashed = Some(other);
+                                break;
                             }
                         }
-                        Some(other) => {
-                            stashed = Some(other);
-                            break;
-                        }
                     }
+                    pending = Some(self.take_in());
+                }
+                Some(Err(e)) => break 'relay Ended::Abandoned(format!("the upstream broke: {e}")),
+                None => {
+                    // An unterminated tail is an incomplete event: never forwarded.
+                    let _incomplete = self.framer.finish(&mut self.scratch);
+                    if !self.scratch.is_empty() {
+                        pending = Some(self.take_in());
+                        continue;
+                    }
+                    if self.gate.turn.errored {
+                        break 'relay Ended::Failed;
+                    }
+                    break 'relay Ended::Abandoned(
+                        "the upstream ended before its final event".into(),
+                    );
                 }
             }
-            Some(Err(e)) => break 'relay Ended::Abandoned(format!("the upstream broke: {e}")),
-            None => {
-                // An unterminated tail is an incomplete event: never forwarded.
-                let _incomplete = framer.finish(&mut scratch);
-                if !scratch.is_empty() {
-                    continue;
-                }
-                if gate.turn.errored {
-                    break 'relay Ended::Failed;
-                }
-                break 'relay Ended::Abandoned("the upstream ended before its final event".into());
-            }
-        }
-    };
-    drop(upstream);
-    drop(permit);
-    let end = match &ended {
-        Ended::Completed => completed(&gate),
-        Ended::Failed => StreamEnd::Failed {
-            reason: "the provider reported an error in the stream".into(),
-        },
-        Ended::Abandoned(reason) => {
-            if gate.held() > 0 || gate.turn.inside_tool_call() {
-                tracing::info!(key = %live.key, held = gate.held(), "dropping a partial tool call at an interruption");
-            }
-            let ev = interruption_event(live.dialect, reason);
-            if journal_ok {
-                let _ = journal
-                    .stream_append(&live.key, live.attempt, seq, vec![ev.clone()], true)
-                    .await;
-            }
-            live.push(with_ids(live.attempt, seq, std::slice::from_ref(&ev)));
-            StreamEnd::Abandoned {
-                reason: reason.clone(),
-            }
-        }
-    };
-    if journal_ok
-        && !end_recorded
-        && let Err(e) = journal.stream_end(&live.key, live.attempt, end).await
-    {
-        tracing::warn!(key = %live.key, error = %e, "could not record the end of a stream");
+        };
+        drop(upstream);
+        drop(self.permit.take());
+        self.finish(ended).await;
     }
-    live.finish();
-    shared.streams.remove(&live);
-    let outcome = match &ended {
-        Ended::Completed => Ok(()),
-        Ended::Failed => Err("the provider reported an error"),
-        Ended::Abandoned(reason) => Err(reason.as_str()),
-    };
-    observer.on_end(outcome, Some(&gate.turn));
+
+    /// Ends the generation: the typed error event of an interruption, the end
+    /// record, and the hub's end.
+    async fn finish(mut self, ended: Ended) {
+        let live = self.live.clone();
+        let end = match &ended {
+            Ended::Completed => completed(&self.gate),
+            Ended::Failed => StreamEnd::Failed {
+                reason: "the provider reported an error in the stream".into(),
+            },
+            Ended::Abandoned(reason) => {
+                if self.gate.held() > 0 || self.gate.turn.inside_tool_call() {
+                    tracing::info!(key = %live.key, held = self.gate.held(), "dropping a partial tool call at an interruption");
+                }
+                let ev = interruption_event(live.dialect, reason);
+                if self.journal_ok {
+                    let _ = self
+                        .journal
+                        .stream_append(&live.key, live.attempt, self.seq, vec![ev.clone()], true)
+                        .await;
+                }
+                live.push(with_ids(live.attempt, self.seq, std::slice::from_ref(&ev)));
+                StreamEnd::Abandoned {
+                    reason: reason.clone(),
+                }
+            }
+        };
+        if self.journal_ok
+            && !self.end_recorded
+            && let Err(e) = self.journal.stream_end(&live.key, live.attempt, end).await
+        {
+            tracing::warn!(key = %live.key, error = %e, "could not record the end of a stream");
+        }
+        live.finish();
+        self.shared.streams.remove(&live);
+        let outcome = match &ended {
+            Ended::Completed => Ok(()),
+            Ended::Failed => Err("the provider reported an error"),
+            Ended::Abandoned(reason) => Err(reason.as_str()),
+        };
+        self.observer.on_end(outcome, Some(&self.gate.turn));
+    }
 }
 
 /// The end record of a generation that reached its terminal event.

@@ -579,7 +579,6 @@ async fn produce(
         price,
     });
     let production = streams::Production {
-        shared: shared.clone(),
         journal,
         live: live.clone(),
         gate: Gate::new(provider.dialect),
@@ -593,7 +592,7 @@ async fn produce(
         provider.api_key.as_ref().map(|k| k.expose()),
         shared.faults.stream_cut(&provider.name),
     );
-    streams::spawn(shared, live.clone(), production, body);
+    streams::start(shared, production, body);
     let mut resp = streams::live_response(&live, 0, false);
     *resp.status_mut() = parts.status;
     Ok(resp)
