@@ -1168,7 +1168,11 @@ impl Writer {
             let Some(first) = first else { break };
             // Let the tasks that are ready run first: what they send joins this batch
             // (on one worker thread, the writer would otherwise run after every sender).
-            tokio::task::yield_now().await;
+            // Queued text deltas share no commit (they are held in memory), so they
+            // are taken at once.
+            if !matches!(first, Command::StreamAppend { buffered: true, .. }) {
+                tokio::task::yield_now().await;
+            }
             let mut batch = self.core.new_batch();
             self.core.handle(first, &mut batch);
             while batch.commands < self.max_batch {
