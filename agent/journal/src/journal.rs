@@ -356,9 +356,12 @@ impl Journal {
 
     // --- model streams ---
 
-    /// Starts (or finds) the stream for a model call. Applied on return (visible to
-    /// every reader at once) and flushed within `max_batch_delay`, or earlier with
-    /// the stream's first durable event: nothing the agent receives depends on it.
+    /// Starts (or finds) the stream for a model call. A new stream is answered as
+    /// soon as the writer has decided it, before its start is applied (every later
+    /// command sees it; readers once applied); an existing one once applied. The
+    /// start is flushed within `max_batch_delay`, or earlier with the stream's first
+    /// durable event: nothing the agent receives depends on it. If its write fails,
+    /// the stream's later writes are refused.
     pub async fn stream_begin(
         &self,
         key: &StreamKey,

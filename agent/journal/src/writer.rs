@@ -144,6 +144,8 @@ pub(crate) struct Batch {
     needs_flush: bool,
     after_apply: Vec<Pending>,
     after_flush: Vec<Pending>,
+    /// A waiter was answered before the batch is applied (a new stream's start).
+    answered_early: bool,
     commands: usize,
 }
 
@@ -410,11 +412,22 @@ impl Core {
                 let result = self
                     .write_run(&key, batch)
                     .and_then(|()| self.stream_begin(&key, *request, now, batch));
-                // Lazy: a stream's first byte waits for no flush. Losing the start
-                // in a crash loses nothing the agent was given (the first durable
-                // event flushes it too), and a generation cut by a restart is never
-                // resumed anyway: the retry starts a fresh one either way.
-                settle(batch, reply, result, true);
+                match result {
+                    // A new generation is answered before its start is even applied:
+                    // the decision is made (every later command sees it), and the
+                    // agent's first byte should not wait for sled's inserts. Losing
+                    // the start in a crash loses nothing the agent was given (the
+                    // first durable event flushes it too), and a generation cut by a
+                    // restart is never resumed anyway: the retry starts a fresh one.
+                    // If the batch fails, the stream's later writes fail too and it
+                    // goes on unjournaled, as it would had the start failed.
+                    Ok(begin @ StreamBegin::New { .. }) => {
+                        let _ = reply.send(Ok(begin));
+                        batch.answered_early = true;
+                    }
+                    // An existing stream is read by its caller: answered once applied.
+                    other => settle(batch, reply, other, true),
+                }
             }
             Command::StreamAppend {
                 key,
@@ -1180,6 +1193,11 @@ impl Writer {
                     Ok(cmd) => self.core.handle(cmd, &mut batch),
                     Err(_) => break,
                 }
+            }
+            if batch.answered_early {
+                // Let the caller answered early go on (a woken task runs after the
+                // writer on this thread, so it would otherwise wait for the commit).
+                tokio::task::yield_now().await;
             }
             self.core.commit(batch).await;
         }

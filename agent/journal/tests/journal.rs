@@ -1057,3 +1057,40 @@ async fn events_the_writer_cannot_take_now_come_back_and_keep_their_place() -> T
     writer.await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_answered_before_its_write_failed_takes_no_events() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let j = &run.journal;
+    let key = StreamKey::new("chat-early")?;
+    // A new stream's start is answered before its batch is applied; that batch fails.
+    j.set_write_fault(Some(WriteFault::FailApply));
+    assert!(matches!(
+        j.stream_begin(&key, stream_request(1)).await?,
+        StreamBegin::New { attempt: 1 }
+    ));
+    let mut failed = false;
+    for _ in 0..200 {
+        if j.stats().flush_errors > 0 {
+            failed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(failed, "the start's batch was never written");
+    j.set_write_fault(None);
+    // The start is not in the journal, so the stream's events are refused (its
+    // generation goes on unjournaled) and nothing is ever served for it.
+    let append = j.stream_append(&key, 1, 0, vec![event(0)], true).await;
+    assert!(append.is_err(), "{append:?}");
+    assert_eq!(j.stream_meta(&key)?, None);
+    assert!(j.stream_events(&key, 1, None)?.is_empty());
+    // The key starts afresh.
+    assert!(matches!(
+        j.stream_begin(&key, stream_request(1)).await?,
+        StreamBegin::New { attempt: 1 }
+    ));
+    run.stop().await?;
+    Ok(())
+}
