@@ -418,18 +418,9 @@ impl Journal {
         seq: u64,
         events: Vec<Bytes>,
     ) -> Result<(), Error> {
-        let (reply, _ignored) = oneshot::channel();
         self.inner
             .tx
-            .send(Command::StreamAppend {
-                key: key.clone(),
-                attempt,
-                seq,
-                events,
-                durable: false,
-                buffered: true,
-                reply,
-            })
+            .send(queued_append(key, attempt, seq, events))
             .await
             .map_err(|_| Error::Unavailable("the journal writer is not running".to_owned()))
     }
@@ -444,18 +435,9 @@ impl Journal {
         seq: u64,
         events: Vec<Bytes>,
     ) -> Result<(), Vec<Bytes>> {
-        let (reply, _ignored) = oneshot::channel();
         self.inner
             .tx
-            .try_send(Command::StreamAppend {
-                key: key.clone(),
-                attempt,
-                seq,
-                events,
-                durable: false,
-                buffered: true,
-                reply,
-            })
+            .try_send(queued_append(key, attempt, seq, events))
             .map_err(|e| match e.into_inner() {
                 Command::StreamAppend { events, .. } => events,
                 _ => unreachable!("the command sent is a stream append"),
@@ -615,4 +597,18 @@ fn recover(store: &Store, core: &mut Core, epoch: u64) -> Result<(Recovery, [i64
     core.put(&mut batch, keys::EPOCH, &epoch.to_be_bytes())?;
     core.commit_blocking(batch)?;
     Ok((recovery, counts))
+}
+
+/// The command of a lazily journaled append, whose answer nobody waits for.
+fn queued_append(key: &StreamKey, attempt: u32, seq: u64, events: Vec<Bytes>) -> Command {
+    let (reply, _ignored) = oneshot::channel();
+    Command::StreamAppend {
+        key: key.clone(),
+        attempt,
+        seq,
+        events,
+        durable: false,
+        buffered: true,
+        reply,
+    }
 }
