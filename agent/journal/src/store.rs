@@ -220,10 +220,7 @@ impl Store {
         frame.clear();
         frame.extend_from_slice(&[0; FRAME_HEADER]);
         for &(key, value) in &writes {
-            match value {
-                Some(value) => push_write(&mut frame, OP_PUT, key, Some(value)),
-                None => push_write(&mut frame, OP_REMOVE, key, None),
-            }
+            push_write(&mut frame, key, value);
         }
         seal(&mut frame)?;
         if let Err(e) = wal.append(&frame) {
@@ -384,9 +381,9 @@ impl Wal {
 }
 
 /// Appends one write to a frame: op, key length, key, and for a put the value's
-/// length and the value (lengths little-endian u32).
-fn push_write(frame: &mut Vec<u8>, op: u8, key: &[u8], value: Option<&[u8]>) {
-    frame.push(op);
+/// length and the value (lengths little-endian u32). `None` removes the key.
+fn push_write(frame: &mut Vec<u8>, key: &[u8], value: Option<&[u8]>) {
+    frame.push(if value.is_some() { OP_PUT } else { OP_REMOVE });
     frame.extend_from_slice(&len32(key.len()).to_le_bytes());
     frame.extend_from_slice(key);
     if let Some(value) = value {
