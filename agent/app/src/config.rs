@@ -882,6 +882,7 @@ fn policies(raw: &raw::Policies, data_dir: &Path, p: &mut Problems) -> outrigger
         },
         seed: raw.seed,
         warm_instances: d.warm_instances,
+        compiler: d.compiler,
     }
 }
 

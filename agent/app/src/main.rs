@@ -66,6 +66,10 @@ enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+    /// The sidecar's policy compiler: a component on stdin, its compiled artifact on
+    /// stdout (see `policies::child_compiler`).
+    #[command(name = "compile-policy-child", hide = true)]
+    CompilePolicyChild { args: Vec<std::ffi::OsString> },
 }
 
 #[derive(Subcommand)]
@@ -121,6 +125,10 @@ fn main() -> ExitCode {
         Command::Policy { command } => tools_cli::policy(command),
         Command::Gpu(args) => tools_cli::gpu(args),
         Command::Drill(args) => drill::run(args),
+        Command::CompilePolicyChild { args } => {
+            let code = outrigger_policy::compile_child(&args);
+            ExitCode::from(u8::try_from(code).unwrap_or(1))
+        }
         Command::Config {
             command: ConfigCommand::Check { config },
         } => match config::load(config.as_deref(), &env) {

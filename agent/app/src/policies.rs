@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use outrigger_policy::{Registry, ReloadOutcome, ReloadReport};
+use outrigger_policy::{Compiler, Registry, ReloadOutcome, ReloadReport};
 use outrigger_proxy::decider::Decider;
 use outrigger_telemetry::{Metrics, PolicyEventKind};
 use outrigger_types::{
@@ -38,8 +38,10 @@ impl Decider for PolicyDecider {
 }
 
 /// Builds the registry (the first reload: built-ins from the compiled cache when it
-/// is warm) and starts its epoch ticker on a thread of its own.
-pub fn start(options: outrigger_policy::Options) -> anyhow::Result<Registry> {
+/// is warm) and starts its epoch ticker on a thread of its own. Components missing
+/// from the cache are compiled in a child process ([`child_compiler`]).
+pub fn start(mut options: outrigger_policy::Options) -> anyhow::Result<Registry> {
+    options.compiler = child_compiler();
     let builtins = outrigger_builtins::ALL
         .iter()
         .map(|b| outrigger_policy::BuiltinComponent {
@@ -67,10 +69,35 @@ pub fn start(options: outrigger_policy::Options) -> anyhow::Result<Registry> {
     Ok(registry)
 }
 
-/// Hands the compiler's freed memory back when the registry compiled anything since
-/// it had `before` compilations (a load from the cache compiles nothing).
+/// The subcommand of this binary that compiles a component for its parent.
+const COMPILE_CHILD: &str = "compile-policy-child";
+
+/// Compiling in a child of this same binary keeps the compiler's memory (about
+/// 10 MiB after the three built-ins) out of the long-running sidecar, and a
+/// component that crashes the compiler crashes only the child. `/proc/self/exe`
+/// still names this binary after an upgrade replaced the file; where the child
+/// cannot run, the policy host compiles in process.
+fn child_compiler() -> Compiler {
+    let program = Path::new("/proc/self/exe");
+    let program = if program.exists() {
+        Some(program.to_path_buf())
+    } else {
+        std::env::current_exe().ok()
+    };
+    match program {
+        Some(program) => Compiler::Child {
+            program,
+            args: vec![COMPILE_CHILD.into()],
+        },
+        None => Compiler::InProcess,
+    }
+}
+
+/// Hands the compiler's freed memory back when the registry compiled anything in
+/// this process since it had `before` such compilations (a load from the cache, or
+/// one compiled by the child, leaves no compiler garbage here).
 fn release_if_compiled(registry: &Registry, before: u64) {
-    if registry.runtime().compilations() > before {
+    if registry.runtime().compiled_in_process() > before {
         crate::memory::release_compiler_memory();
     }
 }
@@ -104,7 +131,7 @@ impl FaultCounters {
 pub async fn reload(registry: &Registry, metrics: &Metrics, why: &str) -> ReloadReport {
     let r = registry.clone();
     let report = match tokio::task::spawn_blocking(move || {
-        let before = r.runtime().compilations();
+        let before = r.runtime().compiled_in_process();
         let report = r.reload();
         release_if_compiled(&r, before);
         report

@@ -21,6 +21,7 @@
 //! their own parameters.
 
 mod bindings;
+mod compiler;
 mod convert;
 mod registry;
 mod runtime;
@@ -28,6 +29,7 @@ pub mod validate;
 
 use std::path::PathBuf;
 
+pub use compiler::{Compiler, compile_child};
 pub use registry::{
     Binding, BindingReload, BindingStatus, BuiltinComponent, OnError, Options, Registry,
     ReloadOutcome, ReloadReport, Source,

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::runtime::hex;
-use crate::{Error, Fault, Hook, Loaded, Runtime, RuntimeOptions, Ticker, validate};
+use crate::{Compiler, Error, Fault, Hook, Loaded, Runtime, RuntimeOptions, Ticker, validate};
 
 /// A built-in component the binary embeds (see the `outrigger-builtins` crate).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,6 +110,8 @@ pub struct Options {
     pub seed: Option<u64>,
     /// Idle instances kept per loaded version.
     pub warm_instances: usize,
+    /// Where components missing from the cache are compiled.
+    pub compiler: Compiler,
 }
 
 impl Default for Options {
@@ -124,6 +126,7 @@ impl Default for Options {
             max_retry_delay: Duration::from_secs(60),
             seed: None,
             warm_instances: runtime.warm_instances,
+            compiler: runtime.compiler,
         }
     }
 }
@@ -326,6 +329,7 @@ impl Registry {
             memory_limit_bytes: options.memory_limit_bytes,
             seed: options.seed,
             warm_instances: options.warm_instances,
+            compiler: options.compiler,
         })?;
         let slot = |hook| Slot {
             hook,

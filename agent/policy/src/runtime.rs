@@ -22,6 +22,7 @@ use wasmtime::{Config, Engine, InstanceAllocationStrategy, PoolingAllocationConf
 use wasmtime_wasi::{WasiCtx, WasiCtxView, WasiView};
 
 use crate::bindings::{self, budget, fallback, host, retry, types};
+use crate::compiler::{ChildOutcome, Compiler, compile_in_child};
 use crate::{Error, convert};
 
 /// How often the [`Ticker`] advances the epoch; a deadline is a whole number of ticks.
@@ -99,6 +100,8 @@ pub struct RuntimeOptions {
     pub seed: Option<u64>,
     /// Idle instances kept per loaded component.
     pub warm_instances: usize,
+    /// Where components missing from the cache are compiled.
+    pub compiler: Compiler,
 }
 
 impl Default for RuntimeOptions {
@@ -109,6 +112,7 @@ impl Default for RuntimeOptions {
             memory_limit_bytes: 64 << 20,
             seed: None,
             warm_instances: 4,
+            compiler: Compiler::InProcess,
         }
     }
 }
@@ -162,6 +166,8 @@ struct RuntimeInner {
     clock: Arc<Clock>,
     /// Components compiled (rather than loaded from the cache) so far.
     compilations: AtomicU64,
+    /// Of those, the ones compiled on this process's threads.
+    compiled_in_process: AtomicU64,
 }
 
 /// The epoch clock shared by the [`Ticker`] and the calls. It advances only while
@@ -219,13 +225,13 @@ impl Runtime {
         if options.deadline.is_zero() {
             return Err(Error::Options("deadline must be above zero".into()));
         }
-        let (engine, pooling) = match Engine::new(&config(&options, true)) {
+        let (engine, pooling) = match Engine::new(&config(options.memory_limit_bytes, true)) {
             Ok(engine) => (engine, true),
             Err(pooled) => {
                 // The pooling allocator reserves virtual memory up front; where that
                 // is refused (a tight `ulimit -v`), allocate on demand instead.
                 tracing::warn!(error = %pooled, "pooling allocator unavailable; allocating instances on demand");
-                let engine = Engine::new(&config(&options, false))
+                let engine = Engine::new(&config(options.memory_limit_bytes, false))
                     .map_err(|e| Error::Engine(e.to_string()))?;
                 (engine, false)
             }
@@ -258,6 +264,7 @@ impl Runtime {
                 pooling,
                 clock: Arc::new(Clock::default()),
                 compilations: AtomicU64::new(0),
+                compiled_in_process: AtomicU64::new(0),
             }),
         })
     }
@@ -364,51 +371,104 @@ impl Runtime {
         })
     }
 
-    /// Components compiled so far (cache misses and runtimes without a cache,
-    /// failed compilations included). Compiling is what makes the process's memory
-    /// grow, so a caller may want to release the compiler's garbage after it.
+    /// Components compiled so far, here or in a child (cache misses and runtimes
+    /// without a cache, failed compilations included).
     pub fn compilations(&self) -> u64 {
         self.inner.compilations.load(Ordering::Relaxed)
+    }
+
+    /// Of [`Runtime::compilations`], those compiled on this process's threads (see
+    /// [`Compiler`]). Compiling here is what makes the process's memory grow, so a
+    /// caller may want to release the compiler's garbage after it.
+    pub fn compiled_in_process(&self) -> u64 {
+        self.inner.compiled_in_process.load(Ordering::Relaxed)
     }
 
     /// The compiled component, from the cache when a compatible artifact is there.
     fn component(&self, bytes: &[u8], content_hash: &str) -> Result<(Component, bool), Error> {
         let engine = &self.inner.engine;
-        let compile = |bytes| {
-            self.inner.compilations.fetch_add(1, Ordering::Relaxed);
-            compile(engine, bytes)
-        };
-        let Some(dir) = &self.inner.options.cache_dir else {
-            return Ok((compile(bytes)?, false));
-        };
-        let path = dir.join(format!("{content_hash}-{}.cwasm", self.inner.compat));
-        if path.is_file() {
-            match deserialize(engine, &path) {
+        let path = self
+            .inner
+            .options
+            .cache_dir
+            .as_ref()
+            .map(|dir| dir.join(format!("{content_hash}-{}.cwasm", self.inner.compat)));
+        if let Some(path) = path.as_ref().filter(|path| path.is_file()) {
+            match deserialize_file(engine, path) {
                 Ok(component) => return Ok((component, true)),
                 Err(e) => {
                     tracing::warn!(path = %path.display(), error = %e, "cached component unusable; recompiling");
                 }
             }
         }
-        let component = compile(bytes)?;
-        match component.serialize() {
-            Ok(artifact) => {
-                if let Err(e) = write_atomically(&path, &artifact) {
-                    tracing::warn!(path = %path.display(), error = %e, "could not cache the compiled component");
+        check_component(bytes)?;
+        self.inner.compilations.fetch_add(1, Ordering::Relaxed);
+        if let Compiler::Child { program, args } = &self.inner.options.compiler {
+            let outcome = compile_in_child(
+                program,
+                args,
+                self.inner.options.memory_limit_bytes,
+                self.inner.pooling,
+                bytes,
+            );
+            match outcome {
+                ChildOutcome::Compiled(artifact) => {
+                    match self.load_artifact(&artifact, path.as_deref()) {
+                        Ok(component) => return Ok((component, false)),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "the compiler process's artifact was refused; compiling in process")
+                        }
+                    }
+                }
+                ChildOutcome::Refused(e) => return Err(e),
+                ChildOutcome::Unavailable(why) => {
+                    tracing::warn!(%why, "could not compile in a child process; compiling in process");
                 }
             }
-            Err(e) => tracing::warn!(error = %e, "could not serialize the compiled component"),
+        }
+        self.inner
+            .compiled_in_process
+            .fetch_add(1, Ordering::Relaxed);
+        let component =
+            Component::new(engine, bytes).map_err(|e| Error::Compile(format!("{e:#}")))?;
+        if let Some(path) = &path {
+            match component.serialize() {
+                Ok(artifact) => {
+                    if let Err(e) = write_atomically(path, &artifact) {
+                        tracing::warn!(path = %path.display(), error = %e, "could not cache the compiled component");
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "could not serialize the compiled component"),
+            }
         }
         Ok((component, false))
     }
+
+    /// Loads an artifact a compiler process produced: written to the cache first and
+    /// mapped from there (its code then stays in the page cache, not the heap), or
+    /// from memory where there is no cache or the write failed.
+    fn load_artifact(&self, artifact: &[u8], path: Option<&Path>) -> Result<Component, String> {
+        let engine = &self.inner.engine;
+        if let Some(path) = path {
+            match write_atomically(path, artifact) {
+                Ok(()) => return deserialize_file(engine, path),
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "could not cache the compiled component");
+                }
+            }
+        }
+        deserialize_bytes(engine, artifact)
+    }
 }
 
-fn config(options: &RuntimeOptions, pooling: bool) -> Config {
+/// The engine configuration; a compiling child builds its engine from the same two
+/// settings, so its artifacts fit this engine.
+pub(crate) fn config(memory_limit_bytes: usize, pooling: bool) -> Config {
     let mut config = Config::new();
     config.epoch_interruption(true);
     // Reserve exactly the cap per memory: the pool's slots stay small, and a memory
     // can never outgrow the cap, whatever the limiter says.
-    let reservation = u64::try_from(options.memory_limit_bytes).unwrap_or(u64::MAX);
+    let reservation = u64::try_from(memory_limit_bytes).unwrap_or(u64::MAX);
     config.memory_reservation(reservation);
     config.memory_reservation_for_growth(0);
     if pooling {
@@ -418,7 +478,7 @@ fn config(options: &RuntimeOptions, pooling: bool) -> Config {
             .total_memories(256)
             .total_tables(512)
             .total_stacks(256)
-            .max_memory_size(options.memory_limit_bytes)
+            .max_memory_size(memory_limit_bytes)
             // Python and JS components need more than the 1 MiB defaults.
             .max_component_instance_size(4 << 20)
             .max_core_instance_size(4 << 20)
@@ -431,27 +491,40 @@ fn config(options: &RuntimeOptions, pooling: bool) -> Config {
     config
 }
 
-fn compile(engine: &Engine, bytes: &[u8]) -> Result<Component, Error> {
+/// Refuses what is not a component before any compiler sees it.
+fn check_component(bytes: &[u8]) -> Result<(), Error> {
     if !bytes.starts_with(b"\0asm") {
         return Err(Error::NotWasm);
     }
     if bytes.get(4..8) == Some(&[0x01, 0x00, 0x00, 0x00]) {
         return Err(Error::NotAComponent);
     }
-    Component::new(engine, bytes).map_err(|e| Error::Compile(format!("{e:#}")))
+    Ok(())
 }
 
 #[expect(
     unsafe_code,
     reason = "deserializing a compiled artifact is unsafe: wasmtime trusts its contents"
 )]
-fn deserialize(engine: &Engine, path: &Path) -> Result<Component, String> {
+fn deserialize_file(engine: &Engine, path: &Path) -> Result<Component, String> {
     // SAFETY: the file is in the sidecar's own cache directory and was written by
-    // `Component::serialize` of this process or an earlier one (temp file + rename,
-    // never rewritten in place). Its name carries the engine's compatibility hash,
-    // and wasmtime additionally checks version and configuration, returning an error
-    // rather than loading a mismatched artifact.
+    // `Component::serialize` or `Engine::precompile_component` of this process, an
+    // earlier one or its compiling child (temp file + rename, never rewritten in
+    // place). Its name carries the engine's compatibility hash, and wasmtime
+    // additionally checks version and configuration, returning an error rather than
+    // loading a mismatched artifact.
     unsafe { Component::deserialize_file(engine, path) }.map_err(|e| format!("{e:#}"))
+}
+
+#[expect(
+    unsafe_code,
+    reason = "deserializing a compiled artifact is unsafe: wasmtime trusts its contents"
+)]
+fn deserialize_bytes(engine: &Engine, artifact: &[u8]) -> Result<Component, String> {
+    // SAFETY: the bytes are the stdout of the compiling child this process started
+    // itself (its own binary, see `Compiler::Child`), read from a pipe only it holds;
+    // wasmtime checks version and configuration and errors on a mismatch.
+    unsafe { Component::deserialize(engine, artifact) }.map_err(|e| format!("{e:#}"))
 }
 
 fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {

@@ -15,7 +15,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use outrigger_policy::{
-    Binding, BuiltinComponent, Hook, OnError, Options, Registry, ReloadOutcome, Source,
+    Binding, BuiltinComponent, Compiler, Hook, OnError, Options, Registry, ReloadOutcome, Runtime,
+    RuntimeOptions, Source,
 };
 use outrigger_types::{
     AttemptRecord, BudgetDecision, BudgetRequest, CallContext, CallKind, Candidate, CircuitState,
@@ -891,4 +892,101 @@ fn the_epoch_clock_rests_while_idle_and_wakes_for_a_call() {
         other => panic!("expected the deadline to stop the smoke test: {other:?}"),
     }
     assert!(runtime.ticks() > rested, "the clock advanced for the call");
+}
+
+/// A runtime compiling in the child `sh -c script` (which gets the memory limit and
+/// allocation as `$1` and `$2`), caching under `dir`.
+fn child_runtime(program: &str, script: Option<&str>, dir: &Path) -> Runtime {
+    let args = script
+        .map(|s| vec!["-c".into(), s.into(), "sh".into()])
+        .unwrap_or_default();
+    Runtime::new(RuntimeOptions {
+        cache_dir: Some(dir.to_path_buf()),
+        compiler: Compiler::Child {
+            program: program.into(),
+            args,
+        },
+        ..RuntimeOptions::default()
+    })
+    .expect("runtime")
+}
+
+fn retry_bytes() -> &'static [u8] {
+    outrigger_builtins::by_name("retry")
+        .expect("built-in exists")
+        .bytes
+}
+
+#[test]
+fn a_child_that_cannot_compile_leaves_it_to_this_process() {
+    for (program, script) in [
+        ("/nonexistent/outrigger", None),
+        ("sh", Some("exit 1")),
+        // Exits 0 with something that is not an artifact: wasmtime refuses it.
+        ("sh", Some("cat >/dev/null; echo not-an-artifact")),
+    ] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let runtime = child_runtime(program, script, dir.path());
+        let loaded = runtime
+            .load(retry_bytes(), BTreeMap::new(), "retry")
+            .unwrap_or_else(|e| panic!("{program} {script:?}: {e}"));
+        assert_eq!(loaded.hooks(), [Hook::Retry], "{program} {script:?}");
+        assert!(!loaded.from_cache());
+        assert_eq!(runtime.compilations(), 1);
+        assert_eq!(runtime.compiled_in_process(), 1, "{program} {script:?}");
+        // What this process compiled is cached as before.
+        let second = child_runtime(program, script, dir.path());
+        let again = second
+            .load(retry_bytes(), BTreeMap::new(), "retry")
+            .expect("from the cache");
+        assert!(again.from_cache(), "{program} {script:?}");
+        assert_eq!(second.compilations(), 0);
+    }
+}
+
+#[test]
+fn a_component_the_child_refuses_or_dies_on_fails_the_load() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let refuses = child_runtime(
+        "sh",
+        Some("cat >/dev/null; echo 'no such opcode at offset 12' >&2; exit 3"),
+        dir.path(),
+    );
+    match refuses.load(retry_bytes(), BTreeMap::new(), "retry") {
+        Err(outrigger_policy::Error::Compile(message)) => {
+            assert_eq!(message, "no such opcode at offset 12");
+        }
+        other => panic!("expected the child's refusal, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(refuses.compiled_in_process(), 0, "never retried in process");
+
+    // A compiler that crashes on a component is not run again inside the sidecar.
+    let dies = child_runtime("sh", Some("kill -9 $$"), dir.path());
+    match dies.load(retry_bytes(), BTreeMap::new(), "retry") {
+        Err(outrigger_policy::Error::Compile(message)) => {
+            assert!(message.contains("died on this component"), "{message}");
+        }
+        other => panic!("expected a compile error, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(dies.compiled_in_process(), 0);
+    assert_eq!(
+        std::fs::read_dir(dir.path()).expect("cache dir").count(),
+        0,
+        "nothing cached"
+    );
+}
+
+#[test]
+fn what_is_not_a_component_never_reaches_a_compiler() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // A child that would fail the test if it ran.
+    let runtime = child_runtime("sh", Some("exit 3"), dir.path());
+    let not_wasm = runtime.load(b"hello", BTreeMap::new(), "x");
+    assert!(matches!(not_wasm, Err(outrigger_policy::Error::NotWasm)));
+    let core_module = runtime.load(b"\0asm\x01\0\0\0", BTreeMap::new(), "x");
+    assert!(matches!(
+        core_module,
+        Err(outrigger_policy::Error::NotAComponent)
+    ));
+    assert_eq!(runtime.compilations(), 0);
 }

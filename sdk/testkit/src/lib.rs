@@ -80,6 +80,7 @@ impl Kit {
             memory_limit_bytes: options.memory_limit_bytes,
             seed: Some(options.seed),
             warm_instances: 1,
+            ..RuntimeOptions::default()
         })?;
         let ticker = runtime.ticker();
         std::thread::Builder::new()
