@@ -811,6 +811,15 @@ pub(crate) async fn endpoint(
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
         .and_then(parse_event_id);
+    // A generation in the hub is the stream's latest attempt. It is served from the
+    // hub before the journal is asked: its start may be answered (and its first
+    // events relayed) a moment before the writer has applied it.
+    if let Some(live) = shared.streams.get(&key)
+        && last.is_none_or(|(attempt, _)| attempt == live.attempt)
+    {
+        let from = last.map_or(0, |(_, s)| usize::try_from(s + 1).unwrap_or(usize::MAX));
+        return Ok(with_key(live_response(&live, from, true), &key));
+    }
     let meta = journal
         .stream_meta(&key)
         .map_err(crate::Error::Journal)?
@@ -821,13 +830,6 @@ pub(crate) async fn endpoint(
         Some((a, s)) => (a, Some(s)),
         None => (meta.attempt, None),
     };
-    if attempt == meta.attempt
-        && let Some(live) = shared.streams.get(&key)
-        && live.attempt == attempt
-    {
-        let from = after.map_or(0, |s| usize::try_from(s + 1).unwrap_or(usize::MAX));
-        return Ok(with_key(live_response(&live, from, true), &key));
-    }
     let events = journal
         .stream_events(&key, attempt, after)
         .map_err(crate::Error::Journal)?;
