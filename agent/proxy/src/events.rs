@@ -7,6 +7,7 @@
 //! before that holds only partial tool calls, which must never reach the agent.
 
 use std::collections::BTreeMap;
+use std::sync::LazyLock;
 
 use memchr::memmem;
 use serde_json::Value;
@@ -14,6 +15,26 @@ use serde_json::Value;
 use crate::keys::IssuedCall;
 use crate::options::Dialect;
 use crate::sse;
+
+/// The markers the fast path looks for, each searcher built once: building one
+/// costs more than searching a short event with it.
+struct Markers {
+    content: memmem::Finder<'static>,
+    tool_calls: memmem::Finder<'static>,
+    usage: memmem::Finder<'static>,
+    error: memmem::Finder<'static>,
+    finish_reason_null: memmem::Finder<'static>,
+    text_delta: memmem::Finder<'static>,
+}
+
+static MARKERS: LazyLock<Markers> = LazyLock::new(|| Markers {
+    content: memmem::Finder::new(b"\"content\":"),
+    tool_calls: memmem::Finder::new(b"tool_calls"),
+    usage: memmem::Finder::new(b"\"usage\""),
+    error: memmem::Finder::new(b"\"error\""),
+    finish_reason_null: memmem::Finder::new(b"\"finish_reason\":null"),
+    text_delta: memmem::Finder::new(b"\"text_delta\""),
+});
 
 /// What one event does to the turn.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -99,20 +120,21 @@ impl Turn {
     /// their JSON. Anything that might open, grow or close a block, report usage or an
     /// error, or end the turn takes the full path.
     fn fast_path(&self, raw: &[u8]) -> Option<Kind> {
-        let has = |needle: &[u8]| memmem::find(raw, needle).is_some();
+        let m = &*MARKERS;
+        let has = |finder: &memmem::Finder<'static>| finder.find(raw).is_some();
         match self.dialect {
             Dialect::OpenAi => {
                 let plain_text = raw.starts_with(b"data: {")
-                    && has(b"\"content\":")
-                    && !has(b"tool_calls")
-                    && !has(b"\"usage\"")
-                    && !has(b"\"error\"")
-                    && has(b"\"finish_reason\":null");
+                    && has(&m.content)
+                    && !has(&m.tool_calls)
+                    && !has(&m.usage)
+                    && !has(&m.error)
+                    && has(&m.finish_reason_null);
                 (plain_text && self.response_id.is_some()).then_some(Kind::Text)
             }
             Dialect::Anthropic => {
                 let text_delta = raw.starts_with(b"event: content_block_delta")
-                    && has(b"\"text_delta\"")
+                    && has(&m.text_delta)
                     && !self.inside_tool_call();
                 let ping = raw.starts_with(b"event: ping");
                 if text_delta {
