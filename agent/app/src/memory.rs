@@ -4,8 +4,9 @@
 //! thread that asked) allocates and frees about 14 MiB for the three built-ins.
 //! mimalloc keeps freed pages for reuse and purges them only when the thread that
 //! owns them allocates again, which the compiler threads may never do; a sidecar
-//! that compiled at start would carry that memory for its whole life. After a load
-//! or reload, every one of those threads is asked to purge its free pages at once.
+//! that compiled at start would carry that memory for its whole life. The sidecar
+//! compiles in a child process (see `policies`); when it had to compile in process
+//! instead, every one of those threads is asked to purge its free pages at once.
 
 /// Purges free pages on the calling thread and on every thread of the global rayon
 /// pool (where wasmtime compiles in parallel). Costs a few milliseconds; call it
