@@ -451,7 +451,12 @@ impl Runtime {
         let engine = &self.inner.engine;
         if let Some(path) = path {
             match write_atomically(path, artifact) {
-                Ok(()) => return deserialize_file(engine, path),
+                Ok(()) => {
+                    // What this engine refuses must not stay in the cache.
+                    return deserialize_file(engine, path).inspect_err(|_| {
+                        let _ = std::fs::remove_file(path);
+                    });
+                }
                 Err(e) => {
                     tracing::warn!(path = %path.display(), error = %e, "could not cache the compiled component");
                 }
@@ -508,11 +513,11 @@ fn check_component(bytes: &[u8]) -> Result<(), Error> {
 )]
 fn deserialize_file(engine: &Engine, path: &Path) -> Result<Component, String> {
     // SAFETY: the file is in the sidecar's own cache directory and was written by
-    // `Component::serialize` or `Engine::precompile_component` of this process, an
-    // earlier one or its compiling child (temp file + rename, never rewritten in
-    // place). Its name carries the engine's compatibility hash, and wasmtime
-    // additionally checks version and configuration, returning an error rather than
-    // loading a mismatched artifact.
+    // `Component::serialize` of this process or an earlier one, or comes from the
+    // configured compiler (see `deserialize_bytes`), always as temp file + rename,
+    // never rewritten in place. Its name carries the engine's compatibility hash,
+    // and wasmtime additionally checks version and configuration, returning an
+    // error rather than loading a mismatched artifact.
     unsafe { Component::deserialize_file(engine, path) }.map_err(|e| format!("{e:#}"))
 }
 
@@ -521,9 +526,10 @@ fn deserialize_file(engine: &Engine, path: &Path) -> Result<Component, String> {
     reason = "deserializing a compiled artifact is unsafe: wasmtime trusts its contents"
 )]
 fn deserialize_bytes(engine: &Engine, artifact: &[u8]) -> Result<Component, String> {
-    // SAFETY: the bytes are the stdout of the compiling child this process started
-    // itself (its own binary, see `Compiler::Child`), read from a pipe only it holds;
-    // wasmtime checks version and configuration and errors on a mismatch.
+    // SAFETY: the bytes are the stdout of the compiler the embedder configured
+    // (`Compiler::Child`, whose contract is `compile_child`; the sidecar runs its own
+    // binary), read from a pipe only this process holds. wasmtime checks the header,
+    // version and configuration and errors on a mismatch.
     unsafe { Component::deserialize(engine, artifact) }.map_err(|e| format!("{e:#}"))
 }
 

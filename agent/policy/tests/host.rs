@@ -990,3 +990,29 @@ fn what_is_not_a_component_never_reaches_a_compiler() {
     ));
     assert_eq!(runtime.compilations(), 0);
 }
+
+#[test]
+fn an_artifact_this_engine_refuses_is_not_left_in_the_cache() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    // The child hands back something that is not an artifact; the component is
+    // broken, so compiling in process fails too.
+    let runtime = child_runtime(
+        "sh",
+        Some("cat >/dev/null; echo not-an-artifact"),
+        dir.path(),
+    );
+    let broken = b"\0asm\x0d\0\x01\0\x01\x09\0";
+    let loaded = runtime.load(broken, BTreeMap::new(), "broken");
+    assert!(
+        matches!(loaded, Err(outrigger_policy::Error::Compile(_))),
+        "{:?}",
+        loaded.map(|_| ())
+    );
+    assert_eq!(runtime.compiled_in_process(), 1);
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("cache dir")
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
