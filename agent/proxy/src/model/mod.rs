@@ -6,6 +6,7 @@
 //! loop (retries and fallbacks per the retry policy) → relay. Every decision's
 //! policy version is collected in a [`attempts::Trail`].
 
+mod answer;
 pub mod attempts;
 mod list;
 pub mod request;
@@ -28,6 +29,7 @@ use outrigger_journal::{
     Journal, StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest, StreamState,
 };
 
+use self::answer::Answer;
 use self::attempts::{Ended, Mechanics, Plan, Success, Trail};
 use self::request::ModelRequest;
 use crate::body::{self, Body, Guarded};
@@ -525,17 +527,18 @@ async fn produce(
         };
         drop(permit);
         let bytes = scrub(bytes, provider);
+        // The journal keeps the reported usage whole, so this answer is read whole.
         let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+        let answer = Answer::from_value(&v, task.is_some());
         if let Some(task) = task {
-            shared.correlator.record(task, keys::calls_in_response(&v));
+            shared.correlator.record(task, answer.calls);
         }
-        let usage = plain_usage(&v);
-        settle(reservation, price, usage);
+        settle(reservation, price, answer.usage);
         if let Some(rec) = rec {
             rec.finish(ModelEnd {
-                tokens: usage,
-                response_model: v["model"].as_str().map(str::to_owned),
-                response_id: v["id"].as_str().map(str::to_owned),
+                tokens: answer.usage,
+                response_model: answer.model,
+                response_id: answer.id,
                 ..ModelEnd::default()
             });
         }
@@ -596,17 +599,6 @@ async fn produce(
     let mut resp = streams::live_response(&live, 0, false);
     *resp.status_mut() = parts.status;
     Ok(resp)
-}
-
-fn plain_usage(v: &serde_json::Value) -> Option<(u64, u64)> {
-    let usage = &v["usage"];
-    let i = usage["prompt_tokens"]
-        .as_u64()
-        .or_else(|| usage["input_tokens"].as_u64())?;
-    let o = usage["completion_tokens"]
-        .as_u64()
-        .or_else(|| usage["output_tokens"].as_u64())?;
-    Some((i, o))
 }
 
 fn resolve<'a>(shared: &'a Shared, dialect: Dialect, model: &str) -> Result<&'a Provider, Error> {
@@ -833,14 +825,12 @@ fn relay(
             }
             let body = UpstreamBody::new(body, key, None);
             body::Tee::new(body, limit, move |bytes: &[u8]| {
-                let v = serde_json::from_slice::<serde_json::Value>(bytes).unwrap_or_default();
+                let mut answer = Answer::read(bytes, observed.task.is_some());
                 if let Some(task) = &observed.task {
-                    observed
-                        .shared
-                        .correlator
-                        .record(task, keys::calls_in_response(&v));
+                    let calls = std::mem::take(&mut answer.calls);
+                    observed.shared.correlator.record(task, calls);
                 }
-                observed.finish_plain(&v);
+                observed.finish_plain(answer);
             })
             .boxed_unsync()
         }
@@ -926,14 +916,13 @@ impl Observed {
         }
     }
 
-    fn finish_plain(&mut self, v: &serde_json::Value) {
-        let usage = plain_usage(v);
-        settle(self.reservation.take(), self.price, usage);
+    fn finish_plain(&mut self, answer: Answer) {
+        settle(self.reservation.take(), self.price, answer.usage);
         if let Some(rec) = self.rec.take() {
             rec.finish(ModelEnd {
-                tokens: usage,
-                response_model: v["model"].as_str().map(str::to_owned),
-                response_id: v["id"].as_str().map(str::to_owned),
+                tokens: answer.usage,
+                response_model: answer.model,
+                response_id: answer.id,
                 ..ModelEnd::default()
             });
         }
