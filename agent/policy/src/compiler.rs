@@ -13,7 +13,7 @@
 
 use std::ffi::OsString;
 use std::io::{Read as _, Write as _};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use wasmtime::Engine;
@@ -101,7 +101,7 @@ pub(crate) enum ChildOutcome {
 
 /// Compiles `bytes` in a child process (see [`Compiler::Child`]).
 pub(crate) fn compile_in_child(
-    program: &PathBuf,
+    program: &Path,
     args: &[OsString],
     memory_limit_bytes: usize,
     pooling: bool,
