@@ -38,6 +38,8 @@ const ENV_SECTIONS: &[&str] = &[
 pub struct Config {
     pub data_addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// Data-plane worker threads (`listen.workers`, 0 = one per core).
+    pub workers: usize,
     pub admin_token: Option<Secret>,
     pub data_dir: PathBuf,
     pub journal: outrigger_journal::Options,
@@ -536,6 +538,7 @@ fn validate(
     Some(Config {
         data_addr,
         admin_addr,
+        workers: raw.listen.workers.unwrap_or(0),
         admin_token,
         data_dir,
         journal,

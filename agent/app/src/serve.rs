@@ -158,6 +158,10 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
     let (admin_stop_tx, admin_stop_rx) = watch::channel(false);
 
     let stall_limit = config.proxy.limits.client_stall_timeout;
+    let workers =
+        outrigger_proxy::workers::Workers::start(outrigger_proxy::workers::count(config.workers))
+            .context("cannot start the data plane's worker threads")?;
+    tracing::debug!(threads = workers.len(), "data-plane workers started");
     let data_task = tokio::spawn(outrigger_proxy::server::serve_with_stall_limit(
         data,
         move |req, peer| {
@@ -167,6 +171,7 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
         wait_for(drain_rx),
         config.drain_deadline,
         Some(stall_limit),
+        Some(workers),
     ));
     let admin_task = tokio::spawn(serve(
         admin,

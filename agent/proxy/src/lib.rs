@@ -36,6 +36,7 @@ pub mod tasks;
 mod tools;
 pub mod upstream;
 pub mod upstream_body;
+pub mod workers;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -19,10 +19,11 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Sleep;
 
 use crate::body::Body;
+use crate::workers::Workers;
 
 /// How a drain went.
 #[derive(Debug, Clone, Copy)]
@@ -44,18 +45,21 @@ where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Send + Sync + 'static,
     F: Future<Output = Response<Body>> + Send + 'static,
 {
-    serve_with_stall_limit(listener, handler, shutdown, drain_deadline, None).await
+    serve_with_stall_limit(listener, handler, shutdown, drain_deadline, None, None).await
 }
 
 /// [`serve`], with connections closed when a write to the client makes no progress
 /// for `stall_limit` (the client stopped reading): the request's upstream is then
-/// released like on any disconnect.
+/// released like on any disconnect. With `workers`, each connection is served on the
+/// next worker thread instead of the caller's runtime; the workers stop once the
+/// drain is over.
 pub async fn serve_with_stall_limit<H, F>(
     listener: TcpListener,
     handler: H,
     shutdown: impl Future<Output = ()>,
     drain_deadline: Duration,
     stall_limit: Option<Duration>,
+    workers: Option<Workers>,
 ) -> Drained
 where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Send + Sync + 'static,
@@ -84,11 +88,38 @@ where
             let fut = handler(req, peer);
             async move { Ok::<_, Infallible>(fut.await) }
         });
-        let io = TokioIo::new(StallLimited::new(stream, stall_limit));
-        let conn = builder.serve_connection_with_upgrades(io, svc);
-        let conn = graceful.watch(conn.into_owned());
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
+        let Some(workers) = &workers else {
+            let io = TokioIo::new(StallLimited::new(stream, stall_limit));
+            let conn = builder.serve_connection_with_upgrades(io, svc);
+            let conn = graceful.watch(conn.into_owned());
+            tokio::spawn(async move {
+                if let Err(e) = conn.await {
+                    tracing::debug!(error = %e, %peer, "connection ended with an error");
+                }
+            });
+            continue;
+        };
+        // The socket leaves this runtime's reactor and joins the worker's.
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, %peer, "cannot hand a connection to a worker");
+                continue;
+            }
+        };
+        let watcher = graceful.watcher();
+        let builder = builder.clone();
+        workers.next().spawn(async move {
+            let stream = match TcpStream::from_std(stream) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, %peer, "a worker cannot take a connection");
+                    return;
+                }
+            };
+            let io = TokioIo::new(StallLimited::new(stream, stall_limit));
+            let conn = builder.serve_connection_with_upgrades(io, svc).into_owned();
+            if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(error = %e, %peer, "connection ended with an error");
             }
         });
@@ -98,6 +129,8 @@ where
     let complete = tokio::time::timeout(drain_deadline, graceful.shutdown())
         .await
         .is_ok();
+    // What is left past the deadline is cut with the workers.
+    drop(workers);
     Drained {
         complete,
         took: started.elapsed(),

@@ -1,6 +1,7 @@
 //! The one HTTP client the data plane uses to reach providers and tools, with the
 //! distinction that matters for safe retries: did the request possibly leave?
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -39,11 +40,19 @@ impl Error {
     }
 }
 
-/// A pooled HTTP/1.1 + HTTP/2 client for `http` and `https` upstreams.
+/// A pooled HTTP/1.1 + HTTP/2 client for `http` and `https` upstreams: one pool per
+/// data-plane worker (made on the worker's first use), so a worker's upstream
+/// connections are driven by the worker itself.
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    clients: Arc<[OnceLock<Pooled>]>,
+    connect_timeout: Duration,
 }
+
+type Pooled = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+/// Pools kept apart: the main runtime's and 64 workers'; more workers share.
+const SLOTS: usize = 65;
 
 impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -53,21 +62,16 @@ impl std::fmt::Debug for Upstream {
 
 impl Upstream {
     pub fn new(connect_timeout: Duration) -> Self {
-        let mut http = HttpConnector::new();
-        http.enforce_http(false);
-        http.set_nodelay(true);
-        http.set_connect_timeout(Some(connect_timeout));
-        let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_webpki_roots()
-            .https_or_http()
-            .enable_http1()
-            .enable_http2()
-            .wrap_connector(http);
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(256)
-            .build(https);
-        Self { client }
+        Self {
+            clients: (0..SLOTS).map(|_| OnceLock::new()).collect(),
+            connect_timeout,
+        }
+    }
+
+    /// The calling worker's pool.
+    fn client(&self) -> &Pooled {
+        let slot = crate::workers::slot() % self.clients.len();
+        self.clients[slot].get_or_init(|| pooled(self.connect_timeout))
     }
 
     /// Sends `req` and waits up to `timeout` for the response head.
@@ -76,16 +80,17 @@ impl Upstream {
         req: Request<Full<Bytes>>,
         timeout: Duration,
     ) -> Result<Response<Incoming>, Error> {
-        let authority = req
-            .uri()
-            .authority()
-            .map(|a| a.to_string())
-            .unwrap_or_default();
-        match tokio::time::timeout(timeout, self.client.request(req)).await {
-            Err(_) => Err(Error::Timeout { authority, timeout }),
+        let uri = req.uri().clone();
+        let authority = || uri.authority().map(|a| a.to_string()).unwrap_or_default();
+        match tokio::time::timeout(timeout, self.client().request(req)).await {
+            Err(_) => Err(Error::Timeout {
+                authority: authority(),
+                timeout,
+            }),
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(e)) => {
                 let detail = error_chain(&e);
+                let authority = authority();
                 if e.is_connect() {
                     Err(Error::Connect { authority, detail })
                 } else {
@@ -94,6 +99,23 @@ impl Upstream {
             }
         }
     }
+}
+
+fn pooled(connect_timeout: Duration) -> Pooled {
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(connect_timeout));
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_webpki_roots()
+        .https_or_http()
+        .enable_http1()
+        .enable_http2()
+        .wrap_connector(http);
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(256)
+        .build(https)
 }
 
 /// The error and its sources, as one line (hyper's top-level messages are terse).

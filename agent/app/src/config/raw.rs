@@ -130,6 +130,8 @@ pub struct Gpu {
 pub struct Listen {
     pub data: Option<String>,
     pub admin: Option<String>,
+    /// Data-plane worker threads; 0 (the default) is one per available core.
+    pub workers: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]

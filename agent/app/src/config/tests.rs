@@ -38,6 +38,21 @@ fn embedded_defaults() {
     assert_eq!(c.admin_addr.to_string(), "127.0.0.1:7071");
     assert_eq!(c.data_dir, PathBuf::from("./outrigger-data"));
     assert!(c.proxy.providers.is_empty());
+    assert_eq!(c.workers, 0, "one data-plane worker per core");
+}
+
+#[test]
+fn data_plane_workers_from_the_file_or_the_environment() {
+    let c = load_str("[listen]\nworkers = 3\n", &[]).unwrap();
+    assert_eq!(c.workers, 3);
+    let c = load_str(
+        "[listen]\nworkers = 3\n",
+        &env(&[("OUTRIGGER_LISTEN_WORKERS", "1")]),
+    )
+    .unwrap();
+    assert_eq!(c.workers, 1);
+    let err = load_str("[listen]\nworkers = -1\n", &[]).unwrap_err();
+    assert_eq!(paths(&err), ["listen.workers"]);
 }
 
 #[test]

@@ -1,0 +1,159 @@
+//! The data plane's worker threads: one single-threaded runtime per thread, and a
+//! connection served on one worker from its first byte to its close.
+//!
+//! The acceptor hands each new connection to the next worker in turn. Everything a
+//! request does — reading it, the upstream exchange on that worker's own connection
+//! pool, relaying the answer, a stream's producer — then runs on that one thread, so
+//! a request is not passed between threads at every wake-up the way a
+//! work-stealing runtime passes it. On the benchmark's two cores this took about a fifth
+//! off the CPU time of a model call. The price is that a connection cannot move to
+//! an idle thread; connections are spread evenly instead.
+//!
+//! Work that is not a connection's (the journal writer, the admin plane, policy
+//! reloads, GPU polling) stays on the application's main runtime.
+
+use std::cell::Cell;
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
+
+thread_local! {
+    /// 0 off the workers; `i + 1` on worker `i`.
+    static SLOT: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Which worker the calling thread is: 0 for any thread that is not one, `i + 1`
+/// for worker `i`. Per-worker state (the upstream connection pools) is indexed by it.
+pub fn slot() -> usize {
+    SLOT.with(Cell::get)
+}
+
+/// A set of worker threads, each running a current-thread runtime until the set is
+/// dropped. Dropping it stops the workers: what still runs on them is cut.
+pub struct Workers {
+    handles: Vec<Handle>,
+    stops: Vec<oneshot::Sender<()>>,
+    next: AtomicUsize,
+}
+
+impl std::fmt::Debug for Workers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workers")
+            .field("threads", &self.handles.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Workers {
+    /// Starts `threads` workers (at least one), named `outrigger-data-<i>`.
+    pub fn start(threads: usize) -> io::Result<Self> {
+        let threads = threads.max(1);
+        let mut handles = Vec::with_capacity(threads);
+        let mut stops = Vec::with_capacity(threads);
+        for i in 0..threads {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let (stop_tx, stop_rx) = oneshot::channel::<()>();
+            handles.push(runtime.handle().clone());
+            std::thread::Builder::new()
+                .name(format!("outrigger-data-{i}"))
+                .spawn(move || {
+                    SLOT.with(|s| s.set(i + 1));
+                    // Either a stop or the set dropped ends the worker; its runtime is
+                    // dropped here, off any async context, cancelling what is left.
+                    runtime.block_on(async {
+                        let _ = stop_rx.await;
+                    });
+                })?;
+            stops.push(stop_tx);
+        }
+        Ok(Self {
+            handles,
+            stops,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// How many workers there are.
+    pub fn len(&self) -> usize {
+        self.handles.len()
+    }
+
+    /// Always false: a set has at least one worker.
+    pub fn is_empty(&self) -> bool {
+        self.handles.is_empty()
+    }
+
+    /// The worker the next connection goes to (round robin).
+    pub fn next(&self) -> &Handle {
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % self.handles.len();
+        &self.handles[i]
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        for stop in self.stops.drain(..) {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// How many workers `configured` asks for: 0 means one per available core.
+pub fn count(configured: usize) -> usize {
+    if configured > 0 {
+        return configured;
+    }
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connections_go_round_robin_and_each_worker_knows_its_slot() {
+        let workers = Workers::start(3).expect("start");
+        assert_eq!(workers.len(), 3);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let slots: Vec<usize> = rt.block_on(async {
+            let mut out = Vec::new();
+            for _ in 0..6 {
+                let task = workers.next().spawn(async { slot() });
+                out.push(task.await.expect("task"));
+            }
+            out
+        });
+        assert_eq!(slots, [1, 2, 3, 1, 2, 3]);
+        assert_eq!(slot(), 0, "this thread is not a worker");
+    }
+
+    #[test]
+    fn dropping_the_set_stops_its_workers() {
+        let workers = Workers::start(1).expect("start");
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        workers.next().spawn(async move {
+            // Held until the runtime is dropped, which drops this task and `tx`.
+            let _tx = tx;
+            std::future::pending::<()>().await;
+        });
+        drop(workers);
+        assert_eq!(
+            rx.recv_timeout(std::time::Duration::from_secs(5)),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected),
+            "the worker's task was dropped with its runtime"
+        );
+    }
+
+    #[test]
+    fn zero_means_one_per_core() {
+        assert_eq!(count(3), 3);
+        assert!(count(0) >= 1);
+    }
+}
