@@ -142,9 +142,18 @@ impl Capabilities {
 impl Provider {
     /// The upstream URI for a data-plane path suffix (`/chat/completions`, `/v1/messages`).
     pub fn url(&self, suffix: &str) -> Result<Uri, http::Error> {
-        let base = self.base_url.to_string();
-        let base = base.trim_end_matches('/');
-        Ok(Uri::try_from(format!("{base}{suffix}"))?)
+        let path = self.base_url.path().trim_end_matches('/');
+        let mut path_and_query = String::with_capacity(path.len() + suffix.len());
+        path_and_query.push_str(path);
+        path_and_query.push_str(suffix);
+        let mut uri = Uri::builder().path_and_query(path_and_query);
+        if let Some(scheme) = self.base_url.scheme() {
+            uri = uri.scheme(scheme.clone());
+        }
+        if let Some(authority) = self.base_url.authority() {
+            uri = uri.authority(authority.clone());
+        }
+        uri.build()
     }
 
     /// The host:port the provider's credentials may be sent to.
@@ -323,6 +332,17 @@ mod tests {
             p.url("/chat/completions").unwrap().to_string(),
             "http://127.0.0.1:1/v1/chat/completions"
         );
+        let mut p = p;
+        for (base, want) in [
+            ("http://127.0.0.1:1/v1/", "http://127.0.0.1:1/v1/messages"),
+            (
+                "https://api.example:443",
+                "https://api.example:443/messages",
+            ),
+        ] {
+            p.base_url = base.parse().unwrap();
+            assert_eq!(p.url("/messages").unwrap().to_string(), want);
+        }
     }
 
     #[test]

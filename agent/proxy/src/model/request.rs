@@ -2,8 +2,18 @@
 //! streams, whether it carries tools, images, audio or documents, and a token
 //! estimate — read once from the agent's JSON without re-encoding it unless the
 //! model must change.
+//!
+//! The request is skimmed into a typed summary that borrows from the body and skips
+//! the prompt's text unbuilt; a request the skim does not fit (a field of another
+//! type, a duplicated field) is read whole into a `serde_json::Value` instead, so
+//! both paths mean the same and malformed JSON gets the parser's own message.
+
+use std::borrow::Cow;
+use std::fmt;
 
 use bytes::Bytes;
+use serde::Deserialize;
+use serde::de::{self, IgnoredAny, SeqAccess, Visitor};
 use serde_json::Value;
 
 use outrigger_types::Modalities;
@@ -27,6 +37,33 @@ pub struct ModelRequest {
 
 impl ModelRequest {
     pub fn parse(dialect: Dialect, body: Bytes) -> Result<Self, Error> {
+        // Only an object is skimmed: serde would also read a struct from an array.
+        let object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+        if object && let Ok(skim) = serde_json::from_slice::<Skim<'_>>(&body) {
+            let Some(model) = skim.model.filter(|m| !m.is_empty()) else {
+                return Err(no_model());
+            };
+            let model = model.into_owned();
+            let mut modalities = Modalities::TEXT;
+            for part in skim.messages.iter().flatten().flat_map(|m| &m.content.0) {
+                modalities |= modality(part.kind.as_deref());
+            }
+            return Ok(Self {
+                dialect,
+                model,
+                stream: skim.stream.unwrap_or(false),
+                has_tools: skim.tools.is_some_and(|t| t.0 > 0),
+                modalities,
+                estimated_prompt_tokens: (body.len() as u64 / 4).max(1),
+                max_output_tokens: skim.max_completion_tokens.or(skim.max_tokens),
+                body,
+            });
+        }
+        Self::parse_whole(dialect, body)
+    }
+
+    /// Reads the request into a `Value`: what the skim means, for any JSON.
+    fn parse_whole(dialect: Dialect, body: Bytes) -> Result<Self, Error> {
         let v: Value =
             serde_json::from_slice(&body).map_err(|e| Error::MalformedJson(e.to_string()))?;
         if !v.is_object() {
@@ -37,11 +74,7 @@ impl ModelRequest {
         let model = v["model"]
             .as_str()
             .filter(|m| !m.is_empty())
-            .ok_or_else(|| {
-                Error::InvalidRequest(
-                    "The request has no \"model\"; name the model to call.".into(),
-                )
-            })?
+            .ok_or_else(no_model)?
             .to_string();
         let stream = v["stream"].as_bool().unwrap_or(false);
         let has_tools = v["tools"].as_array().is_some_and(|t| !t.is_empty());
@@ -54,12 +87,7 @@ impl ModelRequest {
             .flatten()
             .flat_map(|m| m["content"].as_array().into_iter().flatten());
         for part in parts {
-            modalities |= match part["type"].as_str() {
-                Some("image_url" | "image" | "input_image") => Modalities::IMAGE,
-                Some("input_audio" | "audio") => Modalities::AUDIO,
-                Some("file" | "input_file" | "document") => Modalities::DOCUMENT,
-                _ => Modalities::EMPTY,
-            };
+            modalities |= modality(part["type"].as_str());
         }
         let max_output_tokens = v["max_completion_tokens"]
             .as_u64()
@@ -96,6 +124,103 @@ impl ModelRequest {
     }
 }
 
+fn no_model() -> Error {
+    Error::InvalidRequest("The request has no \"model\"; name the model to call.".into())
+}
+
+/// What a content part's type says about the modality it carries (OpenAI's and
+/// Anthropic's names); text is always assumed.
+fn modality(kind: Option<&str>) -> Modalities {
+    match kind {
+        Some("image_url" | "image" | "input_image") => Modalities::IMAGE,
+        Some("input_audio" | "audio") => Modalities::AUDIO,
+        Some("file" | "input_file" | "document") => Modalities::DOCUMENT,
+        _ => Modalities::EMPTY,
+    }
+}
+
+/// The fields of a request the skim keeps; serde skips the rest unbuilt.
+#[derive(Deserialize)]
+struct Skim<'a> {
+    #[serde(borrow, default)]
+    model: Option<Cow<'a, str>>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    tools: Option<Count>,
+    #[serde(borrow, default)]
+    messages: Option<Vec<SkimMessage<'a>>>,
+    #[serde(default)]
+    max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct SkimMessage<'a> {
+    #[serde(borrow, default)]
+    content: Parts<'a>,
+}
+
+/// A message's content parts: none for plain-text (or null) content.
+#[derive(Default)]
+struct Parts<'a>(Vec<SkimPart<'a>>);
+
+#[derive(Deserialize)]
+struct SkimPart<'a> {
+    #[serde(borrow, default, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Parts<'a> {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct PartsVisitor<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> Visitor<'de> for PartsVisitor<'a> {
+            type Value = Parts<'a>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or an array of content parts")
+            }
+            fn visit_str<E: de::Error>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(Parts::default())
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+                Ok(Parts::default())
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(part) = seq.next_element()? {
+                    parts.push(part);
+                }
+                Ok(Parts(parts))
+            }
+        }
+        d.deserialize_any(PartsVisitor(std::marker::PhantomData))
+    }
+}
+
+/// How many elements an array has, its elements skipped unbuilt.
+struct Count(usize);
+
+impl<'de> Deserialize<'de> for Count {
+    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct CountVisitor;
+        impl<'de> Visitor<'de> for CountVisitor {
+            type Value = Count;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an array")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut n = 0;
+                while seq.next_element::<IgnoredAny>()?.is_some() {
+                    n += 1;
+                }
+                Ok(Count(n))
+            }
+        }
+        d.deserialize_seq(CountVisitor)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,6 +247,59 @@ mod tests {
             pdf_request.modalities,
             Modalities::TEXT | Modalities::DOCUMENT
         );
+    }
+
+    /// Every field the routing reads, compared between the two readers.
+    fn same(body: &str) {
+        let skimmed = ModelRequest::parse(Dialect::OpenAi, Bytes::from(body.to_owned()));
+        let whole = ModelRequest::parse_whole(Dialect::OpenAi, Bytes::from(body.to_owned()));
+        match (skimmed, whole) {
+            (Ok(a), Ok(b)) => {
+                assert_eq!(
+                    (
+                        &a.model,
+                        a.stream,
+                        a.has_tools,
+                        a.modalities,
+                        a.max_output_tokens
+                    ),
+                    (
+                        &b.model,
+                        b.stream,
+                        b.has_tools,
+                        b.modalities,
+                        b.max_output_tokens
+                    ),
+                    "{body}"
+                );
+            }
+            (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "{body}"),
+            (a, b) => panic!("{body}: skimmed {a:?}, whole {b:?}"),
+        }
+    }
+
+    #[test]
+    fn the_skim_and_the_whole_read_agree() {
+        for body in [
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#,
+            r#"{"model":"m","stream":true,"tools":[],"max_tokens":7}"#,
+            r#"{"model":"m","stream":null,"tools":null,"messages":null}"#,
+            r#"{"model":"m","max_completion_tokens":3,"max_tokens":9}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"input_audio"},{"type":"file"},{"text":"no type"}]}]}"#,
+            r#"{"model":"m","messages":[{"role":"user","content":null},{"role":"user"}]}"#,
+            // Shapes the skim does not fit: read whole, same meaning.
+            r#"{"model":"m","stream":"yes","tools":{"a":1}}"#,
+            r#"{"model":"m","model":"n"}"#,
+            r#"{"model":"m","messages":"text","max_tokens":-1}"#,
+            r#"{"model":"m","messages":[{"content":{"type":"image"}}, 3]}"#,
+            r#"{"model":"m","messages":[{"content":[{"type":7}]}]}"#,
+            r#"{"model":7}"#,
+            r#"{"model":""}"#,
+            r#"["m", true]"#,
+            r#" {"model":"m" "#,
+        ] {
+            same(body);
+        }
     }
 
     #[test]
