@@ -386,11 +386,32 @@ fn open_journal(
         );
     }
     let ready = readiness.clone();
-    tokio::spawn(async move {
+    let stopped = async move {
         writer.run().await;
         ready.journal.store(false, Ordering::Release);
         tracing::error!("the journal writer stopped");
-    });
+    };
+    // The writer gets a thread and a single-threaded runtime of its own: it blocks
+    // for each flush, and a hand-off to it from a data-plane worker then wakes one
+    // thread, not a work-stealing pool.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build();
+    match runtime {
+        Ok(runtime) => {
+            let spawned = std::thread::Builder::new()
+                .name("outrigger-journal".into())
+                .spawn(move || runtime.block_on(stopped));
+            if let Err(e) = spawned {
+                tracing::error!(error = %e, "cannot start the journal writer's thread: side-effecting calls will be refused");
+                return None;
+            }
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start the journal writer's runtime: side-effecting calls will be refused");
+            return None;
+        }
+    }
     readiness.journal.store(true, Ordering::Release);
     // While writes fail, readiness says so; a small write each second lets it flip
     // back once the disk recovers even when no traffic arrives to try.

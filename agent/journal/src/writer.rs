@@ -1155,10 +1155,10 @@ fn fail(mut batch: Batch, reason: &str) {
     }
 }
 
-/// The single writer task. The application spawns [`Writer::run`] on a multi-threaded
-/// tokio runtime (it blocks its worker thread for the length of each flush, which
-/// every waiter of the batch waits for anyway); it ends, after a final flush, when
-/// every [`crate::Journal`] handle is dropped.
+/// The single writer task. [`Writer::run`] blocks the thread it runs on for the
+/// length of each flush (which every waiter of the batch waits for anyway), so the
+/// application gives it a thread of its own, or a multi-threaded runtime; it ends,
+/// after a final flush, when every [`crate::Journal`] handle is dropped.
 pub struct Writer {
     pub(crate) rx: mpsc::Receiver<Command>,
     pub(crate) core: Core,

@@ -413,7 +413,23 @@ struct Producer {
     bytes: usize,
     journal_ok: bool,
     end_recorded: bool,
+    /// Text deltas released to the clients but not yet sent to the journal writer.
+    held: Option<Held>,
 }
+
+/// Text deltas the producer holds before queuing them to the journal writer: each
+/// hand-off wakes the writer's thread, which cost more than the writing when a
+/// stream's events arrive one frame at a time.
+struct Held {
+    first_seq: u64,
+    events: Vec<Bytes>,
+    due: tokio::time::Instant,
+}
+
+/// How long text deltas are held before they are queued to the journal writer.
+const HOLD: Duration = Duration::from_millis(10);
+/// Held deltas are queued at once past this many.
+const HOLD_MAX_EVENTS: usize = 256;
 
 /// Starts a generation under its hub and returns at once; the upstream is drained
 /// by a task of its own, independent of any client.
@@ -445,28 +461,16 @@ pub(crate) fn start(shared: &Arc<Shared>, production: Production, upstream: Upst
         bytes: 0,
         journal_ok: true,
         end_recorded: false,
+        held: None,
     };
     let mut batch = producer.take_in();
     let pending = if batch.durable || batch.terminal || batch.events.is_empty() {
         Some(batch)
     } else {
         let events = std::mem::take(&mut batch.events);
-        match producer.journal.try_stream_append_nowait(
-            &producer.live.key,
-            producer.live.attempt,
-            batch.first_seq,
-            events,
-        ) {
-            Ok(()) => {
-                producer.live.push(batch.out);
-                None
-            }
-            // The writer cannot take them now: the task waits for it (or reports why).
-            Err(events) => {
-                batch.events = events;
-                Some(batch)
-            }
-        }
+        producer.hold(batch.first_seq, events);
+        producer.live.push(batch.out);
+        None
     };
     tokio::spawn(producer.run(pending, upstream));
 }
@@ -505,10 +509,27 @@ impl Producer {
 
     /// Journals a batch, then hands it to the stream's clients; `true` when it held
     /// the terminal event.
-    async fn settle(&mut self, batch: Batch) -> bool {
-        let key = &self.live.key;
-        let attempt = self.live.attempt;
-        if self.journal_ok && !batch.events.is_empty() {
+    async fn settle(&mut self, mut batch: Batch) -> bool {
+        if self.journal_ok && !batch.events.is_empty() && !batch.durable && !batch.terminal {
+            let events = std::mem::take(&mut batch.events);
+            self.hold(batch.first_seq, events);
+            if self
+                .held
+                .as_ref()
+                .is_some_and(|h| h.events.len() >= HOLD_MAX_EVENTS)
+            {
+                self.release_held().await;
+            }
+        } else if self.journal_ok && !batch.events.is_empty() {
+            // What is held goes first, in the same append.
+            if let Some(held) = self.held.take() {
+                let mut events = held.events;
+                events.append(&mut batch.events);
+                batch.events = events;
+                batch.first_seq = held.first_seq;
+            }
+            let key = &self.live.key;
+            let attempt = self.live.attempt;
             let r = if batch.durable {
                 self.journal
                     .stream_append(key, attempt, batch.first_seq, batch.events, true)
@@ -518,11 +539,13 @@ impl Producer {
                     .stream_append_nowait(key, attempt, batch.first_seq, batch.events)
                     .await
             };
-            if let Err(e) = r {
-                tracing::warn!(%key, error = %e, "the journal stopped taking this stream; it continues unjournaled");
-                self.journal_ok = false;
-            }
+            self.journal_result(r);
         }
+        if batch.terminal {
+            self.release_held().await;
+        }
+        let key = &self.live.key;
+        let attempt = self.live.attempt;
         if batch.terminal && self.journal_ok {
             self.end_recorded = true;
             if let Err(e) = self
@@ -537,6 +560,52 @@ impl Producer {
             self.live.push(batch.out);
         }
         batch.terminal
+    }
+
+    /// Holds text deltas (numbered from `first_seq`) for the journal.
+    fn hold(&mut self, first_seq: u64, events: Vec<Bytes>) {
+        match &mut self.held {
+            Some(held) => {
+                debug_assert_eq!(held.first_seq + held.events.len() as u64, first_seq);
+                held.events.extend(events);
+            }
+            None => {
+                self.held = Some(Held {
+                    first_seq,
+                    events,
+                    due: tokio::time::Instant::now() + HOLD,
+                });
+            }
+        }
+    }
+
+    /// Queues the held text deltas to the journal writer.
+    async fn release_held(&mut self) {
+        let Some(held) = self.held.take() else {
+            return;
+        };
+        if !self.journal_ok {
+            return;
+        }
+        let r = self
+            .journal
+            .stream_append_nowait(
+                &self.live.key,
+                self.live.attempt,
+                held.first_seq,
+                held.events,
+            )
+            .await;
+        self.journal_result(r);
+    }
+
+    /// A journal write that failed ends this stream's journaling.
+    fn journal_result(&mut self, r: Result<(), outrigger_journal::Error>) {
+        if let Err(e) = r {
+            tracing::warn!(key = %self.live.key, error = %e, "the journal stopped taking this stream; it continues unjournaled");
+            self.journal_ok = false;
+            self.held = None;
+        }
     }
 
     /// Drains the upstream after `pending` (a batch [`start`] could not settle).
@@ -566,10 +635,15 @@ impl Producer {
                 detached_since = None;
             }
             let idle_deadline = detached_since.map(|t| t + detach);
+            let hold_due = self.held.as_ref().map(|h| h.due);
             let frame = match stashed.take() {
                 Some(frame) => frame,
                 None => tokio::select! {
                     f = upstream.frame() => f,
+                    () = sleep_until_opt(hold_due) => {
+                        self.release_held().await;
+                        continue;
+                    }
                     () = live.cancel.notified() => {
                         break 'relay Ended::Abandoned(CANCELLED.into());
                     }
@@ -635,6 +709,8 @@ impl Producer {
     /// Ends the generation: the typed error event of an interruption, the end
     /// record, and the hub's end.
     async fn finish(mut self, ended: Ended) {
+        // Held deltas go before whatever ends the attempt.
+        self.release_held().await;
         let live = self.live.clone();
         let end = match &ended {
             Ended::Completed => completed(&self.gate),

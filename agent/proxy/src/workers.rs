@@ -9,8 +9,9 @@
 //! off the CPU time of a model call. The price is that a connection cannot move to
 //! an idle thread; connections are spread evenly instead.
 //!
-//! Work that is not a connection's (the journal writer, the admin plane, policy
-//! reloads, GPU polling) stays on the application's main runtime.
+//! Work that is not a connection's (the admin plane, policy reloads, GPU polling)
+//! stays on the application's main runtime; the journal writer has a thread of its
+//! own.
 
 use std::cell::Cell;
 use std::io;
