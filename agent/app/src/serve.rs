@@ -389,7 +389,12 @@ fn open_journal(
     let stopped = async move {
         writer.run().await;
         ready.journal.store(false, Ordering::Release);
-        tracing::error!("the journal writer stopped");
+        // It ends by itself once every handle is dropped, which is how a drain ends.
+        if ready.draining.load(Ordering::Acquire) {
+            tracing::debug!("the journal writer stopped");
+        } else {
+            tracing::error!("the journal writer stopped");
+        }
     };
     // The writer gets a thread and a single-threaded runtime of its own: it blocks
     // for each flush, and a hand-off to it from a data-plane worker then wakes one
