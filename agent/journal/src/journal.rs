@@ -425,25 +425,6 @@ impl Journal {
             .map_err(|_| Error::Unavailable("the journal writer is not running".to_owned()))
     }
 
-    /// [`Journal::stream_append_nowait`] without waiting for room in the writer's
-    /// queue: the events come back when the writer cannot take them now (its queue
-    /// is full, or it stopped), for the waiting form to retry or to report why.
-    pub fn try_stream_append_nowait(
-        &self,
-        key: &StreamKey,
-        attempt: u32,
-        seq: u64,
-        events: Vec<Bytes>,
-    ) -> Result<(), Vec<Bytes>> {
-        self.inner
-            .tx
-            .try_send(queued_append(key, attempt, seq, events))
-            .map_err(|e| match e.into_inner() {
-                Command::StreamAppend { events, .. } => events,
-                _ => unreachable!("the command sent is a stream append"),
-            })
-    }
-
     /// Ends an attempt; durable before return.
     pub async fn stream_end(
         &self,

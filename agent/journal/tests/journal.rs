@@ -1010,55 +1010,6 @@ async fn a_new_stream_is_started_once_however_many_ask_at_once() -> TestResult {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn events_the_writer_cannot_take_now_come_back_and_keep_their_place() -> TestResult {
-    let dir = tempfile::tempdir()?;
-    let (journal, writer, _) = Journal::open(Options::new(dir.path()))?;
-    let key = StreamKey::new("chat-full-queue")?;
-    let writer = {
-        // The start waits in the queue (polled once: sent, not answered): the writer is
-        // not running yet.
-        let mut begin = std::pin::pin!(journal.stream_begin(&key, stream_request(1)));
-        std::future::poll_fn(|cx| {
-            assert!(begin.as_mut().poll(cx).is_pending());
-            std::task::Poll::Ready(())
-        })
-        .await;
-        // Fill the queue behind the start; the first event it cannot take comes back.
-        let mut seq = 0;
-        let returned = loop {
-            match journal.try_stream_append_nowait(&key, 1, seq, vec![event(seq)]) {
-                Ok(()) => seq += 1,
-                Err(events) => break events,
-            }
-            assert!(seq < 100_000, "the writer's queue never filled");
-        };
-        assert_eq!(
-            returned,
-            vec![event(seq)],
-            "the refused events come back whole"
-        );
-        let writer = tokio::spawn(writer.run());
-        assert!(matches!(begin.await?, StreamBegin::New { attempt: 1 }));
-        journal.stream_append_nowait(&key, 1, seq, returned).await?;
-        journal
-            .stream_end(
-                &key,
-                1,
-                StreamEnd::Completed {
-                    usage: serde_json::json!({}),
-                },
-            )
-            .await?;
-        let stored = journal.stream_events(&key, 1, None)?;
-        assert_eq!(stored, (0..=seq).map(|s| (s, event(s))).collect::<Vec<_>>());
-        writer
-    };
-    drop(journal);
-    writer.await?;
-    Ok(())
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_start_answered_before_its_write_failed_takes_no_events() -> TestResult {
     let dir = tempfile::tempdir()?;
     let (run, _) = Running::open(Options::new(dir.path()))?;
