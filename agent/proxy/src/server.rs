@@ -88,15 +88,18 @@ where
             let fut = handler(req, peer);
             async move { Ok::<_, Infallible>(fut.await) }
         });
-        let Some(workers) = &workers else {
+        // The same for either runtime: the connection, watched by the drain.
+        let watcher = graceful.watcher();
+        let builder = builder.clone();
+        let serve_one = async move |stream: TcpStream| {
             let io = TokioIo::new(StallLimited::new(stream, stall_limit));
-            let conn = builder.serve_connection_with_upgrades(io, svc);
-            let conn = graceful.watch(conn.into_owned());
-            tokio::spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(error = %e, %peer, "connection ended with an error");
-                }
-            });
+            let conn = builder.serve_connection_with_upgrades(io, svc).into_owned();
+            if let Err(e) = watcher.watch(conn).await {
+                tracing::debug!(error = %e, %peer, "connection ended with an error");
+            }
+        };
+        let Some(workers) = &workers else {
+            tokio::spawn(serve_one(stream));
             continue;
         };
         // The socket leaves this runtime's reactor and joins the worker's.
@@ -107,20 +110,10 @@ where
                 continue;
             }
         };
-        let watcher = graceful.watcher();
-        let builder = builder.clone();
         workers.next().spawn(async move {
-            let stream = match TcpStream::from_std(stream) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, %peer, "a worker cannot take a connection");
-                    return;
-                }
-            };
-            let io = TokioIo::new(StallLimited::new(stream, stall_limit));
-            let conn = builder.serve_connection_with_upgrades(io, svc).into_owned();
-            if let Err(e) = watcher.watch(conn).await {
-                tracing::debug!(error = %e, %peer, "connection ended with an error");
+            match TcpStream::from_std(stream) {
+                Ok(stream) => serve_one(stream).await,
+                Err(e) => tracing::warn!(error = %e, %peer, "a worker cannot take a connection"),
             }
         });
     }

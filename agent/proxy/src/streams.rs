@@ -510,36 +510,30 @@ impl Producer {
     /// Journals a batch, then hands it to the stream's clients; `true` when it held
     /// the terminal event.
     async fn settle(&mut self, mut batch: Batch) -> bool {
-        if self.journal_ok && !batch.events.is_empty() && !batch.durable && !batch.terminal {
-            let events = std::mem::take(&mut batch.events);
-            self.hold(batch.first_seq, events);
-            if self
+        if self.journal_ok && !batch.events.is_empty() {
+            // The batch joins what is held; a durable batch takes it all in one append.
+            self.hold(batch.first_seq, std::mem::take(&mut batch.events));
+            if batch.durable {
+                if let Some(held) = self.held.take() {
+                    let r = self
+                        .journal
+                        .stream_append(
+                            &self.live.key,
+                            self.live.attempt,
+                            held.first_seq,
+                            held.events,
+                            true,
+                        )
+                        .await;
+                    self.journal_result(r);
+                }
+            } else if self
                 .held
                 .as_ref()
                 .is_some_and(|h| h.events.len() >= HOLD_MAX_EVENTS)
             {
                 self.release_held().await;
             }
-        } else if self.journal_ok && !batch.events.is_empty() {
-            // What is held goes first, in the same append.
-            if let Some(held) = self.held.take() {
-                let mut events = held.events;
-                events.append(&mut batch.events);
-                batch.events = events;
-                batch.first_seq = held.first_seq;
-            }
-            let key = &self.live.key;
-            let attempt = self.live.attempt;
-            let r = if batch.durable {
-                self.journal
-                    .stream_append(key, attempt, batch.first_seq, batch.events, true)
-                    .await
-            } else {
-                self.journal
-                    .stream_append_nowait(key, attempt, batch.first_seq, batch.events)
-                    .await
-            };
-            self.journal_result(r);
         }
         if batch.terminal {
             self.release_held().await;

@@ -52,7 +52,7 @@ impl ModelRequest {
                 dialect,
                 model,
                 stream: skim.stream.unwrap_or(false),
-                has_tools: skim.tools.is_some_and(|t| t.0 > 0),
+                has_tools: skim.tools.is_some_and(|t| !t.is_empty()),
                 modalities,
                 estimated_prompt_tokens: (body.len() as u64 / 4).max(1),
                 max_output_tokens: skim.max_completion_tokens.or(skim.max_tokens),
@@ -146,8 +146,10 @@ struct Skim<'a> {
     model: Option<Cow<'a, str>>,
     #[serde(default)]
     stream: Option<bool>,
+    /// Only whether there are any: the elements are skipped unbuilt (and, being of
+    /// a zero-sized type, take no memory).
     #[serde(default)]
-    tools: Option<Count>,
+    tools: Option<Vec<IgnoredAny>>,
     #[serde(borrow, default)]
     messages: Option<Vec<SkimMessage<'a>>>,
     #[serde(default)]
@@ -195,29 +197,6 @@ impl<'de: 'a, 'a> Deserialize<'de> for Parts<'a> {
             }
         }
         d.deserialize_any(PartsVisitor(std::marker::PhantomData))
-    }
-}
-
-/// How many elements an array has, its elements skipped unbuilt.
-struct Count(usize);
-
-impl<'de> Deserialize<'de> for Count {
-    fn deserialize<D: de::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct CountVisitor;
-        impl<'de> Visitor<'de> for CountVisitor {
-            type Value = Count;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str("an array")
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-                let mut n = 0;
-                while seq.next_element::<IgnoredAny>()?.is_some() {
-                    n += 1;
-                }
-                Ok(Count(n))
-            }
-        }
-        d.deserialize_seq(CountVisitor)
     }
 }
 
