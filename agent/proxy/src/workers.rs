@@ -16,9 +16,13 @@
 use std::cell::Cell;
 use std::io;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
+
+/// How often each worker's anchor timer fires; see [`Workers::start`].
+const ANCHOR: Duration = Duration::from_secs(1);
 
 thread_local! {
     /// 0 off the workers; `i + 1` on worker `i`.
@@ -65,8 +69,21 @@ impl Workers {
                     SLOT.with(|s| s.set(i + 1));
                     // Either a stop or the set dropped ends the worker; its runtime is
                     // dropped here, off any async context, cancelling what is left.
+                    //
+                    // Until then a timer fires every second. tokio wakes its driver
+                    // (an `eventfd` write, and one more turn of the event loop) whenever
+                    // a timer is set earlier than every timer already set; with none
+                    // set, that is every upstream request's timeout, once per request.
+                    // With this one always due within a second, a longer timeout is
+                    // filed without the wake.
                     runtime.block_on(async {
-                        let _ = stop_rx.await;
+                        let mut stop = stop_rx;
+                        loop {
+                            tokio::select! {
+                                _ = &mut stop => break,
+                                () = tokio::time::sleep(ANCHOR) => {}
+                            }
+                        }
                     });
                 })?;
             stops.push(stop_tx);
