@@ -14,7 +14,9 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
 use outrigger_types::{Fingerprint, IdempotencyKey, TaskId};
-use serde_json::{Value, json};
+use serde_json::Value;
+
+use crate::canonical;
 use sha2::{Digest, Sha256};
 
 /// The journal key for an agent-supplied key, scoped to the tool (two tools may
@@ -45,16 +47,34 @@ pub fn derived(task: &TaskId, tool: &str, tool_call_id: &str) -> IdempotencyKey 
     IdempotencyKey::derived(&hex(&h.finalize()))
 }
 
-/// SHA-256 over the RFC 8785 canonical form of `value` (falls back to serde_json's
-/// form, which is already canonical for integers and strings, if JCS refuses it).
+/// SHA-256 over the RFC 8785 canonical form of `value`.
 pub fn fingerprint(value: &Value) -> Fingerprint {
-    let canonical = serde_jcs::to_vec(value).unwrap_or_else(|_| value.to_string().into_bytes());
-    Fingerprint(Sha256::digest(&canonical).into())
+    let mut out = Vec::new();
+    canonical_into(value, &mut out);
+    Fingerprint(Sha256::digest(&out).into())
+}
+
+/// Appends the RFC 8785 canonical form of `value` to `out` (serde_json's form, which
+/// is already canonical for integers and strings, if JCS refuses it).
+fn canonical_into(value: &Value, out: &mut Vec<u8>) {
+    let start = out.len();
+    if canonical::write(value, out) {
+        return;
+    }
+    out.truncate(start);
+    match serde_jcs::to_vec(value) {
+        Ok(general) => out.extend_from_slice(&general),
+        Err(_) => out.extend_from_slice(value.to_string().as_bytes()),
+    }
 }
 
 /// The fingerprint of an HTTP tool call: method, tool, path and query, content
 /// type and the body (canonicalised when it is JSON). Other headers are volatile
 /// (tracing ids, dates, user agents) and left out.
+///
+/// What is hashed is the canonical form of
+/// `{"body": {"json": BODY} | {"sha256": HEX}, "content_type", "method", "path", "tool"}`,
+/// written here in its canonical key order without building the object.
 pub fn http_fingerprint(
     method: &str,
     tool: &str,
@@ -62,22 +82,55 @@ pub fn http_fingerprint(
     content_type: Option<&str>,
     body: &[u8],
 ) -> Fingerprint {
-    let body = match serde_json::from_slice::<Value>(body) {
-        Ok(v) => json!({"json": v}),
-        Err(_) => json!({"sha256": hex(&Sha256::digest(body))}),
-    };
-    fingerprint(&json!({
-        "method": method, "tool": tool, "path": path,
-        "content_type": content_type.unwrap_or(""), "body": body,
-    }))
+    let mut out = Vec::with_capacity(body.len() + 128);
+    out.extend_from_slice(b"{\"body\":{");
+    match serde_json::from_slice::<Value>(body) {
+        Ok(v) => {
+            out.extend_from_slice(b"\"json\":");
+            canonical_into(&v, &mut out);
+        }
+        Err(_) => {
+            out.extend_from_slice(b"\"sha256\":");
+            canonical::string(&hex(&Sha256::digest(body)), &mut out);
+        }
+    }
+    out.push(b'}');
+    fields(
+        &mut out,
+        [
+            ("content_type", content_type.unwrap_or("")),
+            ("method", method),
+            ("path", path),
+            ("tool", tool),
+        ],
+    );
+    Fingerprint(Sha256::digest(&out).into())
 }
 
 /// The fingerprint of an MCP `tools/call`: server, tool name and arguments (not the
-/// JSON-RPC id: a retry carries a new one).
+/// JSON-RPC id: a retry carries a new one). The canonical form of
+/// `{"arguments", "method": "tools/call", "name", "server"}`, written in key order.
 pub fn mcp_fingerprint(server: &str, name: &str, arguments: &Value) -> Fingerprint {
-    fingerprint(
-        &json!({"method": "tools/call", "server": server, "name": name, "arguments": arguments}),
-    )
+    let mut out = Vec::with_capacity(256);
+    out.extend_from_slice(b"{\"arguments\":");
+    canonical_into(arguments, &mut out);
+    fields(
+        &mut out,
+        [("method", "tools/call"), ("name", name), ("server", server)],
+    );
+    Fingerprint(Sha256::digest(&out).into())
+}
+
+/// Appends `,"key":"value"` for each pair (in the order given, which must be the
+/// canonical one) and closes the object.
+fn fields<const N: usize>(out: &mut Vec<u8>, pairs: [(&str, &str); N]) {
+    for (key, value) in pairs {
+        out.push(b',');
+        canonical::string(key, out);
+        out.push(b':');
+        canonical::string(value, out);
+    }
+    out.push(b'}');
 }
 
 pub fn hex(bytes: &[u8]) -> String {
@@ -245,6 +298,39 @@ mod tests {
         );
         assert_eq!(a, b);
         assert_ne!(a, c);
+    }
+
+    /// The fingerprints written field by field are the ones the journal has always
+    /// stored: the canonical form of the whole object, built and sorted by serde_jcs.
+    #[test]
+    fn fingerprints_match_the_canonical_form_of_the_whole_object() {
+        let whole = |v: &Value| Fingerprint(Sha256::digest(serde_jcs::to_vec(v).unwrap()).into());
+        for body in [
+            &br#"{"b": [1, 2.5, "x\u0001"], "a": {"\u00e9": null}}"#[..],
+            b"not json \x00\xff",
+            b"",
+        ] {
+            let expected_body = match serde_json::from_slice::<Value>(body) {
+                Ok(v) => serde_json::json!({"json": v}),
+                Err(_) => serde_json::json!({"sha256": hex(&Sha256::digest(body))}),
+            };
+            let expected = whole(&serde_json::json!({
+                "method": "POST", "tool": "pay\"ments", "path": "/x?y=1",
+                "content_type": "", "body": expected_body,
+            }));
+            assert_eq!(
+                http_fingerprint("POST", "pay\"ments", "/x?y=1", None, body),
+                expected
+            );
+        }
+        let args = serde_json::json!({"to": "bob", "amount": 5, "rate": 0.25});
+        assert_eq!(
+            mcp_fingerprint("srv", "send", &args),
+            whole(&serde_json::json!({
+                "method": "tools/call", "server": "srv", "name": "send", "arguments": args,
+            }))
+        );
+        assert_eq!(fingerprint(&args), whole(&args));
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //! - every error the sidecar produces itself is an RFC 9457 problem document.
 
 pub mod body;
+mod canonical;
 pub mod decider;
 mod error;
 pub mod events;
