@@ -239,6 +239,12 @@ pub(crate) struct Core {
     open_streams: HashMap<StreamKey, u32>,
     /// Held lazy events per stream (see [`Run`]).
     runs: HashMap<StreamKey, Run>,
+    /// Per stream attempt appended to, the sequence number past its last appended
+    /// event. Keys at or past it were never written (an attempt's events only ever
+    /// go forward, and a rolled-back batch leaves its keys absent), so such an
+    /// append needs no before-image read from the store. Absent (a restart, a
+    /// forgotten entry): the store is read, as for any other write.
+    appended: HashMap<(StreamKey, u32), u64>,
     /// Stream attempts whose held events were lost to a failed write: the rest of
     /// such an attempt is refused, so the journal never serves a stream with a hole.
     broken: HashSet<(StreamKey, u32)>,
@@ -280,6 +286,7 @@ impl Core {
             hot: HashMap::new(),
             open_streams: HashMap::new(),
             runs: HashMap::new(),
+            appended: HashMap::new(),
             broken: HashSet::new(),
             expiry_ids: 0,
         }
@@ -656,11 +663,23 @@ impl Core {
     ) -> Result<(), Error> {
         self.appendable(batch, key, attempt, events)?;
         // One value for all the events of this append (see `stream::chunk`).
-        batch.put(
-            &self.store,
-            keys::event(key.as_str(), attempt, seq),
-            Some(chunk::encode(events)),
-        )?;
+        let event_key = keys::event(key.as_str(), attempt, seq);
+        let value = Some(chunk::encode(events));
+        let attempt_key = (key.clone(), attempt);
+        if self
+            .appended
+            .get(&attempt_key)
+            .is_some_and(|&next| seq >= next)
+        {
+            batch.set(event_key, value);
+        } else {
+            batch.put(&self.store, event_key, value)?;
+        }
+        if self.appended.len() >= MAX_OPEN_STREAMS {
+            self.appended.clear();
+        }
+        self.appended
+            .insert(attempt_key, seq.saturating_add(events.len() as u64));
         batch.stream_events += events.len() as u64;
         if durable {
             batch.needs_flush = true;
@@ -776,6 +795,7 @@ impl Core {
         meta.state = end.state();
         meta.end = Some(end);
         meta.updated_at = Timestamp::from_system(now);
+        self.appended.remove(&(key.clone(), attempt));
         self.write_stream(batch, meta, true)
     }
 

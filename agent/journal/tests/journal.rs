@@ -705,6 +705,32 @@ async fn held_events_lost_to_a_failed_write_end_the_attempt_instead_of_leaving_a
     Ok(())
 }
 
+/// Appends past the last one skip the store read for their before-image; a failed
+/// flush must still take them back out, and the same events can be appended again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_append_is_rolled_back_and_can_be_appended_again() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let j = &run.journal;
+    let key = StreamKey::new("chat-rollback")?;
+    j.stream_begin(&key, stream_request(1)).await?;
+    j.stream_append(&key, 1, 0, vec![event(0)], true).await?;
+    j.stream_append(&key, 1, 1, vec![event(1), event(2)], true)
+        .await?;
+    j.set_write_fault(Some(WriteFault::FailFlush));
+    let failed = j.stream_append(&key, 1, 3, vec![event(3)], true).await;
+    assert!(matches!(failed, Err(Error::Unavailable(_))), "{failed:?}");
+    j.set_write_fault(None);
+    let before: Vec<_> = (0..3).map(|s| (s, event(s))).collect();
+    assert_eq!(j.stream_events(&key, 1, None)?, before);
+    j.stream_append(&key, 1, 3, vec![event(3)], true).await?;
+    j.stream_append(&key, 1, 4, vec![event(4)], true).await?;
+    let all: Vec<_> = (0..5).map(|s| (s, event(s))).collect();
+    assert_eq!(j.stream_events(&key, 1, None)?, all);
+    run.stop().await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_read_back_in_order_across_a_restart() -> TestResult {
     let dir = tempfile::tempdir()?;

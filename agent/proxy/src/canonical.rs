@@ -198,8 +198,11 @@ mod tests {
         leaf.prop_recursive(4, 48, 6, |inner| {
             prop_oneof![
                 prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
-                prop::collection::vec(("[a-c!\"\\\\ \\x00-\\x1f\\x7fé☃\u{e000}😀]{0,4}", inner), 0..6)
-                    .prop_map(|kv| Value::Object(kv.into_iter().collect::<Map<_, _>>())),
+                prop::collection::vec(
+                    ("[a-c!\"\\\\ \\x00-\\x1f\\x7fé☃\u{e000}😀]{0,4}", inner),
+                    0..6
+                )
+                .prop_map(|kv| Value::Object(kv.into_iter().collect::<Map<_, _>>())),
             ]
         })
     }
