@@ -15,9 +15,9 @@ use std::sync::Mutex;
 
 use outrigger_types::{Fingerprint, IdempotencyKey, TaskId};
 use serde_json::Value;
+use sha2::{Digest, Sha256};
 
 use crate::canonical;
-use sha2::{Digest, Sha256};
 
 /// The journal key for an agent-supplied key, scoped to the tool (two tools may
 /// see the same agent key without colliding). Long keys are hashed to fit.
@@ -47,15 +47,16 @@ pub fn derived(task: &TaskId, tool: &str, tool_call_id: &str) -> IdempotencyKey 
     IdempotencyKey::derived(&hex(&h.finalize()))
 }
 
-/// SHA-256 over the RFC 8785 canonical form of `value`.
+/// SHA-256 over the canonical form of `value` (RFC 8785, ordered as
+/// [`canonical`](crate::canonical) says).
 pub fn fingerprint(value: &Value) -> Fingerprint {
     let mut out = Vec::new();
     canonical_into(value, &mut out);
     Fingerprint(Sha256::digest(&out).into())
 }
 
-/// Appends the RFC 8785 canonical form of `value` to `out` (serde_json's form, which
-/// is already canonical for integers and strings, if JCS refuses it).
+/// Appends the canonical form of `value` to `out`: written in one pass, or by
+/// `serde_jcs` where the value holds a float (serde_json's form, if even that refuses).
 fn canonical_into(value: &Value, out: &mut Vec<u8>) {
     let start = out.len();
     if canonical::write(value, out) {
