@@ -239,12 +239,13 @@ pub(crate) struct Core {
     open_streams: HashMap<StreamKey, u32>,
     /// Held lazy events per stream (see [`Run`]).
     runs: HashMap<StreamKey, Run>,
-    /// Per stream attempt appended to, the sequence number past its last appended
-    /// event. Keys at or past it were never written (an attempt's events only ever
-    /// go forward, and a rolled-back batch leaves its keys absent), so such an
-    /// append needs no before-image read from the store. Absent (a restart, a
-    /// forgotten entry): the store is read, as for any other write.
-    appended: HashMap<(StreamKey, u32), u64>,
+    /// Per stream appended to, the attempt and the sequence number past its last
+    /// appended event. Keys of that attempt at or past it were never written (an
+    /// attempt's events only ever go forward, and a rolled-back batch leaves its
+    /// keys absent), so such an append needs no before-image read from the store.
+    /// Absent (a restart, a forgotten entry): the store is read, as for any other
+    /// write.
+    appended: HashMap<StreamKey, (u32, u64)>,
     /// Stream attempts whose held events were lost to a failed write: the rest of
     /// such an attempt is refused, so the journal never serves a stream with a hole.
     broken: HashSet<(StreamKey, u32)>,
@@ -665,21 +666,25 @@ impl Core {
         // One value for all the events of this append (see `stream::chunk`).
         let event_key = keys::event(key.as_str(), attempt, seq);
         let value = Some(chunk::encode(events));
-        let attempt_key = (key.clone(), attempt);
         if self
             .appended
-            .get(&attempt_key)
-            .is_some_and(|&next| seq >= next)
+            .get(key)
+            .is_some_and(|&(a, next)| a == attempt && seq >= next)
         {
             batch.set(event_key, value);
         } else {
             batch.put(&self.store, event_key, value)?;
         }
-        if self.appended.len() >= MAX_OPEN_STREAMS {
-            self.appended.clear();
+        let past = (attempt, seq.saturating_add(events.len() as u64));
+        match self.appended.get_mut(key) {
+            Some(entry) => *entry = past,
+            None => {
+                if self.appended.len() >= MAX_OPEN_STREAMS {
+                    self.appended.clear();
+                }
+                self.appended.insert(key.clone(), past);
+            }
         }
-        self.appended
-            .insert(attempt_key, seq.saturating_add(events.len() as u64));
         batch.stream_events += events.len() as u64;
         if durable {
             batch.needs_flush = true;
@@ -795,7 +800,7 @@ impl Core {
         meta.state = end.state();
         meta.end = Some(end);
         meta.updated_at = Timestamp::from_system(now);
-        self.appended.remove(&(key.clone(), attempt));
+        self.appended.remove(key);
         self.write_stream(batch, meta, true)
     }
 

@@ -80,8 +80,8 @@ impl Upstream {
         req: Request<Full<Bytes>>,
         timeout: Duration,
     ) -> Result<Response<Incoming>, Error> {
-        let uri = req.uri().clone();
-        let authority = || uri.authority().map(|a| a.to_string()).unwrap_or_default();
+        let target = req.uri().authority().cloned();
+        let authority = || target.as_ref().map(|a| a.to_string()).unwrap_or_default();
         match tokio::time::timeout(timeout, self.client().request(req)).await {
             Err(_) => Err(Error::Timeout {
                 authority: authority(),
