@@ -12,6 +12,7 @@ use crate::Error;
 use crate::chain::{self, Head, LogEntry, VerifyReport};
 use crate::options::Durability;
 use crate::record::{Filter, Record, TimelineEntry};
+use crate::slots;
 use crate::store::{Store, keys};
 use crate::stream::{StreamKey, StreamMeta, chunk};
 use crate::writer::{decode_record, decode_stream};
@@ -26,8 +27,7 @@ pub(crate) struct Reader {
 
 impl Reader {
     pub(crate) fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, Error> {
-        self.store
-            .get(&keys::record(key.as_str()))?
+        slots::read(&self.store, key.as_str())?
             .map(|bytes| decode_record(key.as_str(), &bytes))
             .transpose()
     }
@@ -36,13 +36,10 @@ impl Reader {
     /// (`verify` names them), so that one damaged record cannot hide all the others.
     pub(crate) fn list(&self, filter: &Filter) -> Result<Vec<Record>, Error> {
         let mut out = Vec::new();
-        let mut keep = |key: &[u8], bytes: &[u8]| {
-            let key = String::from_utf8_lossy(key);
-            match decode_record(&key, bytes) {
-                Ok(rec) if filter.matches(&rec) => out.push(rec),
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "skipping an undecodable journal record"),
-            }
+        let mut keep = |key: &str, bytes: &[u8]| match decode_record(key, bytes) {
+            Ok(rec) if filter.matches(&rec) => out.push(rec),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "skipping an undecodable journal record"),
         };
         if let Some(task) = &filter.task {
             let prefix = keys::task_prefix(task.as_str());
@@ -51,14 +48,15 @@ impl Reader {
                 let Some(key) = keys::task_entry_key(task.as_str(), &index) else {
                     continue;
                 };
-                if let Some(bytes) = self.store.get(&[keys::RECORDS, key].concat())? {
-                    keep(key, &bytes);
+                let key = String::from_utf8_lossy(key);
+                if let Some(bytes) = slots::read(&self.store, &key)? {
+                    keep(&key, &bytes);
                 }
             }
         } else {
-            for entry in self.store.scan_prefix(keys::RECORDS) {
+            for entry in slots::scan(&self.store) {
                 let (key, bytes) = entry?;
-                keep(&key[keys::RECORDS.len()..], &bytes);
+                keep(&key, &bytes);
             }
         }
         out.sort_by(|a, b| (a.created_at, &a.key).cmp(&(b.created_at, &b.key)));
@@ -93,14 +91,7 @@ impl Reader {
             })?;
             Ok((seq, bytes))
         });
-        let records = self.store.scan_prefix(keys::RECORDS).map(|entry| {
-            let (key, bytes) = entry?;
-            Ok((
-                String::from_utf8_lossy(&key[keys::RECORDS.len()..]).into_owned(),
-                bytes,
-            ))
-        });
-        chain::verify(log, records, head)
+        chain::verify(log, slots::scan(&self.store), head)
     }
 
     /// Log entries from `from_seq` on, at most `limit` (for archiving the chain or

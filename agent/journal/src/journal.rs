@@ -16,6 +16,7 @@ use crate::options::Options;
 use crate::record::{
     Begin, Filter, Intent, Record, Resolution, State, StoredResponse, Ticket, TimelineEntry,
 };
+use crate::slots;
 use crate::state::{self, Effect, Event};
 use crate::stats::{Shared, Stats, WriteFault};
 use crate::store::{Store, keys};
@@ -23,8 +24,13 @@ use crate::stream::{StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest
 use crate::time::Timestamp;
 use crate::writer::{Command, Core, ReapReport, Writer, decode_record, decode_stream};
 
-/// The on-disk format this build reads and writes.
-const FORMAT: &[u8] = b"1";
+/// The on-disk format this build writes: records in slots, their keys pointing at
+/// them ([`crate::slots`]).
+const FORMAT: &[u8] = b"2";
+/// The format before it, with each record stored under its key; still read, and
+/// each record moves to a slot when next written. Opening such a journal marks it
+/// format 2, so that an older build refuses it rather than misread its pointers.
+const FORMAT_1: &[u8] = b"1";
 
 /// What opening the journal found and did: the calls a previous process left in
 /// flight, by the state they were moved to.
@@ -71,12 +77,12 @@ impl Journal {
         )?);
         match store.get(keys::FORMAT)? {
             None => {}
-            Some(format) if format == FORMAT => {}
+            Some(format) if format == FORMAT || format == FORMAT_1 => {}
             Some(other) => {
                 return Err(Error::Invalid {
                     what: "journal format",
                     detail: format!(
-                        "{} holds format {:?}; this build reads format 1",
+                        "{} holds format {:?}; this build reads formats 1 and 2",
                         options.dir.display(),
                         String::from_utf8_lossy(&other)
                     ),
@@ -100,7 +106,7 @@ impl Journal {
             Arc::clone(&shared),
             options.clone(),
             head,
-        );
+        )?;
         let (recovery, counts) = recover(&store, &mut core, epoch)?;
         for (counter, count) in shared.states.iter().zip(counts) {
             counter.fetch_add(count, std::sync::atomic::Ordering::Relaxed);
@@ -528,9 +534,8 @@ fn recover(store: &Store, core: &mut Core, epoch: u64) -> Result<(Recovery, [i64
     };
     let mut counts = [0i64; 8];
     let mut batch = core.new_batch();
-    for entry in store.scan_prefix(keys::RECORDS) {
-        let (storage_key, bytes) = entry?;
-        let key = String::from_utf8_lossy(&storage_key[keys::RECORDS.len()..]).into_owned();
+    for entry in slots::scan(store) {
+        let (key, bytes) = entry?;
         recovery.records += 1;
         let rec = match decode_record(&key, &bytes) {
             Ok(rec) => rec,

@@ -38,6 +38,7 @@ mod error;
 mod journal;
 mod options;
 mod record;
+mod slots;
 mod state;
 mod stats;
 mod store;

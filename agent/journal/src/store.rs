@@ -482,6 +482,7 @@ pub(crate) mod keys {
     pub(crate) const EPOCH: &[u8] = b"m/epoch";
     pub(crate) const HEAD: &[u8] = b"m/head";
     pub(crate) const RECORDS: &[u8] = b"r/";
+    pub(crate) const BODIES: &[u8] = b"R/";
     pub(crate) const LOG: &[u8] = b"l/";
     pub(crate) const EXPIRY: &[u8] = b"x/";
     pub(crate) const STREAMS: &[u8] = b"s/";
@@ -500,6 +501,29 @@ pub(crate) mod keys {
 
     pub(crate) fn record(key: &str) -> Vec<u8> {
         join(&[RECORDS, key.as_bytes()])
+    }
+
+    /// Where a record's bytes live in format 2: `R/` and its slot. Slots are handed
+    /// out in creation order, so new records (and their updates while in flight) land
+    /// in the tree's last leaves, which stay cached however large the journal grows.
+    pub(crate) fn body(slot: u64) -> Vec<u8> {
+        join(&[BODIES, &slot.to_be_bytes()])
+    }
+
+    pub(crate) fn body_slot(storage_key: &[u8]) -> Option<u64> {
+        let raw = storage_key.strip_prefix(BODIES)?;
+        Some(u64::from_be_bytes(raw.try_into().ok()?))
+    }
+
+    /// The index value that points a record key at its slot: `@` and the slot. A
+    /// format-1 record is stored inline under its key instead (JSON, starting `{`).
+    pub(crate) fn pointer(slot: u64) -> Vec<u8> {
+        join(&[b"@", &slot.to_be_bytes()])
+    }
+
+    pub(crate) fn parse_pointer(value: &[u8]) -> Option<u64> {
+        let raw = value.strip_prefix(b"@")?;
+        Some(u64::from_be_bytes(raw.try_into().ok()?))
     }
 
     pub(crate) fn log(seq: u64) -> Vec<u8> {

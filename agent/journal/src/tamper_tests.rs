@@ -1,14 +1,15 @@
-//! Tampering with the bytes on disk (through the raw store, the only way in besides
-//! the writer) and checking that `verify` names each change.
+//! Tests on the bytes on disk (through the raw store, the only way in besides the
+//! writer): tampering, which `verify` must name, and journals in the older format.
 
 use std::error::Error as StdError;
+use std::time::{Duration, SystemTime};
 
 use outrigger_types::{Fingerprint, IdempotencyKey, RequestId, TaskId, ToolClass};
 
 use crate::options::Durability;
 use crate::store::{Store, keys};
 use crate::{
-    Begin, Body, Headers, Intent, Journal, KeySource, Options, Problem, RedactedRequest,
+    Begin, Body, Headers, Intent, Journal, KeySource, Options, Problem, RedactedRequest, State,
     StoredResponse,
 };
 
@@ -55,8 +56,9 @@ async fn verify_names_each_kind_of_tampering() -> TestResult {
     // Log entries: k0 → 1, 2; k1 → 3, 4; k2 → 5, 6; k3 → 7, 8.
     {
         let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-        let k0 = keys::record("k0");
-        let original = String::from_utf8(store.get(&k0)?.ok_or("k0 missing")?)?;
+        let pointer = store.get(&keys::record("k0"))?.ok_or("k0 missing")?;
+        let k0 = keys::body(keys::parse_pointer(&pointer).ok_or("k0 is not in a slot")?);
+        let original = String::from_utf8(store.get(&k0)?.ok_or("k0's slot is empty")?)?;
         let edited = original.replace("\"final_status\":200", "\"final_status\":201");
         assert_ne!(original, edited);
         store.raw_put(&k0, edited.as_bytes())?;
@@ -124,5 +126,126 @@ async fn node_durability_writes_and_reopens() -> TestResult {
     assert_eq!(record.final_status, Some(201));
     drop(journal);
     task.await?;
+    Ok(())
+}
+
+/// Rewrites a journal the way format 1 stored it: each record under its own key.
+fn to_format_1(dir: &std::path::Path, record_keys: &[&str]) -> TestResult {
+    let store = Store::open(dir, 16 << 20, Durability::Process, false)?;
+    for key in record_keys {
+        let pointer = store.get(&keys::record(key))?.ok_or("record missing")?;
+        let slot = keys::parse_pointer(&pointer).ok_or("record not in a slot")?;
+        let bytes = store.get(&keys::body(slot))?.ok_or("slot empty")?;
+        store.raw_put(&keys::record(key), &bytes)?;
+        store.raw_remove(&keys::body(slot))?;
+    }
+    store.raw_put(keys::FORMAT, b"1")?;
+    store.flush()?;
+    Ok(())
+}
+
+/// The slot `key`'s index entry points at (`None`: stored inline, or absent).
+fn slot_of(store: &Store, key: &str) -> Result<Option<u64>, Box<dyn StdError>> {
+    Ok(store
+        .get(&keys::record(key))?
+        .and_then(|value| keys::parse_pointer(&value)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_format_1_journal_is_read_and_its_records_move_to_slots_when_written() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let options = Options {
+        retention: Duration::from_secs(3600),
+        tombstone_retention: Duration::from_secs(86_400),
+        ..Options::new(dir.path())
+    };
+    {
+        let (journal, writer, _) = Journal::open(options.clone())?;
+        let task = tokio::spawn(writer.run());
+        for key in ["done", "kept"] {
+            let Begin::Execute { ticket, .. } = journal.begin(intent(key)?).await? else {
+                return Err("a fresh key must execute".into());
+            };
+            let response = StoredResponse::new(200, Headers::default(), Body::from("{\"id\":7}"));
+            journal.complete(&ticket, response).await?;
+        }
+        // Left in flight: the restart below rewrites it.
+        journal.begin(intent("cut")?).await?;
+        drop(journal);
+        task.await?;
+    }
+    to_format_1(dir.path(), &["done", "kept", "cut"])?;
+
+    let start = SystemTime::now();
+    let (journal, writer, recovery) = Journal::open(options)?;
+    let task = tokio::spawn(writer.run());
+    assert_eq!(recovery.records, 3);
+    assert!(recovery.undecodable.is_empty());
+    assert_eq!(recovery.in_doubt, [IdempotencyKey::new("cut")?]);
+    let done = journal
+        .get(&IdempotencyKey::new("done")?)?
+        .ok_or("done lost")?;
+    assert_eq!(
+        (done.state, done.final_status),
+        (State::Completed, Some(200))
+    );
+    assert!(matches!(
+        journal.begin(intent("kept")?).await?,
+        Begin::Replay(_)
+    ));
+    assert_eq!(journal.list(&crate::Filter::default())?.len(), 3);
+    let report = journal.verify()?;
+    assert!(report.is_clean(), "{report:?}");
+    // Retention rewrites "done" as a tombstone, then forgets it.
+    journal.reap(start + Duration::from_secs(2 * 3600)).await?;
+    drop(journal);
+    task.await?;
+
+    let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"2"[..]));
+    let moved = slot_of(&store, "done")?.ok_or("a rewritten record stays inline")?;
+    assert!(slot_of(&store, "cut")?.is_some());
+    assert!(store.get(&keys::body(moved))?.is_some());
+    drop(store);
+
+    let (journal, writer, _) = Journal::open(Options {
+        retention: Duration::from_secs(3600),
+        tombstone_retention: Duration::from_secs(86_400),
+        ..Options::new(dir.path())
+    })?;
+    let task = tokio::spawn(writer.run());
+    let report = journal
+        .reap(start + Duration::from_secs(3 * 86_400))
+        .await?;
+    assert_eq!(report.purged, 2, "the call in doubt outlives retention");
+    assert!(journal.verify()?.is_clean());
+    drop(journal);
+    task.await?;
+    let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+    assert_eq!(store.get(&keys::record("done"))?, None);
+    assert_eq!(
+        store.get(&keys::body(moved))?,
+        None,
+        "a purged record's slot is freed"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_journal_of_a_later_format_is_refused_not_misread() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    drop(Journal::open(Options::new(dir.path()))?);
+    let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+    store.raw_put(keys::FORMAT, b"3")?;
+    store.flush()?;
+    drop(store);
+    let Err(e) = Journal::open(Options::new(dir.path())) else {
+        return Err("a format-3 journal was opened".into());
+    };
+    assert!(
+        e.to_string()
+            .contains("holds format \"3\"; this build reads formats 1 and 2"),
+        "{e}"
+    );
     Ok(())
 }

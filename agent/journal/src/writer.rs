@@ -23,6 +23,7 @@ use crate::Error;
 use crate::chain::{self, Head, PURGE};
 use crate::options::Options;
 use crate::record::{Begin, Record, State};
+use crate::slots;
 use crate::state::{self, Effect, Event};
 use crate::stats::{Shared, WriteFault};
 use crate::store::{Store, keys};
@@ -125,6 +126,8 @@ pub(crate) struct Batch {
     /// The value each written key had before the batch, for rollback.
     before: HashMap<Vec<u8>, Option<Vec<u8>>>,
     records: HashMap<IdempotencyKey, Option<Record>>,
+    /// The slot of each record this batch wrote.
+    slots: HashMap<IdempotencyKey, u64>,
     streams: HashMap<StreamKey, Option<StreamMeta>>,
     head_before: Head,
     /// Record changes, chained as one log entry at commit.
@@ -204,6 +207,7 @@ impl Batch {
 struct Hot {
     record: Record,
     bytes: Vec<u8>,
+    slot: u64,
 }
 
 /// Lazily journaled events of one stream held by the writer, so that a stream whose
@@ -251,6 +255,8 @@ pub(crate) struct Core {
     broken: HashSet<(StreamKey, u32)>,
     /// Makes expiry index keys unique within the epoch.
     expiry_ids: u64,
+    /// The slot the next new record is written to (see [`crate::slots`]).
+    next_slot: u64,
 }
 
 pub(crate) fn decode_record(key: &str, bytes: &[u8]) -> Result<Record, Error> {
@@ -277,8 +283,9 @@ impl Core {
         shared: Arc<Shared>,
         options: Options,
         head: Head,
-    ) -> Self {
-        Self {
+    ) -> Result<Self, Error> {
+        let next_slot = slots::next_slot(&store)?;
+        Ok(Self {
             store,
             shared,
             options,
@@ -290,7 +297,8 @@ impl Core {
             appended: HashMap::new(),
             broken: HashSet::new(),
             expiry_ids: 0,
-        }
+            next_slot,
+        })
     }
 
     pub(crate) fn new_batch(&self) -> Batch {
@@ -312,10 +320,24 @@ impl Core {
         if let Some(hot) = self.hot.get(key) {
             return Ok(Some(hot.record.clone()));
         }
-        self.store
-            .get(&keys::record(key.as_str()))?
+        slots::read(&self.store, key.as_str())?
             .map(|bytes| decode_record(key.as_str(), &bytes))
             .transpose()
+    }
+
+    /// The slot of a stored record; `None` for a record stored inline (format 1) or
+    /// absent.
+    fn slot(&self, batch: &Batch, key: &IdempotencyKey) -> Result<Option<u64>, Error> {
+        if let Some(&slot) = batch.slots.get(key) {
+            return Ok(Some(slot));
+        }
+        if let Some(hot) = self.hot.get(key) {
+            return Ok(Some(hot.slot));
+        }
+        Ok(self
+            .store
+            .get(&keys::record(key.as_str()))?
+            .and_then(|value| keys::parse_pointer(&value)))
     }
 
     fn stream(&self, batch: &Batch, key: &StreamKey) -> Result<Option<StreamMeta>, Error> {
@@ -341,20 +363,32 @@ impl Core {
         let bytes = encode("a record", &rec)?;
         let digest = chain::sha256(&bytes);
         let record_key = keys::record(&key);
-        if !batch.before.contains_key(&record_key) {
-            match (previous, self.hot.get(&rec.key)) {
-                (None, _) => {
-                    batch.before.insert(record_key.clone(), None);
-                }
-                (Some(_), Some(hot)) => {
-                    batch
-                        .before
-                        .insert(record_key.clone(), Some(hot.bytes.clone()));
-                }
-                (Some(_), None) => batch.capture(&self.store, &record_key)?,
+        // A new record, or one stored inline by format 1, gets a slot (and its index
+        // entry a pointer); a stored one is rewritten in its slot.
+        let stored = match previous {
+            Some(_) => self.slot(batch, &rec.key)?,
+            None => None,
+        };
+        let slot = stored.unwrap_or(self.next_slot);
+        let body_key = keys::body(slot);
+        if previous.is_some() {
+            if let (Some(hot), false) =
+                (self.hot.get(&rec.key), batch.before.contains_key(&body_key))
+            {
+                batch
+                    .before
+                    .insert(body_key.clone(), Some(hot.bytes.clone()));
+            }
+            batch.capture(&self.store, &body_key)?;
+            if stored.is_none() {
+                batch.capture(&self.store, &record_key)?;
             }
         }
         // Nothing below can fail: the batch never holds half of a record's writes.
+        if stored.is_none() {
+            self.next_slot += 1;
+            batch.set(record_key, Some(keys::pointer(slot)));
+        }
         if previous.is_none() {
             // The task index key embeds the creation time and the key: it is new.
             if let Some(task) = &rec.task_id {
@@ -364,7 +398,8 @@ impl Core {
             let due = rec.created_at.saturating_add(self.options.retention);
             batch.expire_later(keys::EXPIRE_RECORD, due, key.clone());
         }
-        batch.set(record_key, Some(bytes));
+        batch.set(body_key, Some(bytes));
+        batch.slots.insert(rec.key.clone(), slot);
         batch.changes.push((key, rec.state.as_str(), digest));
         batch.delta(previous.map(|p| p.state), Some(rec.state));
         batch.records.insert(rec.key.clone(), Some(rec.clone()));
@@ -378,6 +413,9 @@ impl Core {
     fn purge(&mut self, batch: &mut Batch, rec: &Record) -> Result<(), Error> {
         let key = rec.key.as_str();
         let mut removed = vec![keys::record(key)];
+        if let Some(slot) = self.slot(batch, &rec.key)? {
+            removed.push(keys::body(slot));
+        }
         if let Some(task) = &rec.task_id {
             removed.push(keys::task(task.as_str(), rec.created_at.as_micros(), key));
         }
@@ -1103,12 +1141,21 @@ impl Core {
             match record {
                 Some(record) if record.state.in_flight() => {
                     // The batch is applied and done with: take its bytes.
-                    let bytes = batch.writes.remove(&keys::record(key.as_str())).flatten();
-                    match bytes {
-                        Some(bytes) => {
-                            self.hot.insert(key, Hot { record, bytes });
+                    let slot = batch.slots.get(&key).copied();
+                    let bytes =
+                        slot.and_then(|slot| batch.writes.remove(&keys::body(slot)).flatten());
+                    match (bytes, slot) {
+                        (Some(bytes), Some(slot)) => {
+                            self.hot.insert(
+                                key,
+                                Hot {
+                                    record,
+                                    bytes,
+                                    slot,
+                                },
+                            );
                         }
-                        None => {
+                        _ => {
                             self.hot.remove(&key);
                         }
                     }

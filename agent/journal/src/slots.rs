@@ -1,0 +1,61 @@
+//! Where a record's bytes live. A record's key (`r/{key}`) is its index entry; since
+//! format 2 it holds a pointer to the record's slot (`R/{slot}`, slots in creation
+//! order) rather than the record itself.
+//!
+//! Why: idempotency keys are random, so a journal keyed by them spreads new records
+//! over every leaf of the tree, and once the journal outgrows sled's cache each new
+//! call read a whole leaf of old records back from disk (a fifth of the writer's time
+//! under load). Pointers are small, so the index stays cached for far longer, and the
+//! records themselves are written where the newest ones are. Format-1 journals keep
+//! their inline records until each is next written.
+
+use crate::Error;
+use crate::store::{Store, keys};
+
+/// The record stored under `key`, if any. An index entry whose slot is missing reads
+/// as no record (`verify` reports the record as missing).
+pub(crate) fn read(store: &Store, key: &str) -> Result<Option<Vec<u8>>, Error> {
+    match store.get(&keys::record(key))? {
+        Some(value) => resolve(store, value),
+        None => Ok(None),
+    }
+}
+
+/// The record an index entry's value names: the record itself in format 1.
+fn resolve(store: &Store, value: Vec<u8>) -> Result<Option<Vec<u8>>, Error> {
+    match keys::parse_pointer(&value) {
+        Some(slot) => store.get(&keys::body(slot)),
+        None => Ok(Some(value)),
+    }
+}
+
+/// Every record, in key order: `(key, bytes)`.
+pub(crate) fn scan(store: &Store) -> impl Iterator<Item = Result<(String, Vec<u8>), Error>> + '_ {
+    store.scan_prefix(keys::RECORDS).filter_map(move |entry| {
+        let (storage_key, value) = match entry {
+            Ok(entry) => entry,
+            Err(e) => return Some(Err(e)),
+        };
+        let key = String::from_utf8_lossy(&storage_key[keys::RECORDS.len()..]).into_owned();
+        match resolve(store, value) {
+            Ok(Some(bytes)) => Some(Ok((key, bytes))),
+            Ok(None) => None,
+            Err(e) => Some(Err(e)),
+        }
+    })
+}
+
+/// The slot after the highest one in use: where the next record goes.
+pub(crate) fn next_slot(store: &Store) -> Result<u64, Error> {
+    match store.scan_prefix(keys::BODIES).next_back() {
+        Some(entry) => {
+            let (storage_key, _) = entry?;
+            let slot = keys::body_slot(&storage_key).ok_or_else(|| Error::Decode {
+                what: "a record slot key".to_owned(),
+                detail: format!("{} bytes, expected 10", storage_key.len()),
+            })?;
+            Ok(slot + 1)
+        }
+        None => Ok(1),
+    }
+}
