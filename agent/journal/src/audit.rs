@@ -54,7 +54,7 @@ impl Reader {
                 }
             }
         } else {
-            for entry in slots::scan(&self.store) {
+            for entry in slots::scan(&self.store)? {
                 let (key, bytes) = entry?;
                 keep(&key, &bytes);
             }
@@ -91,7 +91,7 @@ impl Reader {
             })?;
             Ok((seq, bytes))
         });
-        chain::verify(log, slots::scan(&self.store), head)
+        chain::verify(log, slots::scan(&self.store)?, head)
     }
 
     /// Log entries from `from_seq` on, at most `limit` (for archiving the chain or

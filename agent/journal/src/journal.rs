@@ -534,7 +534,7 @@ fn recover(store: &Store, core: &mut Core, epoch: u64) -> Result<(Recovery, [i64
     };
     let mut counts = [0i64; 8];
     let mut batch = core.new_batch();
-    for entry in slots::scan(store) {
+    for entry in slots::scan(store)? {
         let (key, bytes) = entry?;
         recovery.records += 1;
         let rec = match decode_record(&key, &bytes) {

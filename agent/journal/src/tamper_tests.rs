@@ -62,7 +62,11 @@ async fn verify_names_each_kind_of_tampering() -> TestResult {
         let edited = original.replace("\"final_status\":200", "\"final_status\":201");
         assert_ne!(original, edited);
         store.raw_put(&k0, edited.as_bytes())?;
-        store.raw_remove(&keys::record("k1"))?;
+        // k1's key still points at its slot, but the slot is gone.
+        let k1 = store.get(&keys::record("k1"))?.ok_or("k1 missing")?;
+        store.raw_remove(&keys::body(
+            keys::parse_pointer(&k1).ok_or("k1 is not in a slot")?,
+        ))?;
         let entry5 = String::from_utf8(store.get(&keys::log(5))?.ok_or("entry 5 missing")?)?;
         let edited5 = entry5.replace("\"dispatched\"", "\"failed_before_send\"");
         assert_ne!(entry5, edited5);
