@@ -23,6 +23,11 @@ fn main() -> ExitCode {
         eprintln!("usage: cargo xtask <demo|test|bench|gpu-check|soak> [args]");
         return ExitCode::from(2);
     };
+    // Every task builds the built-in policies, which need the wasm target.
+    if let Err(e) = procs::ensure_wasm_target() {
+        eprintln!("xtask {task}: {e:#}");
+        return ExitCode::FAILURE;
+    }
     let result = match task.as_str() {
         "demo" => demo::run(rest),
         "test" => test::run(rest),

@@ -23,6 +23,36 @@ pub fn cargo() -> Command {
     cmd
 }
 
+/// The target the policy components are built for.
+const WASM_TARGET: &str = "wasm32-wasip2";
+
+/// Installs the `wasm32-wasip2` standard library with rustup when the toolchain in
+/// use lacks it. rustup adds the targets `rust-toolchain.toml` lists only when it
+/// installs the toolchain itself, so a machine that already had this Rust version
+/// would otherwise fail in the built-in policies' build script. Without rustup this
+/// says nothing: that build script then names what to install.
+pub fn ensure_wasm_target() -> anyhow::Result<()> {
+    let listed = Command::new("rustup")
+        .args(["target", "list", "--installed"])
+        .current_dir(root())
+        .stderr(Stdio::null())
+        .output();
+    let Ok(listed) = listed else {
+        return Ok(());
+    };
+    if !listed.status.success()
+        || String::from_utf8_lossy(&listed.stdout)
+            .lines()
+            .any(|line| line.trim() == WASM_TARGET)
+    {
+        return Ok(());
+    }
+    eprintln!("the {WASM_TARGET} target is not installed; adding it with rustup");
+    run(Command::new("rustup")
+        .args(["target", "add", WASM_TARGET])
+        .current_dir(root()))
+}
+
 /// Runs a command, echoing it, and fails if it fails.
 pub fn run(cmd: &mut Command) -> anyhow::Result<()> {
     eprintln!("+ {}", describe(cmd));
