@@ -148,10 +148,9 @@ pub(crate) async fn run(
 ) -> Result<(Response<Body>, Settled), Error> {
     let key = intent.key.clone();
     let downstream = intent.downstream_key.clone();
-    let mut begin = journal
-        .begin(intent.clone())
-        .await
-        .map_err(Error::Journal)?;
+    // Kept only to ask again after waiting for a call in flight.
+    let again = wait.map(|_| intent.clone());
+    let mut begin = journal.begin(intent).await.map_err(Error::Journal)?;
     let mut waited = false;
     loop {
         begin = match begin {
@@ -161,8 +160,8 @@ pub(crate) async fn run(
             Begin::Replay(record) => {
                 return Ok((proto.replay(&record), Settled::replayed(record.state)));
             }
-            Begin::InFlight { record } => match wait {
-                Some(wait) if !waited => {
+            Begin::InFlight { record } => match (wait, &again) {
+                (Some(wait), Some(intent)) if !waited => {
                     waited = true;
                     journal
                         .wait_settled(&key, wait)
