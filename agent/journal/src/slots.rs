@@ -21,6 +21,14 @@ pub(crate) fn read(store: &Store, key: &str) -> Result<Option<Vec<u8>>, Error> {
     }
 }
 
+/// The slot `key`'s record is stored in; `None` for a record stored inline (format 1)
+/// or absent.
+pub(crate) fn slot(store: &Store, key: &str) -> Result<Option<u64>, Error> {
+    Ok(store
+        .get(&keys::record(key))?
+        .and_then(|value| keys::parse_pointer(&value)))
+}
+
 /// The record an index entry's value names: the record itself in format 1.
 fn resolve(store: &Store, value: Vec<u8>) -> Result<Option<Vec<u8>>, Error> {
     match keys::parse_pointer(&value) {

@@ -148,13 +148,6 @@ fn to_format_1(dir: &std::path::Path, record_keys: &[&str]) -> TestResult {
     Ok(())
 }
 
-/// The slot `key`'s index entry points at (`None`: stored inline, or absent).
-fn slot_of(store: &Store, key: &str) -> Result<Option<u64>, Box<dyn StdError>> {
-    Ok(store
-        .get(&keys::record(key))?
-        .and_then(|value| keys::parse_pointer(&value)))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_format_1_journal_is_read_and_its_records_move_to_slots_when_written() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -181,7 +174,7 @@ async fn a_format_1_journal_is_read_and_its_records_move_to_slots_when_written()
     to_format_1(dir.path(), &["done", "kept", "cut"])?;
 
     let start = SystemTime::now();
-    let (journal, writer, recovery) = Journal::open(options)?;
+    let (journal, writer, recovery) = Journal::open(options.clone())?;
     let task = tokio::spawn(writer.run());
     assert_eq!(recovery.records, 3);
     assert!(recovery.undecodable.is_empty());
@@ -207,16 +200,12 @@ async fn a_format_1_journal_is_read_and_its_records_move_to_slots_when_written()
 
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
     assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"2"[..]));
-    let moved = slot_of(&store, "done")?.ok_or("a rewritten record stays inline")?;
-    assert!(slot_of(&store, "cut")?.is_some());
+    let moved = crate::slots::slot(&store, "done")?.ok_or("a rewritten record stays inline")?;
+    assert!(crate::slots::slot(&store, "cut")?.is_some());
     assert!(store.get(&keys::body(moved))?.is_some());
     drop(store);
 
-    let (journal, writer, _) = Journal::open(Options {
-        retention: Duration::from_secs(3600),
-        tombstone_retention: Duration::from_secs(86_400),
-        ..Options::new(dir.path())
-    })?;
+    let (journal, writer, _) = Journal::open(options)?;
     let task = tokio::spawn(writer.run());
     let report = journal
         .reap(start + Duration::from_secs(3 * 86_400))

@@ -334,10 +334,7 @@ impl Core {
         if let Some(hot) = self.hot.get(key) {
             return Ok(Some(hot.slot));
         }
-        Ok(self
-            .store
-            .get(&keys::record(key.as_str()))?
-            .and_then(|value| keys::parse_pointer(&value)))
+        slots::slot(&self.store, key.as_str())
     }
 
     fn stream(&self, batch: &Batch, key: &StreamKey) -> Result<Option<StreamMeta>, Error> {
@@ -371,18 +368,20 @@ impl Core {
         };
         let slot = stored.unwrap_or(self.next_slot);
         let body_key = keys::body(slot);
-        if previous.is_some() {
-            if let (Some(hot), false) =
-                (self.hot.get(&rec.key), batch.before.contains_key(&body_key))
-            {
-                batch
-                    .before
-                    .insert(body_key.clone(), Some(hot.bytes.clone()));
-            }
-            batch.capture(&self.store, &body_key)?;
-            if stored.is_none() {
-                batch.capture(&self.store, &record_key)?;
-            }
+        // Before-images: the slot's current bytes, or the inline record a new slot
+        // replaces. A new slot was empty (`set` records that).
+        match (previous, stored) {
+            (None, _) => {}
+            (Some(_), Some(_)) if batch.before.contains_key(&body_key) => {}
+            (Some(_), Some(_)) => match self.hot.get(&rec.key) {
+                Some(hot) => {
+                    batch
+                        .before
+                        .insert(body_key.clone(), Some(hot.bytes.clone()));
+                }
+                None => batch.capture(&self.store, &body_key)?,
+            },
+            (Some(_), None) => batch.capture(&self.store, &record_key)?,
         }
         // Nothing below can fail: the batch never holds half of a record's writes.
         if stored.is_none() {
@@ -1141,11 +1140,11 @@ impl Core {
             match record {
                 Some(record) if record.state.in_flight() => {
                     // The batch is applied and done with: take its bytes.
-                    let slot = batch.slots.get(&key).copied();
-                    let bytes =
-                        slot.and_then(|slot| batch.writes.remove(&keys::body(slot)).flatten());
-                    match (bytes, slot) {
-                        (Some(bytes), Some(slot)) => {
+                    let written = batch.slots.get(&key).copied().and_then(|slot| {
+                        Some((slot, batch.writes.remove(&keys::body(slot)).flatten()?))
+                    });
+                    match written {
+                        Some((slot, bytes)) => {
                             self.hot.insert(
                                 key,
                                 Hot {
@@ -1155,7 +1154,7 @@ impl Core {
                                 },
                             );
                         }
-                        _ => {
+                        None => {
                             self.hot.remove(&key);
                         }
                     }
