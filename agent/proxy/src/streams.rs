@@ -659,7 +659,9 @@ impl Producer {
                         break 'relay Ended::Abandoned(e.to_string());
                     }
                     // Take in whatever else has already arrived, so that a burst is
-                    // journaled and forwarded as one batch rather than event by event.
+                    // journaled and forwarded as one batch rather than event by event
+                    // (the body itself gathers the chunks its connection holds; see
+                    // `UpstreamBody::gathering`).
                     for _ in 0..MAX_COALESCED_FRAMES {
                         match upstream.frame().now_or_never() {
                             None => break,

@@ -8,6 +8,11 @@
 //! end of a frame that could be the start of the key; SSE frames end in a newline,
 //! which no key contains, so events are never delayed. Without a key the body passes
 //! through untouched.
+//!
+//! A stream's body also gathers (see [`UpstreamBody::gathering`]): hyper hands over a
+//! chunked body one chunk per poll, each decoded by the connection's own task, so a
+//! burst of events would otherwise be relayed, journaled and written to the agent's
+//! socket one event at a time (one `writev` per event).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -22,11 +27,46 @@ use crate::body::BoxError;
 /// What replaces a quoted key.
 pub const REDACTED: &[u8] = b"<redacted>";
 
-/// The upstream body of a model call.
-pub struct UpstreamBody {
-    inner: Option<Incoming>,
+/// The upstream body of a model call (hyper's body; tests give it a scripted one).
+pub struct UpstreamBody<B = Incoming> {
+    inner: Option<B>,
     scrub: Option<Scrub>,
     cut: Option<Cut>,
+    gather: Option<Gather>,
+}
+
+/// Most bytes gathered into one frame.
+const GATHER_LIMIT: usize = 32 * 1024;
+/// Turns of the scheduler a chunk waits for the next one. hyper's connection task
+/// needs two to decode and hand over the next chunk it holds.
+const GATHER_ROUNDS: u8 = 2;
+/// Most frames passed on as they come after a gathering attempt found nothing more.
+const GATHER_MAX_BACKOFF: u32 = 32;
+
+/// Frames the connection already holds, taken in before the first of them is passed
+/// on. After a chunk arrives the body yields (it wakes itself and returns `Pending`),
+/// which lets the connection's task decode the next chunk it has already read; when
+/// [`GATHER_ROUNDS`] yields find nothing, what was gathered goes out at once. Nothing
+/// waits on the network: a chunk is held only for those turns of the scheduler. The
+/// first frame of a body is never held (time to first byte), and when yields keep
+/// finding nothing (events that arrive apart) the body stops trying for a while,
+/// doubling the pause up to [`GATHER_MAX_BACKOFF`] frames, so spaced events pay for
+/// almost none.
+#[derive(Default)]
+struct Gather {
+    /// Data taken in and not yet passed on.
+    pending: BytesMut,
+    /// Chunks in `pending`.
+    chunks: u32,
+    /// A frame has been passed on.
+    started: bool,
+    /// Yields since the last chunk was taken in.
+    idle_rounds: u8,
+    /// Frames to pass on as they come before gathering again.
+    skip: u32,
+    backoff: u32,
+    /// The end of the body (or its error), met while data was pending: reported after it.
+    end: Option<Option<BoxError>>,
 }
 
 struct Cut {
@@ -37,10 +77,14 @@ struct Cut {
     done: bool,
 }
 
-impl UpstreamBody {
+impl<B> UpstreamBody<B>
+where
+    B: HttpBody<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
     /// `key`: the credential sent to this upstream, scrubbed from what it answers.
     /// `cut_after`: events relayed before an injected cut.
-    pub fn new(body: Incoming, key: Option<&str>, cut_after: Option<u32>) -> Self {
+    pub fn new(body: B, key: Option<&str>, cut_after: Option<u32>) -> Self {
         Self {
             inner: Some(body),
             scrub: key.filter(|k| !k.is_empty()).map(Scrub::new),
@@ -49,11 +93,81 @@ impl UpstreamBody {
                 after_events: n,
                 done: false,
             }),
+            gather: None,
         }
     }
 
-    /// The next frame's data after scrubbing, or what ended the body.
+    /// Gathers the chunks the connection already holds into one frame (streams).
+    pub fn gathering(mut self) -> Self {
+        self.gather = Some(Gather::default());
+        self
+    }
+
+    /// The next data to pass on: gathered, or as it comes.
     fn next_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, BoxError>>> {
+        let Some(mut g) = self.gather.take() else {
+            return self.next_chunk(cx);
+        };
+        let polled = self.gather_next(&mut g, cx);
+        self.gather = Some(g);
+        polled
+    }
+
+    fn gather_next(
+        &mut self,
+        g: &mut Gather,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Bytes, BoxError>>> {
+        if let Some(end) = g.end.take() {
+            return Poll::Ready(end.map(Err));
+        }
+        match self.next_chunk(cx) {
+            Poll::Ready(Some(Ok(data))) => {
+                if !g.started {
+                    g.started = true;
+                    return Poll::Ready(Some(Ok(data)));
+                }
+                if g.skip > 0 && g.pending.is_empty() {
+                    g.skip -= 1;
+                    return Poll::Ready(Some(Ok(data)));
+                }
+                g.pending.extend_from_slice(&data);
+                g.chunks += 1;
+                g.idle_rounds = 0;
+                if g.pending.len() >= GATHER_LIMIT {
+                    return Poll::Ready(Some(Ok(g.release())));
+                }
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+            Poll::Pending if g.pending.is_empty() => Poll::Pending,
+            Poll::Pending => {
+                g.idle_rounds += 1;
+                if g.idle_rounds < GATHER_ROUNDS {
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                if g.chunks > 1 {
+                    g.backoff = 0;
+                } else {
+                    // Nothing followed the chunk: events are arriving apart.
+                    g.backoff = (g.backoff * 2).clamp(1, GATHER_MAX_BACKOFF);
+                    g.skip = g.backoff;
+                }
+                Poll::Ready(Some(Ok(g.release())))
+            }
+            Poll::Ready(end) => {
+                if g.pending.is_empty() {
+                    return Poll::Ready(end);
+                }
+                g.end = Some(end.and_then(Result::err));
+                Poll::Ready(Some(Ok(g.release())))
+            }
+        }
+    }
+
+    /// The next chunk's data after scrubbing, or what ended the body.
+    fn next_chunk(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, BoxError>>> {
         loop {
             let Some(body) = self.inner.as_mut() else {
                 return Poll::Ready(None);
@@ -82,7 +196,11 @@ impl UpstreamBody {
     }
 }
 
-impl HttpBody for UpstreamBody {
+impl<B> HttpBody for UpstreamBody<B>
+where
+    B: HttpBody<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
     type Data = Bytes;
     type Error = BoxError;
 
@@ -127,14 +245,28 @@ impl HttpBody for UpstreamBody {
     fn is_end_stream(&self) -> bool {
         let cut_pending = self.cut.as_ref().is_some_and(|c| c.done);
         let held = self.scrub.as_ref().is_some_and(|s| !s.held.is_empty());
-        !cut_pending && !held && self.inner.as_ref().is_none_or(HttpBody::is_end_stream)
+        let gathered = self
+            .gather
+            .as_ref()
+            .is_some_and(|g| !g.pending.is_empty() || g.end.is_some());
+        !cut_pending
+            && !held
+            && !gathered
+            && self.inner.as_ref().is_none_or(HttpBody::is_end_stream)
     }
 
     fn size_hint(&self) -> SizeHint {
-        match (&self.inner, &self.scrub, &self.cut) {
-            (Some(b), None, None) => b.size_hint(),
+        match (&self.inner, &self.scrub, &self.cut, &self.gather) {
+            (Some(b), None, None, None) => b.size_hint(),
             _ => SizeHint::default(),
         }
+    }
+}
+
+impl Gather {
+    fn release(&mut self) -> Bytes {
+        self.chunks = 0;
+        self.pending.split().freeze()
     }
 }
 
@@ -232,7 +364,155 @@ impl Scrub {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::VecDeque;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::task::{Wake, Waker};
+
+    use proptest::prelude::*;
+
     use super::*;
+
+    /// A body answering from a script: data, `None` for one `Pending`, or an error.
+    struct Scripted(VecDeque<Option<Result<Bytes, &'static str>>>);
+
+    impl HttpBody for Scripted {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            match self.0.pop_front() {
+                None => Poll::Ready(None),
+                Some(None) => Poll::Pending,
+                Some(Some(Ok(data))) => Poll::Ready(Some(Ok(Frame::data(data)))),
+                Some(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+            }
+        }
+    }
+
+    fn data(text: &str) -> Option<Result<Bytes, &'static str>> {
+        Some(Ok(Bytes::copy_from_slice(text.as_bytes())))
+    }
+
+    #[derive(Default)]
+    struct Wakes(AtomicUsize);
+
+    impl Wake for Wakes {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// What a gathering body gives for `script`, polled to its end: each frame (or
+    /// error) and the wakes it asked for while holding data back.
+    fn gathered(
+        script: Vec<Option<Result<Bytes, &'static str>>>,
+    ) -> (Vec<Result<Bytes, String>>, usize) {
+        let wakes = Arc::new(Wakes::default());
+        let waker = Waker::from(wakes.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut body = UpstreamBody::new(Scripted(script.into()), None, None).gathering();
+        let mut out = Vec::new();
+        for _ in 0..10_000 {
+            match Pin::new(&mut body).poll_frame(&mut cx) {
+                Poll::Ready(None) => return (out, wakes.0.load(Ordering::Relaxed)),
+                Poll::Ready(Some(Ok(frame))) => {
+                    out.push(Ok(frame.into_data().expect("data")));
+                }
+                Poll::Ready(Some(Err(e))) => out.push(Err(e.to_string())),
+                // The script's own `Pending`s need no wake: it is polled again anyway.
+                Poll::Pending => {}
+            }
+        }
+        panic!("the body never ended");
+    }
+
+    fn texts(frames: &[Result<Bytes, String>]) -> Vec<String> {
+        frames
+            .iter()
+            .map(|f| match f {
+                Ok(b) => String::from_utf8_lossy(b).into_owned(),
+                Err(e) => format!("error: {e}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn chunks_the_connection_holds_go_out_as_one_frame_after_the_first() {
+        let (frames, wakes) = gathered(vec![data("a"), data("b"), data("c"), data("d")]);
+        assert_eq!(texts(&frames), ["a", "bcd"]);
+        // One yield per chunk taken in, then the end releases them.
+        assert_eq!(wakes, 3);
+    }
+
+    #[test]
+    fn a_chunk_nothing_follows_goes_out_after_the_yields_and_spaced_ones_pass_straight() {
+        let (frames, wakes) = gathered(vec![
+            data("a"),
+            data("b"),
+            None,
+            None,
+            data("c"),
+            None,
+            data("d"),
+            data("e"),
+        ]);
+        // "b" waited GATHER_ROUNDS yields for nothing; then "c" passed straight on (the
+        // back-off), and "d" and "e", arriving together, were gathered again.
+        assert_eq!(texts(&frames), ["a", "b", "c", "de"]);
+        assert_eq!(wakes, usize::from(GATHER_ROUNDS) + 2);
+    }
+
+    #[test]
+    fn the_end_or_an_error_comes_after_the_gathered_data() {
+        let (frames, _) = gathered(vec![data("a"), data("b"), data("c"), Some(Err("reset"))]);
+        assert_eq!(texts(&frames), ["a", "bc", "error: reset"]);
+        let (frames, _) = gathered(vec![data("a"), data("b")]);
+        assert_eq!(texts(&frames), ["a", "b"]);
+    }
+
+    #[test]
+    fn a_gathered_frame_stops_at_the_limit() {
+        let big = Bytes::from(vec![b'x'; GATHER_LIMIT / 2 + 1]);
+        let (frames, _) = gathered(vec![
+            data("a"),
+            Some(Ok(big.clone())),
+            Some(Ok(big.clone())),
+            Some(Ok(big.clone())),
+        ]);
+        let sizes: Vec<usize> = frames.iter().map(|f| f.as_ref().unwrap().len()).collect();
+        assert_eq!(sizes, [1, 2 * big.len(), big.len()]);
+    }
+
+    proptest! {
+        /// Whatever the timing, the bytes go out whole and in order, the first chunk
+        /// alone, and no frame is empty.
+        #[test]
+        fn gathering_keeps_every_byte_in_order(
+            steps in proptest::collection::vec(
+                prop_oneof![
+                    3 => proptest::collection::vec(any::<u8>(), 1..3000).prop_map(Some),
+                    1 => Just(None),
+                ],
+                0..60,
+            )
+        ) {
+            let script: Vec<_> = steps
+                .iter()
+                .map(|s| s.as_ref().map(|b| Ok(Bytes::copy_from_slice(b))))
+                .collect();
+            let want: Vec<u8> = steps.iter().flatten().flatten().copied().collect();
+            let first = steps.iter().flatten().next().cloned();
+            let (frames, _) = gathered(script);
+            let frames: Vec<Bytes> = frames.into_iter().map(|f| f.unwrap()).collect();
+            prop_assert!(frames.iter().all(|f| !f.is_empty()));
+            prop_assert_eq!(frames.first().map(|f| f.to_vec()), first);
+            prop_assert_eq!(frames.concat(), want);
+        }
+    }
 
     fn scrub_all(secret: &str, frames: &[&[u8]]) -> Vec<u8> {
         let mut s = Scrub::new(secret);

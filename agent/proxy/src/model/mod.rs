@@ -594,7 +594,8 @@ async fn produce(
         body,
         provider.api_key.as_ref().map(|k| k.expose()),
         shared.faults.stream_cut(&provider.name),
-    );
+    )
+    .gathering();
     streams::start(shared, production, body);
     let mut resp = streams::live_response(&live, 0, false);
     *resp.status_mut() = parts.status;
@@ -807,7 +808,8 @@ fn relay(
                 body,
                 provider.api_key.as_ref().map(|k| k.expose()),
                 shared.faults.stream_cut(&provider.name),
-            ),
+            )
+            .gathering(),
             framer,
             first_events,
             observed,
