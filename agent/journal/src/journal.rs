@@ -22,7 +22,7 @@ use crate::stats::{Shared, Stats, WriteFault};
 use crate::store::{Store, keys};
 use crate::stream::{StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest, StreamState};
 use crate::time::Timestamp;
-use crate::writer::{Command, Core, ReapReport, Writer, decode_record, decode_stream};
+use crate::writer::{Command, Core, Known, ReapReport, Writer, decode_record, decode_stream};
 
 /// The on-disk format this build writes: records in slots, their keys pointing at
 /// them ([`crate::slots`]).
@@ -537,6 +537,7 @@ fn recover(store: &Store, core: &mut Core, epoch: u64) -> Result<(Recovery, [i64
     for entry in slots::scan(store)? {
         let (key, bytes) = entry?;
         recovery.records += 1;
+        core.remember(Known::Record, &key);
         let rec = match decode_record(&key, &bytes) {
             Ok(rec) => rec,
             Err(e) => {
@@ -561,6 +562,7 @@ fn recover(store: &Store, core: &mut Core, epoch: u64) -> Result<(Recovery, [i64
     for entry in store.scan_prefix(keys::STREAMS) {
         let (storage_key, bytes) = entry?;
         let key = String::from_utf8_lossy(&storage_key[keys::STREAMS.len()..]).into_owned();
+        core.remember(Known::Stream, &key);
         let mut meta = match decode_stream(&key, &bytes) {
             Ok(meta) => meta,
             Err(e) => {

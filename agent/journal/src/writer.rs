@@ -15,6 +15,7 @@ use std::sync::atomic::Ordering;
 use std::time::SystemTime;
 
 use bytes::Bytes;
+use growable_bloom_filter::GrowableBloom;
 use outrigger_types::IdempotencyKey;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
@@ -257,7 +258,25 @@ pub(crate) struct Core {
     expiry_ids: u64,
     /// The slot the next new record is written to (see [`crate::slots`]).
     next_slot: u64,
+    /// Every record and stream key that may be in the store (loaded at open, added to
+    /// on each write, never taken from). A key it does not hold is certainly absent,
+    /// so a new call or stream costs no read of the store: with random keys, that
+    /// read often missed sled's cache and went to disk. A false positive (about 1 %)
+    /// costs only that read.
+    known: GrowableBloom,
 }
+
+/// What a key in [`Core::known`] names.
+#[derive(Clone, Copy, Hash)]
+pub(crate) enum Known {
+    Record,
+    Stream,
+}
+
+/// The keys `known` is first sized for; it grows as needed.
+const KNOWN_INITIAL: usize = 100_000;
+/// The false-positive rate `known` keeps to.
+const KNOWN_FALSE_POSITIVES: f64 = 0.01;
 
 pub(crate) fn decode_record(key: &str, bytes: &[u8]) -> Result<Record, Error> {
     serde_json::from_slice(bytes).map_err(|e| Error::Decode {
@@ -298,7 +317,17 @@ impl Core {
             broken: HashSet::new(),
             expiry_ids: 0,
             next_slot,
+            known: GrowableBloom::new(KNOWN_FALSE_POSITIVES, KNOWN_INITIAL),
         })
+    }
+
+    /// Notes that a record or stream key is in the store (recovery, and every write).
+    pub(crate) fn remember(&mut self, kind: Known, key: &str) {
+        self.known.insert((kind, key));
+    }
+
+    fn may_exist(&self, kind: Known, key: &str) -> bool {
+        self.known.contains((kind, key))
     }
 
     pub(crate) fn new_batch(&self) -> Batch {
@@ -319,6 +348,9 @@ impl Core {
         }
         if let Some(hot) = self.hot.get(key) {
             return Ok(Some(hot.record.clone()));
+        }
+        if !self.may_exist(Known::Record, key.as_str()) {
+            return Ok(None);
         }
         slots::read(&self.store, key.as_str())?
             .map(|bytes| decode_record(key.as_str(), &bytes))
@@ -341,6 +373,9 @@ impl Core {
         if let Some(overlay) = batch.streams.get(key) {
             return Ok(overlay.clone());
         }
+        if !self.may_exist(Known::Stream, key.as_str()) {
+            return Ok(None);
+        }
         self.store
             .get(&keys::stream(key.as_str()))?
             .map(|bytes| decode_stream(key.as_str(), &bytes))
@@ -355,6 +390,7 @@ impl Core {
         previous: Option<&Record>,
     ) -> Result<Record, Error> {
         let key = rec.key.as_str().to_owned();
+        self.remember(Known::Record, &key);
         // The batch's log entry is appended at commit, right after the current head.
         rec.log_seq = self.head.seq + 1;
         let bytes = encode("a record", &rec)?;
@@ -623,6 +659,8 @@ impl Core {
         };
         let attempt = meta.attempt;
         self.write_stream(batch, meta, false)?;
+        // A new attempt has no events yet: its first append needs no before-image read.
+        self.note_appended(key, attempt, 0);
         Ok(StreamBegin::New { attempt })
     }
 
@@ -639,7 +677,13 @@ impl Core {
     ) -> Result<(), Error> {
         meta.last_seq = None;
         let bytes = encode("stream metadata", &meta)?;
-        batch.put(&self.store, keys::stream(meta.key.as_str()), Some(bytes))?;
+        let stream_key = keys::stream(meta.key.as_str());
+        if self.known.insert((Known::Stream, meta.key.as_str())) {
+            // Certainly absent until now: its before-image is "absent", with no read.
+            batch.set(stream_key, Some(bytes));
+        } else {
+            batch.put(&self.store, stream_key, Some(bytes))?;
+        }
         batch.streams.insert(meta.key.clone(), Some(meta));
         if durable {
             batch.needs_flush = true;
@@ -690,6 +734,19 @@ impl Core {
         Ok(meta)
     }
 
+    /// Notes that no event of `attempt` of `key` at or past `next` was ever written.
+    fn note_appended(&mut self, key: &StreamKey, attempt: u32, next: u64) {
+        match self.appended.get_mut(key) {
+            Some(entry) => *entry = (attempt, next),
+            None => {
+                if self.appended.len() >= MAX_OPEN_STREAMS {
+                    self.appended.clear();
+                }
+                self.appended.insert(key.clone(), (attempt, next));
+            }
+        }
+    }
+
     fn stream_append(
         &mut self,
         key: &StreamKey,
@@ -712,16 +769,7 @@ impl Core {
         } else {
             batch.put(&self.store, event_key, value)?;
         }
-        let past = (attempt, seq.saturating_add(events.len() as u64));
-        match self.appended.get_mut(key) {
-            Some(entry) => *entry = past,
-            None => {
-                if self.appended.len() >= MAX_OPEN_STREAMS {
-                    self.appended.clear();
-                }
-                self.appended.insert(key.clone(), past);
-            }
-        }
+        self.note_appended(key, attempt, seq.saturating_add(events.len() as u64));
         batch.stream_events += events.len() as u64;
         if durable {
             batch.needs_flush = true;

@@ -814,6 +814,57 @@ async fn streams_read_back_in_order_across_a_restart() -> TestResult {
     run.stop().await
 }
 
+/// A reopened journal finds every record and stream it holds: the writer skips the
+/// store for keys it has never seen, so what it knows must be loaded whole at open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reopened_journal_finds_every_key_it_holds() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let n = 300;
+    {
+        let (run, _) = Running::open(Options::new(dir.path()))?;
+        let j = &run.journal;
+        for i in 0..n {
+            let ticket = execute(j, intent(&format!("known-{i}"), ToolClass::Keyed)).await?;
+            j.complete(&ticket, ok(201)).await?;
+            let key = StreamKey::new(format!("known-stream-{i}"))?;
+            assert_eq!(
+                j.stream_begin(&key, stream_request(1)).await?,
+                StreamBegin::New { attempt: 1 }
+            );
+            // Ended, so that recovery leaves it as it is.
+            let usage = serde_json::json!({});
+            j.stream_end(&key, 1, StreamEnd::Completed { usage })
+                .await?;
+        }
+        run.stop().await?;
+    }
+    let (run, recovery) = Running::open(Options::new(dir.path()))?;
+    let j = &run.journal;
+    assert_eq!(recovery.records, n);
+    for i in 0..n {
+        match j
+            .begin(intent(&format!("known-{i}"), ToolClass::Keyed))
+            .await?
+        {
+            Begin::Replay(rec) => assert_eq!(rec.response.map(|r| r.status), Some(201)),
+            other => return Err(format!("known-{i}: expected a replay, got {other:?}").into()),
+        }
+        let key = StreamKey::new(format!("known-stream-{i}"))?;
+        match j.stream_begin(&key, stream_request(1)).await? {
+            StreamBegin::Existing { meta } => assert_eq!(meta.state, StreamState::Completed),
+            other => return Err(format!("{key}: expected it to exist, got {other:?}").into()),
+        }
+    }
+    // Keys it never held are new, without any read of them.
+    execute(j, intent("never-seen", ToolClass::Keyed)).await?;
+    let fresh = StreamKey::new("never-seen-stream")?;
+    assert_eq!(
+        j.stream_begin(&fresh, stream_request(1)).await?,
+        StreamBegin::New { attempt: 1 }
+    );
+    run.stop().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_values_persist() -> TestResult {
     let dir = tempfile::tempdir()?;
