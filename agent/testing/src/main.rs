@@ -67,14 +67,14 @@ async fn main() -> anyhow::Result<()> {
                 chunk_delay: Duration::from_millis(delay_ms),
                 ..Behaviour::default()
             };
-            let mock = MockProvider::start_on(listen, behaviour)
+            let mock = MockProvider::start_unlogged(listen, behaviour)
                 .await
                 .with_context(|| format!("could not listen on {listen}"))?;
             println!("mock provider listening on http://{}", mock.addr());
             wait_for_signal().await;
         }
         Command::Tool { listen, dedupe } => {
-            let tool = outrigger_testing::tool::MockTool::start_on(
+            let tool = outrigger_testing::tool::MockTool::start_unlogged(
                 listen,
                 outrigger_testing::tool::ToolBehaviour {
                     dedupe,

@@ -149,6 +149,8 @@ struct State {
     default: Mutex<Behaviour>,
     script: Mutex<VecDeque<Behaviour>>,
     log: Mutex<Vec<Exchange>>,
+    /// Exchanges are not kept (the binary, which nobody asks for them).
+    unlogged: bool,
     generations: AtomicU64,
 }
 
@@ -164,8 +166,23 @@ impl MockProvider {
     }
 
     pub async fn start_on(addr: SocketAddr, default: Behaviour) -> std::io::Result<Self> {
+        Self::start_with(addr, default, false).await
+    }
+
+    /// A provider that keeps no log of its exchanges ([`Self::exchanges`] stays
+    /// empty), so that it runs in constant memory under any load (benchmarks, demo).
+    pub async fn start_unlogged(addr: SocketAddr, default: Behaviour) -> std::io::Result<Self> {
+        Self::start_with(addr, default, true).await
+    }
+
+    async fn start_with(
+        addr: SocketAddr,
+        default: Behaviour,
+        unlogged: bool,
+    ) -> std::io::Result<Self> {
         let state = Arc::new(State {
             default: Mutex::new(default),
+            unlogged,
             ..State::default()
         });
         let s = state.clone();
@@ -469,6 +486,9 @@ fn error_body(dialect: Dialect, status: u16) -> serde_json::Value {
 }
 
 fn push_log(state: &State, exchange: Exchange) {
+    if state.unlogged {
+        return;
+    }
     if let Ok(mut log) = state.log.lock() {
         log.push(exchange);
     }
@@ -476,7 +496,39 @@ fn push_log(state: &State, exchange: Exchange) {
 
 #[cfg(test)]
 mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
     use super::*;
+
+    #[tokio::test]
+    async fn an_unlogged_provider_answers_without_keeping_exchanges() {
+        let addr = SocketAddr::from(([127, 0, 0, 1], 0));
+        let kept = MockProvider::start_on(addr, Behaviour::default())
+            .await
+            .expect("start");
+        let unlogged = MockProvider::start_unlogged(addr, Behaviour::default())
+            .await
+            .expect("start");
+        for mock in [&kept, &unlogged] {
+            let mut conn = tokio::net::TcpStream::connect(mock.addr())
+                .await
+                .expect("connect");
+            let body = r#"{"model":"gpt-mock","messages":[{"role":"user","content":"hi"}]}"#;
+            let req = format!(
+                "POST /v1/chat/completions HTTP/1.1\r\nhost: m\r\n\
+                 content-type: application/json\r\ncontent-length: {}\r\n\
+                 connection: close\r\n\r\n{body}",
+                body.len()
+            );
+            conn.write_all(req.as_bytes()).await.expect("write");
+            let mut out = String::new();
+            conn.read_to_string(&mut out).await.expect("read");
+            assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+            assert_eq!(mock.generation_count(), 1);
+        }
+        assert_eq!(kept.exchanges().len(), 1);
+        assert!(unlogged.exchanges().is_empty());
+    }
 
     #[test]
     fn overrides_parse() {

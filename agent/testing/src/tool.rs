@@ -86,6 +86,10 @@ struct State {
     received: Mutex<u64>,
     /// First answers by key, for `dedupe`.
     answers: Mutex<HashMap<String, serde_json::Value>>,
+    /// Effects are counted but not kept (the binary, which nobody asks for them).
+    unlogged: bool,
+    /// Effects applied (kept or not).
+    applied: Mutex<u64>,
 }
 
 pub struct MockTool {
@@ -99,8 +103,24 @@ impl MockTool {
     }
 
     pub async fn start_on(addr: SocketAddr, default: ToolBehaviour) -> std::io::Result<Self> {
+        Self::start_with(addr, default, false).await
+    }
+
+    /// A tool that counts its effects without keeping them ([`Self::effects`] stays
+    /// empty), so that it runs in constant memory under any load (benchmarks, demo).
+    /// `dedupe` still keeps each key's first answer.
+    pub async fn start_unlogged(addr: SocketAddr, default: ToolBehaviour) -> std::io::Result<Self> {
+        Self::start_with(addr, default, true).await
+    }
+
+    async fn start_with(
+        addr: SocketAddr,
+        default: ToolBehaviour,
+        unlogged: bool,
+    ) -> std::io::Result<Self> {
         let state = Arc::new(State {
             default: Mutex::new(default),
+            unlogged,
             ..State::default()
         });
         let s = state.clone();
@@ -210,18 +230,21 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     }
     let echo: serde_json::Value = serde_json::from_slice(&body).unwrap_or(json!(null));
     let n = {
-        let Ok(mut effects) = state.effects.lock() else {
+        let (Ok(mut applied), Ok(mut effects)) = (state.applied.lock(), state.effects.lock())
+        else {
             return json_response(500, &json!({"error": "poisoned"}));
         };
-        let n = effects.len() as u64 + 1;
-        effects.push(Effect {
-            n,
-            key: key.clone(),
-            method,
-            path: path.clone(),
-            body,
-        });
-        n
+        *applied += 1;
+        if !state.unlogged {
+            effects.push(Effect {
+                n: *applied,
+                key: key.clone(),
+                method,
+                path: path.clone(),
+                body,
+            });
+        }
+        *applied
     };
     let answer = json!({"ok": true, "effect": n, "key": key, "path": path, "echo": echo});
     if b.dedupe
@@ -240,5 +263,44 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
             json_response(500, &json!({}))
         }
         Some(Fail::Before) | None => json_response(b.status.unwrap_or(200), &answer),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    async fn post(addr: SocketAddr, key: &str) -> String {
+        let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let body = r#"{"amount":1}"#;
+        let req = format!(
+            "POST /op HTTP/1.1\r\nhost: t\r\nidempotency-key: {key}\r\n\
+             content-type: application/json\r\ncontent-length: {}\r\n\
+             connection: close\r\n\r\n{body}",
+            body.len()
+        );
+        conn.write_all(req.as_bytes()).await.expect("write");
+        let mut out = String::new();
+        conn.read_to_string(&mut out).await.expect("read");
+        out
+    }
+
+    #[tokio::test]
+    async fn an_unlogged_tool_counts_effects_without_keeping_them() {
+        let addr = SocketAddr::from(([127, 0, 0, 1], 0));
+        let kept = MockTool::start_on(addr, ToolBehaviour::default())
+            .await
+            .expect("start");
+        let unlogged = MockTool::start_unlogged(addr, ToolBehaviour::default())
+            .await
+            .expect("start");
+        for tool in [&kept, &unlogged] {
+            assert!(post(tool.addr(), "a").await.contains(r#""effect":1"#));
+            assert!(post(tool.addr(), "b").await.contains(r#""effect":2"#));
+        }
+        assert_eq!(kept.effects().len(), 2);
+        assert!(unlogged.effects().is_empty());
     }
 }
