@@ -613,6 +613,12 @@ impl Producer {
         recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         recheck.reset();
         let live = self.live.clone();
+        // Kept across turns: a timer or waiter made anew each turn cost a timer-wheel
+        // insert and removal (or a waiter list entry) per upstream frame.
+        let cancelled = live.cancel.notified();
+        tokio::pin!(cancelled);
+        let mut hold = Deadline::default();
+        let mut idle = Deadline::default();
         let ended = 'relay: loop {
             if let Some(batch) = pending.take()
                 && self.settle(batch).await
@@ -628,20 +634,20 @@ impl Producer {
             } else {
                 detached_since = None;
             }
-            let idle_deadline = detached_since.map(|t| t + detach);
-            let hold_due = self.held.as_ref().map(|h| h.due);
+            idle.set(detached_since.map(|t| t + detach));
+            hold.set(self.held.as_ref().map(|h| h.due));
             let frame = match stashed.take() {
                 Some(frame) => frame,
                 None => tokio::select! {
                     f = upstream.frame() => f,
-                    () = sleep_until_opt(hold_due) => {
+                    () = &mut hold.sleep, if hold.at.is_some() => {
                         self.release_held().await;
                         continue;
                     }
-                    () = live.cancel.notified() => {
+                    () = &mut cancelled => {
                         break 'relay Ended::Abandoned(CANCELLED.into());
                     }
-                    () = sleep_until_opt(idle_deadline) => {
+                    () = &mut idle.sleep, if idle.at.is_some() => {
                         break 'relay Ended::Abandoned(format!("no client for {detach:?}"));
                     }
                     // Re-check the client count now and then.
@@ -758,10 +764,31 @@ fn completed(gate: &Gate) -> StreamEnd {
     }
 }
 
-async fn sleep_until_opt(deadline: Option<tokio::time::Instant>) {
-    match deadline {
-        Some(d) => tokio::time::sleep_until(d).await,
-        None => std::future::pending().await,
+/// A timer of the producer's, armed for `at` (when set) and re-armed only when `at`
+/// changes.
+struct Deadline {
+    sleep: Pin<Box<tokio::time::Sleep>>,
+    at: Option<tokio::time::Instant>,
+}
+
+impl Default for Deadline {
+    fn default() -> Self {
+        // Not registered with the timer until first polled, which `at` guards.
+        Self {
+            sleep: Box::pin(tokio::time::sleep(Duration::ZERO)),
+            at: None,
+        }
+    }
+}
+
+impl Deadline {
+    fn set(&mut self, at: Option<tokio::time::Instant>) {
+        if at != self.at {
+            if let Some(t) = at {
+                self.sleep.as_mut().reset(t);
+            }
+            self.at = at;
+        }
     }
 }
 
