@@ -124,7 +124,7 @@ impl Reader {
             return Ok(None);
         };
         let mut meta = decode_stream(key.as_str(), &bytes)?;
-        meta.last_seq = last_seq(&self.store, key.as_str(), meta.attempt)?;
+        meta.last_seq = last_seq(&self.store, meta.events_at(), meta.attempt)?;
         Ok(Some(meta))
     }
 
@@ -134,7 +134,13 @@ impl Reader {
         attempt: u32,
         after_seq: Option<u64>,
     ) -> Result<Vec<(u64, Bytes)>, Error> {
-        let prefix = keys::attempt_prefix(key.as_str(), attempt);
+        // The stream's metadata says where its events are; no stream, no events.
+        let Some(bytes) = self.store.get(&keys::stream(key.as_str()))? else {
+            return Ok(Vec::new());
+        };
+        let meta = decode_stream(key.as_str(), &bytes)?;
+        let events_at = meta.events_at();
+        let prefix = keys::attempt_prefix(events_at, attempt);
         let first = match after_seq {
             Some(seq) => match seq.checked_add(1) {
                 Some(next) => next,
@@ -144,7 +150,7 @@ impl Reader {
         };
         // The chunk holding `first` starts at or before it: begin at the last chunk
         // key not above it.
-        let at = keys::event(key.as_str(), attempt, first);
+        let at = keys::event(events_at, attempt, first);
         let start = match self.store.range(&prefix, &at).next_back() {
             Some(entry) => entry?.0,
             None => prefix.clone(),
@@ -156,7 +162,7 @@ impl Reader {
             .take_while(|e| e.as_ref().map_or(true, |(k, _)| k.starts_with(&prefix)))
         {
             let (k, v) = entry?;
-            let seq = first_seq_of(key.as_str(), &k)?;
+            let seq = first_seq_of(&k)?;
             out.extend(
                 chunk::decode(seq, Bytes::from(v))?
                     .into_iter()
@@ -256,22 +262,26 @@ impl Audit {
 }
 
 /// The highest sequence number stored for an attempt, if any event is.
-pub(crate) fn last_seq(store: &Store, key: &str, attempt: u32) -> Result<Option<u64>, Error> {
+pub(crate) fn last_seq(
+    store: &Store,
+    at: keys::Events<'_>,
+    attempt: u32,
+) -> Result<Option<u64>, Error> {
     let Some(entry) = store
-        .scan_prefix(&keys::attempt_prefix(key, attempt))
+        .scan_prefix(&keys::attempt_prefix(at, attempt))
         .next_back()
     else {
         return Ok(None);
     };
     let (k, v) = entry?;
-    let first = first_seq_of(key, &k)?;
+    let first = first_seq_of(&k)?;
     Ok(Some(first + chunk::count(&v)?.saturating_sub(1)))
 }
 
 /// The sequence number of the first event stored under an event key.
-fn first_seq_of(key: &str, storage_key: &[u8]) -> Result<u64, Error> {
+fn first_seq_of(storage_key: &[u8]) -> Result<u64, Error> {
     keys::event_seq(storage_key).ok_or_else(|| Error::Decode {
-        what: format!("an event key of stream {key}"),
-        detail: "too short".to_owned(),
+        what: "a stream event key".to_owned(),
+        detail: format!("{} bytes, too short", storage_key.len()),
     })
 }

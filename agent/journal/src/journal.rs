@@ -25,11 +25,15 @@ use crate::time::Timestamp;
 use crate::writer::{Command, Core, Known, ReapReport, Writer, decode_record, decode_stream};
 
 /// The on-disk format this build writes: records in slots, their keys pointing at
-/// them ([`crate::slots`]).
-const FORMAT: &[u8] = b"2";
-/// The format before it, with each record stored under its key; still read, and
-/// each record moves to a slot when next written. Opening such a journal marks it
-/// format 2, so that an older build refuses it rather than misread its pointers.
+/// them ([`crate::slots`]), and each new stream's events in a slot of their own
+/// ([`keys::Events`]).
+const FORMAT: &[u8] = b"3";
+/// Format 2: stream events stored under the stream's key. Still read; its streams
+/// keep that layout (their metadata names no slot), new streams get slots.
+const FORMAT_2: &[u8] = b"2";
+/// Format 1: each record stored under its key; still read, and each record moves to
+/// a slot when next written. Opening an older journal marks it format 3, so that an
+/// older build refuses it rather than misread it.
 const FORMAT_1: &[u8] = b"1";
 
 /// What opening the journal found and did: the calls a previous process left in
@@ -77,12 +81,12 @@ impl Journal {
         )?);
         match store.get(keys::FORMAT)? {
             None => {}
-            Some(format) if format == FORMAT || format == FORMAT_1 => {}
+            Some(format) if format == FORMAT || format == FORMAT_2 || format == FORMAT_1 => {}
             Some(other) => {
                 return Err(Error::Invalid {
                     what: "journal format",
                     detail: format!(
-                        "{} holds format {:?}; this build reads formats 1 and 2",
+                        "{} holds format {:?}; this build reads formats 1 to 3",
                         options.dir.display(),
                         String::from_utf8_lossy(&other)
                     ),
@@ -570,6 +574,7 @@ fn recover(store: &Store, core: &mut Core, epoch: u64) -> Result<(Recovery, [i64
                 continue;
             }
         };
+        core.note_events_slot(meta.events_slot);
         if meta.state != StreamState::Open {
             continue;
         }

@@ -80,12 +80,32 @@ pub(crate) fn scan(
 
 /// The slot after the highest one in use: where the next record goes.
 pub(crate) fn next_slot(store: &Store) -> Result<u64, Error> {
-    match store.scan_prefix(keys::BODIES).next_back() {
+    next_after(store, keys::BODIES, keys::body_slot, "a record slot key")
+}
+
+/// The slot after the highest one holding stream events: where the next new stream's
+/// events go (format 3; see [`keys::Events`]).
+pub(crate) fn next_events_slot(store: &Store) -> Result<u64, Error> {
+    next_after(
+        store,
+        keys::EVENT_SLOTS,
+        keys::events_slot,
+        "a stream event slot key",
+    )
+}
+
+fn next_after(
+    store: &Store,
+    prefix: &[u8],
+    slot_of: fn(&[u8]) -> Option<u64>,
+    what: &str,
+) -> Result<u64, Error> {
+    match store.scan_prefix(prefix).next_back() {
         Some(entry) => {
             let (storage_key, _) = entry?;
-            let slot = keys::body_slot(&storage_key).ok_or_else(|| Error::Decode {
-                what: "a record slot key".to_owned(),
-                detail: format!("{} bytes, expected 10", storage_key.len()),
+            let slot = slot_of(&storage_key).ok_or_else(|| Error::Decode {
+                what: what.to_owned(),
+                detail: format!("{} bytes, too short", storage_key.len()),
             })?;
             Ok(slot + 1)
         }

@@ -486,6 +486,8 @@ pub(crate) mod keys {
     pub(crate) const LOG: &[u8] = b"l/";
     pub(crate) const EXPIRY: &[u8] = b"x/";
     pub(crate) const STREAMS: &[u8] = b"s/";
+    /// Stream events by slot (format 3): `E/{slot}{attempt}{seq}`.
+    pub(crate) const EVENT_SLOTS: &[u8] = b"E/";
 
     pub(crate) const EXPIRE_RECORD: u8 = b'r';
     pub(crate) const PURGE_TOMBSTONE: u8 = b't';
@@ -575,16 +577,34 @@ pub(crate) mod keys {
         join(&[STREAMS, key.as_bytes()])
     }
 
-    pub(crate) fn events_prefix(key: &str) -> Vec<u8> {
-        join(&[b"e/", key.as_bytes(), &[0]])
+    /// Where a stream's events are stored: in its slot, numbered in creation order
+    /// (format 3: a new stream's events land in the newest leaves, as records do in
+    /// theirs), or under its key (streams begun under an older format).
+    #[derive(Debug, Clone, Copy)]
+    pub(crate) enum Events<'a> {
+        Key(&'a str),
+        Slot(u64),
     }
 
-    pub(crate) fn attempt_prefix(key: &str, attempt: u32) -> Vec<u8> {
-        join(&[&events_prefix(key), &attempt.to_be_bytes()])
+    pub(crate) fn events_prefix(at: Events<'_>) -> Vec<u8> {
+        match at {
+            Events::Key(key) => join(&[b"e/", key.as_bytes(), &[0]]),
+            Events::Slot(slot) => join(&[EVENT_SLOTS, &slot.to_be_bytes()]),
+        }
     }
 
-    pub(crate) fn event(key: &str, attempt: u32, seq: u64) -> Vec<u8> {
-        join(&[&attempt_prefix(key, attempt), &seq.to_be_bytes()])
+    pub(crate) fn attempt_prefix(at: Events<'_>, attempt: u32) -> Vec<u8> {
+        join(&[&events_prefix(at), &attempt.to_be_bytes()])
+    }
+
+    pub(crate) fn event(at: Events<'_>, attempt: u32, seq: u64) -> Vec<u8> {
+        join(&[&attempt_prefix(at, attempt), &seq.to_be_bytes()])
+    }
+
+    /// The slot an `E/` event key belongs to.
+    pub(crate) fn events_slot(storage_key: &[u8]) -> Option<u64> {
+        let raw = storage_key.strip_prefix(EVENT_SLOTS)?.get(..8)?;
+        Some(u64::from_be_bytes(raw.try_into().ok()?))
     }
 
     pub(crate) fn event_seq(storage_key: &[u8]) -> Option<u64> {

@@ -122,6 +122,21 @@ pub struct StreamMeta {
     /// The highest sequence number journaled for the current attempt (filled on read).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_seq: Option<u64>,
+    /// Where the stream's events are stored: a slot numbered in creation order
+    /// (journal format 3), or, for a stream begun under an older format, `None`: its
+    /// events are stored under its key.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events_slot: Option<u64>,
+}
+
+impl StreamMeta {
+    /// Where this stream's events are stored.
+    pub(crate) fn events_at(&self) -> crate::store::keys::Events<'_> {
+        match self.events_slot {
+            Some(slot) => crate::store::keys::Events::Slot(slot),
+            None => crate::store::keys::Events::Key(self.key.as_str()),
+        }
+    }
 }
 
 /// The journal's answer to `stream_begin`.

@@ -199,7 +199,7 @@ async fn a_format_1_journal_is_read_and_its_records_move_to_slots_when_written()
     task.await?;
 
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"2"[..]));
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"3"[..]));
     let moved = crate::slots::slot(&store, "done")?.ok_or("a rewritten record stays inline")?;
     assert!(crate::slots::slot(&store, "cut")?.is_some());
     assert!(store.get(&keys::body(moved))?.is_some());
@@ -229,16 +229,160 @@ fn a_journal_of_a_later_format_is_refused_not_misread() -> TestResult {
     let dir = tempfile::tempdir()?;
     drop(Journal::open(Options::new(dir.path()))?);
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    store.raw_put(keys::FORMAT, b"3")?;
+    store.raw_put(keys::FORMAT, b"4")?;
     store.flush()?;
     drop(store);
     let Err(e) = Journal::open(Options::new(dir.path())) else {
-        return Err("a format-3 journal was opened".into());
+        return Err("a format-4 journal was opened".into());
     };
     assert!(
         e.to_string()
-            .contains("holds format \"3\"; this build reads formats 1 and 2"),
+            .contains("holds format \"4\"; this build reads formats 1 to 3"),
         "{e}"
     );
+    Ok(())
+}
+
+fn stream_request() -> crate::StreamRequest {
+    crate::StreamRequest {
+        fingerprint: Fingerprint([3; 32]),
+        task_id: None,
+        request_id: RequestId::from_generated("req-stream".to_owned()),
+        provider: "openai".to_owned(),
+        model: "gpt".to_owned(),
+        policy_versions: Vec::new(),
+    }
+}
+
+fn events(from: u64, n: u64) -> Vec<bytes::Bytes> {
+    (from..from + n)
+        .map(|i| bytes::Bytes::from(format!("data: {i}\n\n")))
+        .collect()
+}
+
+/// Rewrites a stream the way format 2 stored it: its events under its key, its
+/// metadata naming no slot.
+fn to_format_2_stream(store: &Store, key: &str) -> TestResult {
+    let raw = store.get(&keys::stream(key))?.ok_or("stream missing")?;
+    let mut meta = crate::writer::decode_stream(key, &raw)?;
+    let slot = meta.events_slot.take().ok_or("stream not in a slot")?;
+    let from = keys::events_prefix(keys::Events::Slot(slot));
+    for entry in store.scan_prefix(&from).collect::<Vec<_>>() {
+        let (storage_key, value) = entry?;
+        let mut old = keys::events_prefix(keys::Events::Key(key));
+        old.extend_from_slice(&storage_key[from.len()..]);
+        store.raw_put(&old, &value)?;
+        store.raw_remove(&storage_key)?;
+    }
+    store.raw_put(&keys::stream(key), &serde_json::to_vec(&meta)?)?;
+    store.raw_put(keys::FORMAT, b"2")?;
+    Ok(())
+}
+
+fn count_prefix(store: &Store, prefix: &[u8]) -> usize {
+    store.scan_prefix(prefix).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn format_2_streams_are_read_under_their_key_and_new_streams_get_slots() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let options = Options {
+        stream_retention: Duration::from_secs(3600),
+        ..Options::new(dir.path())
+    };
+    let old = crate::StreamKey::new("old")?;
+    let begun = crate::StreamKey::new("begun")?;
+    let completed = || crate::StreamEnd::Completed {
+        usage: serde_json::json!({}),
+    };
+    {
+        let (journal, writer, _) = Journal::open(options.clone())?;
+        let task = tokio::spawn(writer.run());
+        journal.stream_begin(&old, stream_request()).await?;
+        journal
+            .stream_append(&old, 1, 0, events(0, 4), true)
+            .await?;
+        journal.stream_end(&old, 1, completed()).await?;
+        // Begun just before the stop, with no events yet: its slot must not be reused.
+        journal.stream_begin(&begun, stream_request()).await?;
+        drop(journal);
+        task.await?;
+    }
+    let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+    to_format_2_stream(&store, "old")?;
+    let begun_slot = {
+        let raw = store.get(&keys::stream("begun"))?.ok_or("begun missing")?;
+        crate::writer::decode_stream("begun", &raw)?
+            .events_slot
+            .ok_or("a new stream has a slot")?
+    };
+    store.flush()?;
+    drop(store);
+
+    let (journal, writer, _) = Journal::open(options.clone())?;
+    let task = tokio::spawn(writer.run());
+    let read = journal.stream_events(&old, 1, None)?;
+    assert_eq!(
+        read,
+        events(0, 4)
+            .into_iter()
+            .enumerate()
+            .map(|(i, e)| (i as u64, e))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(journal.stream_meta(&old)?.and_then(|m| m.last_seq), Some(3));
+    assert_eq!(journal.stream_events(&old, 1, Some(1))?.len(), 2);
+    let fresh = crate::StreamKey::new("fresh")?;
+    journal.stream_begin(&fresh, stream_request()).await?;
+    journal
+        .stream_append(&fresh, 1, 0, events(0, 3), true)
+        .await?;
+    journal.stream_end(&fresh, 1, completed()).await?;
+    assert_eq!(journal.stream_events(&fresh, 1, None)?.len(), 3);
+    let start = SystemTime::now();
+    drop(journal);
+    task.await?;
+
+    let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"3"[..]));
+    let raw = store.get(&keys::stream("fresh"))?.ok_or("fresh missing")?;
+    let fresh_slot = crate::writer::decode_stream("fresh", &raw)?
+        .events_slot
+        .ok_or("a new stream has a slot")?;
+    assert!(
+        fresh_slot > begun_slot,
+        "slot {fresh_slot} reused (begun has {begun_slot})"
+    );
+    assert_eq!(
+        count_prefix(&store, &keys::events_prefix(keys::Events::Slot(fresh_slot))),
+        1
+    );
+    assert_eq!(
+        count_prefix(&store, &keys::events_prefix(keys::Events::Key("fresh"))),
+        0
+    );
+    assert_eq!(
+        count_prefix(&store, &keys::events_prefix(keys::Events::Key("old"))),
+        1
+    );
+    drop(store);
+
+    // Retention drops both layouts' events with their streams.
+    let (journal, writer, _) = Journal::open(options)?;
+    let task = tokio::spawn(writer.run());
+    let report = journal.reap(start + Duration::from_secs(2 * 3600)).await?;
+    assert!(report.streams_dropped >= 2, "{report:?}");
+    drop(journal);
+    task.await?;
+    let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+    assert_eq!(
+        count_prefix(&store, &keys::events_prefix(keys::Events::Key("old"))),
+        0
+    );
+    assert_eq!(
+        count_prefix(&store, &keys::events_prefix(keys::Events::Slot(fresh_slot))),
+        0
+    );
+    assert_eq!(store.get(&keys::stream("old"))?, None);
     Ok(())
 }

@@ -241,7 +241,7 @@ pub(crate) struct Core {
     /// The current attempt of streams seen open, so that an append (one per upstream
     /// batch) costs no read and decode of the stream's metadata. Updated only after a
     /// successful commit, like `hot`; a stream leaves it when it ends.
-    open_streams: HashMap<StreamKey, u32>,
+    open_streams: HashMap<StreamKey, (u32, Option<u64>)>,
     /// Held lazy events per stream (see [`Run`]).
     runs: HashMap<StreamKey, Run>,
     /// Per stream appended to, the attempt and the sequence number past its last
@@ -258,6 +258,8 @@ pub(crate) struct Core {
     expiry_ids: u64,
     /// The slot the next new record is written to (see [`crate::slots`]).
     next_slot: u64,
+    /// The slot the next new stream's events are written to (see [`keys::Events`]).
+    next_events_slot: u64,
     /// Every record and stream key that may be in the store (loaded at open, added to
     /// on each write, never taken from). A key it does not hold is certainly absent,
     /// so a new call or stream costs no read of the store: with random keys, that
@@ -304,6 +306,7 @@ impl Core {
         head: Head,
     ) -> Result<Self, Error> {
         let next_slot = slots::next_slot(&store)?;
+        let next_events_slot = slots::next_events_slot(&store)?;
         Ok(Self {
             store,
             shared,
@@ -317,6 +320,7 @@ impl Core {
             broken: HashSet::new(),
             expiry_ids: 0,
             next_slot,
+            next_events_slot,
             known: GrowableBloom::new(KNOWN_FALSE_POSITIVES, KNOWN_INITIAL),
         })
     }
@@ -324,6 +328,14 @@ impl Core {
     /// Notes that a record or stream key is in the store (recovery, and every write).
     pub(crate) fn remember(&mut self, kind: Known, key: &str) {
         self.known.insert((kind, key));
+    }
+
+    /// Notes a stream's events slot seen at open, so that no new stream gets it: a
+    /// stream begun just before a restart may have a slot and no events yet.
+    pub(crate) fn note_events_slot(&mut self, slot: Option<u64>) {
+        if let Some(slot) = slot {
+            self.next_events_slot = self.next_events_slot.max(slot.saturating_add(1));
+        }
     }
 
     fn may_exist(&self, kind: Known, key: &str) -> bool {
@@ -654,10 +666,14 @@ impl Core {
                     updated_at: now,
                     end: None,
                     last_seq: None,
+                    events_slot: Some(self.next_events_slot),
                 }
             }
         };
         let attempt = meta.attempt;
+        if meta.events_slot == Some(self.next_events_slot) {
+            self.next_events_slot += 1;
+        }
         self.write_stream(batch, meta, false)?;
         // A new attempt has no events yet: its first append needs no before-image read.
         self.note_appended(key, attempt, 0);
@@ -665,7 +681,7 @@ impl Core {
     }
 
     fn with_last_seq(&self, mut meta: StreamMeta) -> Result<StreamMeta, Error> {
-        meta.last_seq = crate::audit::last_seq(&self.store, meta.key.as_str(), meta.attempt)?;
+        meta.last_seq = crate::audit::last_seq(&self.store, meta.events_at(), meta.attempt)?;
         Ok(meta)
     }
 
@@ -691,15 +707,16 @@ impl Core {
         Ok(())
     }
 
-    /// The state of `attempt` of an existing stream, which must be its current one.
+    /// The state of `attempt` of an existing stream, which must be its current one,
+    /// and the slot its events go to (`None`: under its key).
     fn open_stream_state(
         &self,
         batch: &Batch,
         key: &StreamKey,
         attempt: u32,
-    ) -> Result<StreamState, Error> {
+    ) -> Result<(StreamState, Option<u64>), Error> {
         if !batch.streams.contains_key(key)
-            && let Some(&current) = self.open_streams.get(key)
+            && let Some(&(current, events_slot)) = self.open_streams.get(key)
         {
             if current != attempt {
                 return Err(Error::Stream {
@@ -707,9 +724,10 @@ impl Core {
                     detail: format!("attempt {attempt} is not current (attempt {current} is)"),
                 });
             }
-            return Ok(StreamState::Open);
+            return Ok((StreamState::Open, events_slot));
         }
-        self.open_stream(batch, key, attempt).map(|meta| meta.state)
+        self.open_stream(batch, key, attempt)
+            .map(|meta| (meta.state, meta.events_slot))
     }
 
     fn open_stream(
@@ -756,9 +774,13 @@ impl Core {
         durable: bool,
         batch: &mut Batch,
     ) -> Result<(), Error> {
-        self.appendable(batch, key, attempt, events)?;
+        let events_slot = self.appendable(batch, key, attempt, events)?;
+        let events_at = match events_slot {
+            Some(slot) => keys::Events::Slot(slot),
+            None => keys::Events::Key(key.as_str()),
+        };
         // One value for all the events of this append (see `stream::chunk`).
-        let event_key = keys::event(key.as_str(), attempt, seq);
+        let event_key = keys::event(events_at, attempt, seq);
         let value = Some(chunk::encode(events));
         if self
             .appended
@@ -777,14 +799,15 @@ impl Core {
         Ok(())
     }
 
-    /// Refuses an append that is empty or goes to an attempt that is not open.
+    /// Refuses an append that is empty or goes to an attempt that is not open; the
+    /// slot the stream's events go to.
     fn appendable(
         &self,
         batch: &Batch,
         key: &StreamKey,
         attempt: u32,
         events: &[Bytes],
-    ) -> Result<(), Error> {
+    ) -> Result<Option<u64>, Error> {
         if events.is_empty() {
             return Err(Error::Invalid {
                 what: "stream events",
@@ -792,14 +815,14 @@ impl Core {
             });
         }
         self.check_intact(key, attempt)?;
-        let state = self.open_stream_state(batch, key, attempt)?;
+        let (state, events_slot) = self.open_stream_state(batch, key, attempt)?;
         if state != StreamState::Open {
             return Err(Error::Stream {
                 key: key.to_string(),
                 detail: format!("attempt {attempt} has ended ({state:?})"),
             });
         }
-        Ok(())
+        Ok(events_slot)
     }
 
     /// Refuses more of an attempt whose held events were lost.
@@ -952,10 +975,10 @@ impl Core {
                 batch.expire_later(keys::DROP_STREAM, again, key);
                 report.deferred += 1;
             }
-            Some(_) => {
+            Some(meta) => {
                 let events: Vec<Vec<u8>> = self
                     .store
-                    .scan_prefix(&keys::events_prefix(&key))
+                    .scan_prefix(&keys::events_prefix(meta.events_at()))
                     .map(|e| e.map(|(k, _)| k))
                     .collect::<Result<_, _>>()?;
                 for event in events {
@@ -1177,7 +1200,8 @@ impl Core {
                     if self.open_streams.len() >= MAX_OPEN_STREAMS {
                         self.open_streams.clear();
                     }
-                    self.open_streams.insert(key, meta.attempt);
+                    self.open_streams
+                        .insert(key, (meta.attempt, meta.events_slot));
                 }
                 _ => {
                     self.open_streams.remove(&key);
