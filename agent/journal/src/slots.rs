@@ -8,6 +8,9 @@
 //! writer's time under load). Pointers are small, so the index stays cached for far
 //! longer, and the records themselves are written where the newest ones are. Format-1 journals keep
 //! their inline records until each is next written.
+//!
+//! Since format 3 a new stream's events are slotted the same way (`E/{slot}…`, the
+//! slot named by the stream's metadata; see `keys::Events`), for the same reason.
 
 use crate::Error;
 use crate::store::{Store, keys};

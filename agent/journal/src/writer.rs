@@ -655,6 +655,8 @@ impl Core {
             None => {
                 let due = now.saturating_add(self.options.stream_retention);
                 batch.expire_later(keys::DROP_STREAM, due, key.as_str().to_owned());
+                let events_slot = self.next_events_slot;
+                self.next_events_slot += 1;
                 StreamMeta {
                     v: crate::record::RECORD_VERSION,
                     key: key.clone(),
@@ -666,14 +668,11 @@ impl Core {
                     updated_at: now,
                     end: None,
                     last_seq: None,
-                    events_slot: Some(self.next_events_slot),
+                    events_slot: Some(events_slot),
                 }
             }
         };
         let attempt = meta.attempt;
-        if meta.events_slot == Some(self.next_events_slot) {
-            self.next_events_slot += 1;
-        }
         self.write_stream(batch, meta, false)?;
         // A new attempt has no events yet: its first append needs no before-image read.
         self.note_appended(key, attempt, 0);
