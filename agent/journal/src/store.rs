@@ -586,6 +586,13 @@ pub(crate) mod keys {
         Slot(u64),
     }
 
+    impl<'a> Events<'a> {
+        /// The events of stream `key`, whose metadata names `slot` (or none).
+        pub(crate) fn of(key: &'a str, slot: Option<u64>) -> Self {
+            slot.map_or(Events::Key(key), Events::Slot)
+        }
+    }
+
     pub(crate) fn events_prefix(at: Events<'_>) -> Vec<u8> {
         match at {
             Events::Key(key) => join(&[b"e/", key.as_bytes(), &[0]]),

@@ -132,10 +132,7 @@ pub struct StreamMeta {
 impl StreamMeta {
     /// Where this stream's events are stored.
     pub(crate) fn events_at(&self) -> crate::store::keys::Events<'_> {
-        match self.events_slot {
-            Some(slot) => crate::store::keys::Events::Slot(slot),
-            None => crate::store::keys::Events::Key(self.key.as_str()),
-        }
+        crate::store::keys::Events::of(self.key.as_str(), self.events_slot)
     }
 }
 

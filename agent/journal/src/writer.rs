@@ -774,12 +774,8 @@ impl Core {
         batch: &mut Batch,
     ) -> Result<(), Error> {
         let events_slot = self.appendable(batch, key, attempt, events)?;
-        let events_at = match events_slot {
-            Some(slot) => keys::Events::Slot(slot),
-            None => keys::Events::Key(key.as_str()),
-        };
         // One value for all the events of this append (see `stream::chunk`).
-        let event_key = keys::event(events_at, attempt, seq);
+        let event_key = keys::event(keys::Events::of(key.as_str(), events_slot), attempt, seq);
         let value = Some(chunk::encode(events));
         if self
             .appended

@@ -126,3 +126,24 @@ pub async fn read_body(body: Incoming) -> Bytes {
         .map(|c| c.to_bytes())
         .unwrap_or_default()
 }
+
+/// Sends one `POST` with `headers` (`name: value` lines) and `body` over a fresh
+/// connection and returns the whole raw answer (tests of the mocks themselves).
+#[cfg(test)]
+pub(crate) async fn raw_post(addr: SocketAddr, path: &str, headers: &[&str], body: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let mut req = format!("POST {path} HTTP/1.1\r\nhost: mock\r\n");
+    for h in headers {
+        req.push_str(h);
+        req.push_str("\r\n");
+    }
+    req.push_str(&format!(
+        "content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    ));
+    conn.write_all(req.as_bytes()).await.expect("write");
+    let mut out = String::new();
+    conn.read_to_string(&mut out).await.expect("read");
+    out
+}

@@ -496,9 +496,8 @@ fn push_log(state: &State, exchange: Exchange) {
 
 #[cfg(test)]
 mod tests {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
     use super::*;
+    use crate::http::raw_post;
 
     #[tokio::test]
     async fn an_unlogged_provider_answers_without_keeping_exchanges() {
@@ -510,19 +509,8 @@ mod tests {
             .await
             .expect("start");
         for mock in [&kept, &unlogged] {
-            let mut conn = tokio::net::TcpStream::connect(mock.addr())
-                .await
-                .expect("connect");
             let body = r#"{"model":"gpt-mock","messages":[{"role":"user","content":"hi"}]}"#;
-            let req = format!(
-                "POST /v1/chat/completions HTTP/1.1\r\nhost: m\r\n\
-                 content-type: application/json\r\ncontent-length: {}\r\n\
-                 connection: close\r\n\r\n{body}",
-                body.len()
-            );
-            conn.write_all(req.as_bytes()).await.expect("write");
-            let mut out = String::new();
-            conn.read_to_string(&mut out).await.expect("read");
+            let out = raw_post(mock.addr(), "/v1/chat/completions", &[], body).await;
             assert!(out.starts_with("HTTP/1.1 200"), "{out}");
             assert_eq!(mock.generation_count(), 1);
         }

@@ -268,23 +268,12 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
 
 #[cfg(test)]
 mod tests {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
     use super::*;
+    use crate::http::raw_post;
 
     async fn post(addr: SocketAddr, key: &str) -> String {
-        let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        let body = r#"{"amount":1}"#;
-        let req = format!(
-            "POST /op HTTP/1.1\r\nhost: t\r\nidempotency-key: {key}\r\n\
-             content-type: application/json\r\ncontent-length: {}\r\n\
-             connection: close\r\n\r\n{body}",
-            body.len()
-        );
-        conn.write_all(req.as_bytes()).await.expect("write");
-        let mut out = String::new();
-        conn.read_to_string(&mut out).await.expect("read");
-        out
+        let key = format!("idempotency-key: {key}");
+        raw_post(addr, "/op", &[&key], r#"{"amount":1}"#).await
     }
 
     #[tokio::test]
