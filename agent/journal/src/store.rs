@@ -17,7 +17,7 @@
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockWriteGuard};
 
 use crate::Error;
 use crate::options::Durability;
@@ -39,8 +39,23 @@ pub(crate) struct Store {
     /// A second handle on sled's data file, for `fdatasync` in `Durability::Node`.
     sync_file: Option<File>,
     wal: Mutex<Wal>,
+    /// Held (for writing) from a batch's log append until sled has it: a reader
+    /// waits for a batch whose waiters may already have been answered.
+    applying: RwLock<()>,
     durability: Durability,
     dir: PathBuf,
+}
+
+/// A batch appended to the write-ahead log and not yet in sled; see [`Store::log`].
+/// Readers wait until it is applied. Dropped unapplied, its frame is taken back.
+pub(crate) struct Logged<'s, 'w> {
+    store: &'s Store,
+    wal: MutexGuard<'s, Wal>,
+    _readers_wait: RwLockWriteGuard<'s, ()>,
+    writes: Vec<Write<'w>>,
+    /// Where the frame starts in the log.
+    start: u64,
+    applied: bool,
 }
 
 /// The write-ahead log. Only the writer appends; the lock keeps `Store` shareable.
@@ -120,6 +135,7 @@ impl Store {
             db,
             sync_file,
             wal: Mutex::new(wal),
+            applying: RwLock::new(()),
             durability,
             dir: dir.to_owned(),
         };
@@ -171,7 +187,14 @@ impl Store {
         &self.dir
     }
 
+    /// Waits for a batch being applied: a reader never misses a write whose waiter
+    /// was answered before the read began.
+    fn settled(&self) {
+        drop(self.applying.read().unwrap_or_else(PoisonError::into_inner));
+    }
+
     pub(crate) fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, Error> {
+        self.settled();
         self.db
             .get(key)
             .map(|v| v.map(|v| v.to_vec()))
@@ -183,6 +206,7 @@ impl Store {
         &self,
         prefix: &[u8],
     ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<> {
+        self.settled();
         self.db.scan_prefix(prefix).map(entry)
     }
 
@@ -192,6 +216,7 @@ impl Store {
         start: &[u8],
         end: &[u8],
     ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<> {
+        self.settled();
         self.db.range(start.to_vec()..end.to_vec()).map(entry)
     }
 
@@ -200,22 +225,34 @@ impl Store {
         &self,
         start: &[u8],
     ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<> {
+        self.settled();
         self.db.range(start.to_vec()..).map(entry)
     }
 
     /// Applies all writes, atomically across a crash (all or nothing: the batch is one
     /// frame of the write-ahead log when this returns). `None` removes the key.
-    /// `flush` makes it durable for `Durability::Node`. Readers (which never took
-    /// a snapshot across keys) may see a batch half-applied for the moment it takes.
-    pub(crate) fn apply<'a>(
+    /// [`Store::flush`] makes it durable for `Durability::Node`.
+    pub(crate) fn apply<'w>(
         &self,
-        writes: impl IntoIterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+        writes: impl IntoIterator<Item = Write<'w>>,
     ) -> Result<(), Error> {
+        self.log(writes)?.apply()
+    }
+
+    /// Appends the writes to the write-ahead log as one frame (with one `write`): once
+    /// this returns, the batch survives a killed process, and once [`Logged::sync`]
+    /// returns, a lost node. sled gets the writes in [`Logged::apply`]; until then
+    /// readers wait, so a waiter can be answered in between without anyone reading
+    /// around its write.
+    pub(crate) fn log<'w>(
+        &self,
+        writes: impl IntoIterator<Item = Write<'w>>,
+    ) -> Result<Logged<'_, 'w>, Error> {
         let mut wal = self.wal();
         if let Some(reason) = &wal.broken {
             return Err(Error::Storage(reason.clone()));
         }
-        let writes: Vec<Write<'a>> = writes.into_iter().collect();
+        let writes: Vec<Write<'w>> = writes.into_iter().collect();
         let mut frame = std::mem::take(&mut wal.frame);
         frame.clear();
         frame.extend_from_slice(&[0; FRAME_HEADER]);
@@ -223,45 +260,35 @@ impl Store {
             push_write(&mut frame, key, value);
         }
         seal(&mut frame)?;
-        if let Err(e) = wal.append(&frame) {
-            wal.frame = frame;
-            return Err(e);
-        }
-        // The frame makes the batch atomic across a crash, so sled gets the writes
-        // one by one: its `apply_batch` rolls its I/O buffer twice per batch (two
-        // `sync_file_range`s on its thread pool), whatever the flush policy.
+        let start = wal.len;
+        let appended = wal.append(&frame);
         wal.frame = frame;
-        let applied = apply_writes(&self.db, &writes);
-        if let Err(e) = applied {
-            // Part of the batch may be in sled now. The frame stays, so a restart
-            // completes the batch; until then nothing more is written.
-            let reason = format!(
-                "the journal could not apply a batch ({e}); no further writes are accepted \
-                 until the sidecar restarts and replays its write-ahead log"
-            );
-            tracing::error!("{reason}");
-            wal.broken = Some(reason);
-            return Err(e);
-        }
-        if wal.len >= wal.rotate_at {
-            // Everything in the log is in sled; once sled is durable the log can go.
-            match self.sync_db() {
-                Ok(()) => wal.truncate()?,
-                Err(e) => {
-                    tracing::warn!(error = %e, "flushing the journal to rotate its log failed; trying again later");
-                }
-            }
-        }
-        Ok(())
+        appended?;
+        let readers_wait = self
+            .applying
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        Ok(Logged {
+            store: self,
+            wal,
+            _readers_wait: readers_wait,
+            writes,
+            start,
+            applied: false,
+        })
     }
 
     /// Makes every applied write durable: already so for `Durability::Process` (the
     /// log's frames are in the page cache once written); `Durability::Node` adds an
     /// `fdatasync` of the log.
     pub(crate) fn flush(&self) -> Result<(), Error> {
+        self.sync_log(&self.wal())
+    }
+
+    fn sync_log(&self, wal: &Wal) -> Result<(), Error> {
         match self.durability {
             Durability::Process => Ok(()),
-            Durability::Node => self.wal().file.sync_data().map_err(|e| {
+            Durability::Node => wal.file.sync_data().map_err(|e| {
                 Error::Storage(format!(
                     "fdatasync of the journal's write-ahead log failed: {e}"
                 ))
@@ -271,6 +298,54 @@ impl Store {
 
     pub(crate) fn size_on_disk(&self) -> u64 {
         self.db.size_on_disk().unwrap_or(0)
+    }
+}
+
+impl Logged<'_, '_> {
+    /// Makes the batch durable for `Durability::Node` (`fdatasync` of the log); for
+    /// `Durability::Process` it already is. A failed sync takes the frame back.
+    pub(crate) fn sync(&self) -> Result<(), Error> {
+        self.store.sync_log(&self.wal)
+    }
+
+    /// Gives sled the batch's writes, then lets readers in.
+    pub(crate) fn apply(mut self) -> Result<(), Error> {
+        // The frame makes the batch atomic across a crash, so sled gets the writes
+        // one by one: its `apply_batch` rolls its I/O buffer twice per batch (two
+        // `sync_file_range`s on its thread pool), whatever the flush policy.
+        self.applied = true;
+        if let Err(e) = apply_writes(&self.store.db, &self.writes) {
+            // Part of the batch may be in sled now. The frame stays, so a restart
+            // completes the batch; until then nothing more is written.
+            let reason = format!(
+                "the journal could not apply a batch ({e}); no further writes are accepted \
+                 until the sidecar restarts and replays its write-ahead log"
+            );
+            tracing::error!("{reason}");
+            self.wal.broken = Some(reason);
+            return Err(e);
+        }
+        if self.wal.len >= self.wal.rotate_at {
+            // Everything in the log is in sled; once sled is durable the log can go.
+            match self.store.sync_db() {
+                Ok(()) => self.wal.truncate()?,
+                Err(e) => {
+                    tracing::warn!(error = %e, "flushing the journal to rotate its log failed; trying again later");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Logged<'_, '_> {
+    /// A batch dropped unapplied was refused (its sync failed, or a fault was
+    /// injected): its frame must not be replayed at the next open.
+    fn drop(&mut self) {
+        if !self.applied {
+            let start = self.start;
+            self.wal.take_back(start);
+        }
     }
 }
 
@@ -430,7 +505,7 @@ fn frames(bytes: &[u8]) -> (Vec<Vec<Write<'_>>>, usize) {
     (out, at)
 }
 
-type Write<'a> = (&'a [u8], Option<&'a [u8]>);
+pub(crate) type Write<'a> = (&'a [u8], Option<&'a [u8]>);
 
 /// The writes of a frame's payload, or `None` when it does not parse.
 fn parse(payload: &[u8]) -> Option<Vec<Write<'_>>> {
@@ -767,5 +842,40 @@ mod wal_tests {
                 Some(value.as_str())
             );
         }
+    }
+
+    #[test]
+    fn a_reader_waits_for_a_logged_batch_to_be_applied() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        let logged = store
+            .log([(b"k".as_slice(), Some(b"v".as_slice()))])
+            .unwrap();
+        std::thread::scope(|scope| {
+            let reader = scope.spawn(|| get(&store, "k"));
+            // Long enough for a reader that does not wait to read the old value.
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            assert!(!reader.is_finished(), "the reader did not wait");
+            logged.apply().unwrap();
+            assert_eq!(reader.join().unwrap().as_deref(), Some("v"));
+        });
+    }
+
+    #[test]
+    fn a_batch_dropped_unapplied_leaves_no_frame() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        put(&store, "a", "1");
+        let before = store.wal().len;
+        drop(
+            store
+                .log([(b"b".as_slice(), Some(b"2".as_slice()))])
+                .unwrap(),
+        );
+        assert_eq!(store.wal().len, before);
+        drop(store);
+        let store = open(dir.path());
+        assert_eq!(get(&store, "a").as_deref(), Some("1"));
+        assert_eq!(get(&store, "b"), None);
     }
 }

@@ -2,12 +2,13 @@
 //! are serialized without locks, and all writes that arrive while a flush runs share
 //! the next one (group commit).
 //!
-//! A batch is applied with one atomic `apply_batch`, then flushed; only then are its
-//! waiters answered. Answers that merely read (replay, in flight) wait for the same
-//! flush, because they may have read state written earlier in the batch. If the flush
-//! fails, the batch is rolled back in memory from the before-images it captured, so no
-//! reader ever sees a state that was never made durable, and every waiter gets
-//! `Error::Unavailable` (fail closed).
+//! A batch is appended to the journal's write-ahead log as one frame (and synced, for
+//! `Durability::Node`); only then are its waiters answered, and then sled gets its
+//! writes, while readers wait for them. Answers that merely read (replay, in flight)
+//! wait for the same log write, because they may have read state written earlier in
+//! the batch. If the write or the sync fails, the batch's frame is taken back and
+//! nothing of it reaches sled, so no reader ever sees a state that was never made
+//! durable, and every waiter gets `Error::Unavailable` (fail closed).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -124,8 +125,6 @@ fn pending<T: Send + 'static>(reply: Reply<T>, value: T) -> Pending {
 #[derive(Default)]
 pub(crate) struct Batch {
     writes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
-    /// The value each written key had before the batch, for rollback.
-    before: HashMap<Vec<u8>, Option<Vec<u8>>>,
     records: HashMap<IdempotencyKey, Option<Record>>,
     /// The slot of each record this batch wrote.
     slots: HashMap<IdempotencyKey, u64>,
@@ -161,26 +160,8 @@ impl Batch {
         }
     }
 
-    /// Remembers the current value of `key` (once per batch) so the batch can be undone.
-    fn capture(&mut self, store: &Store, key: &[u8]) -> Result<(), Error> {
-        // `set` records a before-image for every key it writes, so a key already in
-        // `before` was either captured or first written by this batch.
-        if !self.before.contains_key(key) {
-            let old = store.get(key)?;
-            self.before.insert(key.to_vec(), old);
-        }
-        Ok(())
-    }
-
     fn set(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
-        self.before.entry(key.clone()).or_insert(None);
         self.writes.insert(key, value);
-    }
-
-    fn put(&mut self, store: &Store, key: Vec<u8>, value: Option<Vec<u8>>) -> Result<(), Error> {
-        self.capture(store, &key)?;
-        self.set(key, value);
-        Ok(())
     }
 
     fn expire_later(&mut self, kind: u8, due: Timestamp, key: String) {
@@ -207,7 +188,6 @@ impl Batch {
 /// writer's hot path.
 struct Hot {
     record: Record,
-    bytes: Vec<u8>,
     slot: u64,
 }
 
@@ -244,13 +224,6 @@ pub(crate) struct Core {
     open_streams: HashMap<StreamKey, (u32, Option<u64>)>,
     /// Held lazy events per stream (see [`Run`]).
     runs: HashMap<StreamKey, Run>,
-    /// Per stream appended to, the attempt and the sequence number past its last
-    /// appended event. Keys of that attempt at or past it were never written (an
-    /// attempt's events only ever go forward, and a rolled-back batch leaves its
-    /// keys absent), so such an append needs no before-image read from the store.
-    /// Absent (a restart, a forgotten entry): the store is read, as for any other
-    /// write.
-    appended: HashMap<StreamKey, (u32, u64)>,
     /// Stream attempts whose held events were lost to a failed write: the rest of
     /// such an attempt is refused, so the journal never serves a stream with a hole.
     broken: HashSet<(StreamKey, u32)>,
@@ -316,7 +289,6 @@ impl Core {
             hot: HashMap::new(),
             open_streams: HashMap::new(),
             runs: HashMap::new(),
-            appended: HashMap::new(),
             broken: HashSet::new(),
             expiry_ids: 0,
             next_slot,
@@ -416,21 +388,6 @@ impl Core {
         };
         let slot = stored.unwrap_or(self.next_slot);
         let body_key = keys::body(slot);
-        // Before-images: the slot's current bytes, or the inline record a new slot
-        // replaces. A new slot was empty (`set` records that).
-        match (previous, stored) {
-            (None, _) => {}
-            (Some(_), Some(_)) if batch.before.contains_key(&body_key) => {}
-            (Some(_), Some(_)) => match self.hot.get(&rec.key) {
-                Some(hot) => {
-                    batch
-                        .before
-                        .insert(body_key.clone(), Some(hot.bytes.clone()));
-                }
-                None => batch.capture(&self.store, &body_key)?,
-            },
-            (Some(_), None) => batch.capture(&self.store, &record_key)?,
-        }
         // Nothing below can fail: the batch never holds half of a record's writes.
         if stored.is_none() {
             self.next_slot += 1;
@@ -465,9 +422,6 @@ impl Core {
         }
         if let Some(task) = &rec.task_id {
             removed.push(keys::task(task.as_str(), rec.created_at.as_micros(), key));
-        }
-        for k in &removed {
-            batch.capture(&self.store, k)?;
         }
         for k in removed {
             batch.set(k, None);
@@ -557,11 +511,9 @@ impl Core {
                 value,
                 reply,
             } => {
-                let result = batch.put(&self.store, keys::kv(&namespace, &key), value);
-                if result.is_ok() {
-                    batch.kv_writes += 1;
-                }
-                settle(batch, reply, result, true);
+                batch.set(keys::kv(&namespace, &key), value);
+                batch.kv_writes += 1;
+                settle(batch, reply, Ok(()), true);
             }
             Command::Reap { now, reply } => {
                 let result = self.reap(now, batch);
@@ -674,8 +626,6 @@ impl Core {
         };
         let attempt = meta.attempt;
         self.write_stream(batch, meta, false)?;
-        // A new attempt has no events yet: its first append needs no before-image read.
-        self.note_appended(key, attempt, 0);
         Ok(StreamBegin::New { attempt })
     }
 
@@ -693,12 +643,8 @@ impl Core {
         meta.last_seq = None;
         let bytes = encode("stream metadata", &meta)?;
         let stream_key = keys::stream(meta.key.as_str());
-        if self.known.insert((Known::Stream, meta.key.as_str())) {
-            // Certainly absent until now: its before-image is "absent", with no read.
-            batch.set(stream_key, Some(bytes));
-        } else {
-            batch.put(&self.store, stream_key, Some(bytes))?;
-        }
+        self.remember(Known::Stream, meta.key.as_str());
+        batch.set(stream_key, Some(bytes));
         batch.streams.insert(meta.key.clone(), Some(meta));
         if durable {
             batch.needs_flush = true;
@@ -751,19 +697,6 @@ impl Core {
         Ok(meta)
     }
 
-    /// Notes that no event of `attempt` of `key` at or past `next` was ever written.
-    fn note_appended(&mut self, key: &StreamKey, attempt: u32, next: u64) {
-        match self.appended.get_mut(key) {
-            Some(entry) => *entry = (attempt, next),
-            None => {
-                if self.appended.len() >= MAX_OPEN_STREAMS {
-                    self.appended.clear();
-                }
-                self.appended.insert(key.clone(), (attempt, next));
-            }
-        }
-    }
-
     fn stream_append(
         &mut self,
         key: &StreamKey,
@@ -776,17 +709,7 @@ impl Core {
         let events_slot = self.appendable(batch, key, attempt, events)?;
         // One value for all the events of this append (see `stream::chunk`).
         let event_key = keys::event(keys::Events::of(key.as_str(), events_slot), attempt, seq);
-        let value = Some(chunk::encode(events));
-        if self
-            .appended
-            .get(key)
-            .is_some_and(|&(a, next)| a == attempt && seq >= next)
-        {
-            batch.set(event_key, value);
-        } else {
-            batch.put(&self.store, event_key, value)?;
-        }
-        self.note_appended(key, attempt, seq.saturating_add(events.len() as u64));
+        batch.set(event_key, Some(chunk::encode(events)));
         batch.stream_events += events.len() as u64;
         if durable {
             batch.needs_flush = true;
@@ -903,7 +826,6 @@ impl Core {
         meta.state = end.state();
         meta.end = Some(end);
         meta.updated_at = Timestamp::from_system(now);
-        self.appended.remove(key);
         self.write_stream(batch, meta, true)
     }
 
@@ -950,7 +872,7 @@ impl Core {
                 // Unknown kinds are dropped with their entry: nothing reads them.
                 Some(_) | None => {}
             }
-            batch.put(&self.store, index, None)?;
+            batch.set(index, None);
         }
         batch.needs_flush = true;
         Ok(report)
@@ -977,9 +899,9 @@ impl Core {
                     .map(|e| e.map(|(k, _)| k))
                     .collect::<Result<_, _>>()?;
                 for event in events {
-                    batch.put(&self.store, event, None)?;
+                    batch.set(event, None);
                 }
-                batch.put(&self.store, keys::stream(&key), None)?;
+                batch.set(keys::stream(&key), None);
                 batch.streams.insert(id, None);
                 report.streams_dropped += 1;
             }
@@ -1020,7 +942,8 @@ impl Core {
     }
 
     pub(crate) fn put(&self, batch: &mut Batch, key: &[u8], value: &[u8]) -> Result<(), Error> {
-        batch.put(&self.store, key.to_vec(), Some(value.to_vec()))
+        batch.set(key.to_vec(), Some(value.to_vec()));
+        Ok(())
     }
 
     /// Applies the batch and makes it durable, blocking (used at open).
@@ -1034,7 +957,7 @@ impl Core {
         )?;
         self.store.flush()?;
         self.shared.flushes.fetch_add(1, Ordering::Relaxed);
-        self.count(&batch);
+        self.count(&batch, !batch.writes.is_empty());
         Ok(())
     }
 
@@ -1047,7 +970,6 @@ impl Core {
             let entry = head.append(at, &batch.changes);
             let entry_bytes = encode("a log entry", &entry)?;
             let head_bytes = head.encode()?;
-            batch.capture(&self.store, keys::HEAD)?;
             batch.set(keys::log(entry.seq), Some(entry_bytes));
             batch.set(keys::HEAD.to_vec(), Some(head_bytes));
             self.head = head;
@@ -1062,9 +984,9 @@ impl Core {
         Ok(())
     }
 
-    fn count(&self, batch: &Batch) {
+    fn count(&self, batch: &Batch, wrote: bool) {
         let s = &self.shared;
-        if !batch.writes.is_empty() {
+        if wrote {
             s.batches.fetch_add(1, Ordering::Relaxed);
         }
         s.records_written
@@ -1078,28 +1000,30 @@ impl Core {
         }
     }
 
-    /// Flushes on the writer's own thread. Every waiter of the batch waits for this
-    /// flush anyway, and handing it to a blocking-pool thread costs two thread wakeups
-    /// per commit, which at low concurrency is most of the latency. The writer is the
-    /// only task that blocks like this, and for at most one flush at a time.
-    async fn flush(&self) -> Result<(), String> {
+    /// Makes lazily applied writes durable (a no-op but for `Durability::Node`), on
+    /// the writer's own thread: handing it to a blocking-pool thread costs two thread
+    /// wakeups, which at low concurrency is most of the latency.
+    fn flush(&self) -> Result<(), String> {
         if self.shared.fault() == Some(WriteFault::FailFlush) {
             return Err("injected write fault: the flush failed".to_owned());
         }
-        match self.store.flush() {
-            Ok(()) => {
-                self.shared.flushes.fetch_add(1, Ordering::Relaxed);
-                self.shared.failing.store(false, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(e) => Err(e.to_string()),
-        }
+        self.store.flush().map_err(|e| e.to_string())?;
+        self.flushed();
+        Ok(())
     }
 
-    /// Applies, flushes and answers one batch.
+    fn flushed(&self) {
+        self.shared.flushes.fetch_add(1, Ordering::Relaxed);
+        self.shared.failing.store(false, Ordering::Relaxed);
+    }
+
+    /// Logs, syncs, answers and applies one batch. Its waiters are answered once the
+    /// batch is durable in the write-ahead log, before sled has it: sled's inserts
+    /// are half of the writer's time, and readers wait for them (see `Store::log`).
+    /// Lazy waiters (whose callers read what they wrote) are answered after.
     pub(crate) async fn commit(&mut self, mut batch: Batch) {
         if batch.writes.is_empty() {
-            self.count(&batch);
+            self.count(&batch, false);
             for answer in batch
                 .after_apply
                 .drain(..)
@@ -1109,68 +1033,63 @@ impl Core {
             }
             return;
         }
-        let applied = match self.stage(&mut batch) {
-            Err(e) => Err(e.to_string()),
-            Ok(()) if self.shared.fault() == Some(WriteFault::FailApply) => {
-                Err("injected write fault: the batch was refused".to_owned())
+        let store = Arc::clone(&self.store);
+        let staged = self.stage(&mut batch).map_err(|e| e.to_string());
+        let writes = std::mem::take(&mut batch.writes);
+        let logged = staged.and_then(|()| {
+            if self.shared.fault() == Some(WriteFault::FailApply) {
+                return Err("injected write fault: the batch was refused".to_owned());
             }
-            Ok(()) => self
-                .store
-                .apply(
-                    batch
-                        .writes
-                        .iter()
-                        .map(|(k, v)| (k.as_slice(), v.as_deref())),
-                )
-                .map_err(|e| e.to_string()),
-        };
-        if let Err(reason) = applied {
-            self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
-            self.shared.failing.store(true, Ordering::Relaxed);
-            self.head = batch.head_before;
-            tracing::error!(%reason, "journal batch not applied; failing its waiters");
-            self.lose_runs(&mut batch);
-            fail(batch, &reason);
-            return;
-        }
-        for answer in batch.after_apply.drain(..) {
-            answer(Ok(()));
-        }
-        let flushed = if batch.needs_flush {
-            self.flush().await
-        } else {
-            self.dirty_since.get_or_insert_with(Instant::now);
-            Ok(())
-        };
-        match flushed {
-            Ok(()) => {
-                if batch.needs_flush {
-                    self.dirty_since = None;
+            let logged = store
+                .log(writes.iter().map(|(k, v)| (k.as_slice(), v.as_deref())))
+                .map_err(|e| e.to_string())?;
+            if batch.needs_flush {
+                if self.shared.fault() == Some(WriteFault::FailFlush) {
+                    // Dropping the unapplied batch takes its frame back.
+                    return Err("injected write fault: the flush failed".to_owned());
                 }
-                self.count(&batch);
-                for answer in batch.after_flush.drain(..) {
-                    answer(Ok(()));
-                }
-                self.remember_in_flight(&mut batch);
-                if batch.records_written > 0 {
-                    self.shared.commits.send_modify(|n| *n = n.wrapping_add(1));
-                }
+                logged.sync().map_err(|e| e.to_string())?;
             }
+            Ok(logged)
+        });
+        let logged = match logged {
+            Ok(logged) => logged,
             Err(reason) => {
+                // Nothing of the batch reached sled or stays in the log.
                 self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
                 self.shared.failing.store(true, Ordering::Relaxed);
                 self.head = batch.head_before;
-                let undo = std::mem::take(&mut batch.before);
-                if let Err(e) = self
-                    .store
-                    .apply(undo.iter().map(|(k, v)| (k.as_slice(), v.as_deref())))
-                {
-                    tracing::error!(error = %e, "rolling back an unflushed journal batch failed");
-                }
-                tracing::error!(%reason, "journal flush failed; failing its waiters");
+                tracing::error!(%reason, "journal batch not written; failing its waiters");
                 self.lose_runs(&mut batch);
                 fail(batch, &reason);
+                return;
             }
+        };
+        if batch.needs_flush {
+            self.flushed();
+            self.dirty_since = None;
+        } else {
+            self.dirty_since.get_or_insert_with(Instant::now);
+        }
+        for answer in batch.after_flush.drain(..) {
+            answer(Ok(()));
+        }
+        if let Err(e) = logged.apply() {
+            // The batch is durable in the log (a restart applies it), but sled may
+            // hold part of it, and the store takes no more writes.
+            self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
+            self.shared.failing.store(true, Ordering::Relaxed);
+            let reason = e.to_string();
+            fail(batch, &reason);
+            return;
+        }
+        self.count(&batch, true);
+        for answer in batch.after_apply.drain(..) {
+            answer(Ok(()));
+        }
+        self.remember_in_flight(&mut batch);
+        if batch.records_written > 0 {
+            self.shared.commits.send_modify(|n| *n = n.wrapping_add(1));
         }
     }
 
@@ -1205,27 +1124,14 @@ impl Core {
         }
         for (key, record) in batch.records.drain() {
             match record {
-                Some(record) if record.state.in_flight() => {
-                    // The batch is applied and done with: take its bytes.
-                    let written = batch.slots.get(&key).copied().and_then(|slot| {
-                        Some((slot, batch.writes.remove(&keys::body(slot)).flatten()?))
-                    });
-                    match written {
-                        Some((slot, bytes)) => {
-                            self.hot.insert(
-                                key,
-                                Hot {
-                                    record,
-                                    bytes,
-                                    slot,
-                                },
-                            );
-                        }
-                        None => {
-                            self.hot.remove(&key);
-                        }
+                Some(record) if record.state.in_flight() => match batch.slots.get(&key) {
+                    Some(&slot) => {
+                        self.hot.insert(key, Hot { record, slot });
                     }
-                }
+                    None => {
+                        self.hot.remove(&key);
+                    }
+                },
                 _ => {
                     self.hot.remove(&key);
                 }
@@ -1254,7 +1160,7 @@ impl Core {
                 return;
             }
         }
-        match self.flush().await {
+        match self.flush() {
             Ok(()) => self.dirty_since = None,
             Err(reason) => {
                 self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);

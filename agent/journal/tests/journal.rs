@@ -215,6 +215,30 @@ async fn a_journal_that_cannot_write_fails_closed() -> TestResult {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_flush_failed_is_not_replayed_at_the_next_open() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    {
+        let (run, _) = Running::open(Options::new(dir.path()))?;
+        let ticket = execute(&run.journal, intent("f-2", ToolClass::Keyed)).await?;
+        run.journal.set_write_fault(Some(WriteFault::FailFlush));
+        let refused = run.journal.complete(&ticket, ok(200)).await;
+        assert!(matches!(refused, Err(Error::Unavailable(_))), "{refused:?}");
+        run.journal.set_write_fault(None);
+        run.stop().await?;
+    }
+    // The refused outcome was never acknowledged: the write-ahead log replayed at
+    // open must not bring it back. The call was sent, so it is in doubt.
+    let (run, recovery) = Running::open(Options::new(dir.path()))?;
+    assert_eq!(recovery.in_doubt, [key("f-2")]);
+    assert_eq!(
+        run.journal.get(&key("f-2"))?.map(|r| r.state),
+        Some(State::InDoubt)
+    );
+    assert!(run.journal.verify()?.is_clean());
+    run.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restart_settles_what_was_in_flight() -> TestResult {
     let dir = tempfile::tempdir()?;
     let stream = StreamKey::new("stream-1")?;
