@@ -51,7 +51,8 @@ pub(crate) struct Store {
 pub(crate) struct Logged<'s, 'w> {
     store: &'s Store,
     wal: MutexGuard<'s, Wal>,
-    _readers_wait: RwLockWriteGuard<'s, ()>,
+    /// Released once sled has the writes.
+    readers_wait: Option<RwLockWriteGuard<'s, ()>>,
     writes: Vec<Write<'w>>,
     /// Where the frame starts in the log.
     start: u64,
@@ -271,7 +272,7 @@ impl Store {
         Ok(Logged {
             store: self,
             wal,
-            _readers_wait: readers_wait,
+            readers_wait: Some(readers_wait),
             writes,
             start,
             applied: false,
@@ -325,6 +326,8 @@ impl Logged<'_, '_> {
             self.wal.broken = Some(reason);
             return Err(e);
         }
+        // Readers need not wait for a rotation's flush of sled.
+        drop(self.readers_wait.take());
         if self.wal.len >= self.wal.rotate_at {
             // Everything in the log is in sled; once sled is durable the log can go.
             match self.store.sync_db() {
