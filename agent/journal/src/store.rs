@@ -13,11 +13,20 @@
 //! flusher). At open, the log's frames are applied again in order, which is
 //! idempotent (each write is a whole value or a removal), and a torn last frame (a
 //! batch whose write never returned, so was never acknowledged) is dropped.
+//!
+//! A logged batch is given to sled afterwards, in order, on an applier thread of
+//! the store's own when the writer has more waiting (sled's inserts then run beside
+//! the making of the next batch), or on the writer's thread when it has not. Every
+//! read first waits until sled has every batch logged so far, so nobody reads around
+//! a write whose caller was answered.
 
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockWriteGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::JoinHandle;
 
 use crate::Error;
 use crate::options::Durability;
@@ -39,24 +48,48 @@ pub(crate) struct Store {
     /// A second handle on sled's data file, for `fdatasync` in `Durability::Node`.
     sync_file: Option<File>,
     wal: Mutex<Wal>,
-    /// Held (for writing) from a batch's log append until sled has it: a reader
-    /// waits for a batch whose waiters may already have been answered.
-    applying: RwLock<()>,
+    progress: Arc<Progress>,
+    /// The applier thread and the queue of logged batches it gives sled.
+    applier: Option<(Sender<Handoff>, JoinHandle<()>)>,
     durability: Durability,
     dir: PathBuf,
 }
 
-/// A batch appended to the write-ahead log and not yet in sled; see [`Store::log`].
-/// Readers wait until it is applied. Dropped unapplied, its frame is taken back.
-pub(crate) struct Logged<'s, 'w> {
+/// A key and its new value (`None` removes the key).
+pub(crate) type OwnedWrite = (Vec<u8>, Option<Vec<u8>>);
+
+/// Called once sled has a batch, or with why it could not take it.
+pub(crate) type Then = Box<dyn FnOnce(Result<(), String>) + Send>;
+
+/// A logged batch on its way to sled.
+struct Handoff {
+    seq: u64,
+    writes: Vec<OwnedWrite>,
+    then: Option<Then>,
+}
+
+/// How far sled has come behind the log, shared by the applier and the readers.
+#[derive(Default)]
+struct Progress {
+    /// The number of the last batch appended to the log.
+    logged: AtomicU64,
+    /// The number of the last batch sled has; readers wait on `moved` for it.
+    applied: Mutex<u64>,
+    moved: Condvar,
+    /// Set when sled failed to take a batch: later batches are refused.
+    failed: Mutex<Option<String>>,
+}
+
+/// A batch appended to the write-ahead log and not yet handed to sled; see
+/// [`Store::log`]. Dropped unapplied, its frame is taken back.
+pub(crate) struct Logged<'s> {
     store: &'s Store,
     wal: MutexGuard<'s, Wal>,
-    /// Released once sled has the writes.
-    readers_wait: Option<RwLockWriteGuard<'s, ()>>,
-    writes: Vec<Write<'w>>,
+    /// Taken by [`Logged::apply`].
+    writes: Option<Vec<OwnedWrite>>,
+    seq: u64,
     /// Where the frame starts in the log.
     start: u64,
-    applied: bool,
 }
 
 /// The write-ahead log. Only the writer appends; the lock keeps `Store` shareable.
@@ -132,15 +165,23 @@ impl Store {
             })?),
         };
         let wal = Wal::open(dir)?;
-        let store = Self {
+        let mut store = Self {
             db,
             sync_file,
             wal: Mutex::new(wal),
-            applying: RwLock::new(()),
+            progress: Arc::new(Progress::default()),
+            applier: None,
             durability,
             dir: dir.to_owned(),
         };
         store.recover()?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (db, progress) = (store.db.clone(), Arc::clone(&store.progress));
+        let thread = std::thread::Builder::new()
+            .name("outrigger-journal-apply".to_owned())
+            .spawn(move || run_applier(&db, &progress, &rx))
+            .map_err(|e| Error::Storage(format!("cannot start the journal's applier: {e}")))?;
+        store.applier = Some((tx, thread));
         Ok(store)
     }
 
@@ -188,10 +229,21 @@ impl Store {
         &self.dir
     }
 
-    /// Waits for a batch being applied: a reader never misses a write whose waiter
-    /// was answered before the read began.
+    /// Waits until sled has every batch logged so far: a reader never misses a write
+    /// whose waiter was answered before the read began.
     fn settled(&self) {
-        drop(self.applying.read().unwrap_or_else(PoisonError::into_inner));
+        self.wait_applied(self.progress.logged.load(Ordering::SeqCst));
+    }
+
+    fn wait_applied(&self, target: u64) {
+        let mut applied = lock(&self.progress.applied);
+        while *applied < target {
+            applied = self
+                .progress
+                .moved
+                .wait(applied)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
     }
 
     pub(crate) fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, Error> {
@@ -231,52 +283,91 @@ impl Store {
     }
 
     /// Applies all writes, atomically across a crash (all or nothing: the batch is one
-    /// frame of the write-ahead log when this returns). `None` removes the key.
-    /// [`Store::flush`] makes it durable for `Durability::Node`.
+    /// frame of the write-ahead log when this returns), and waits until sled has
+    /// them. `None` removes the key. [`Store::flush`] makes it durable for
+    /// `Durability::Node`.
     pub(crate) fn apply<'w>(
         &self,
         writes: impl IntoIterator<Item = Write<'w>>,
     ) -> Result<(), Error> {
-        self.log(writes)?.apply()
+        let owned = writes
+            .into_iter()
+            .map(|(k, v)| (k.to_vec(), v.map(<[u8]>::to_vec)))
+            .collect();
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.log(owned)?.apply_here(Some(Box::new(move |outcome| {
+            let _ = tx.send(outcome);
+        })));
+        rx.recv()
+            .map_err(|_| Error::Storage("the journal's applier stopped".to_owned()))?
+            .map_err(Error::Storage)
     }
 
     /// Appends the writes to the write-ahead log as one frame (with one `write`): once
     /// this returns, the batch survives a killed process, and once [`Logged::sync`]
-    /// returns, a lost node. sled gets the writes in [`Logged::apply`]; until then
-    /// readers wait, so a waiter can be answered in between without anyone reading
-    /// around its write.
-    pub(crate) fn log<'w>(
-        &self,
-        writes: impl IntoIterator<Item = Write<'w>>,
-    ) -> Result<Logged<'_, 'w>, Error> {
+    /// returns, a lost node. [`Logged::apply`] hands it to the applier thread, which
+    /// gives sled the writes; readers wait for every logged batch to be in sled, so
+    /// a waiter can be answered as soon as its batch is logged.
+    pub(crate) fn log(&self, writes: Vec<OwnedWrite>) -> Result<Logged<'_>, Error> {
         let mut wal = self.wal();
         if let Some(reason) = &wal.broken {
             return Err(Error::Storage(reason.clone()));
         }
-        let writes: Vec<Write<'w>> = writes.into_iter().collect();
+        if let Some(reason) = lock(&self.progress.failed).clone() {
+            return Err(Error::Storage(reason));
+        }
+        if wal.len >= wal.rotate_at {
+            self.rotate(&mut wal);
+        }
         let mut frame = std::mem::take(&mut wal.frame);
         frame.clear();
         frame.extend_from_slice(&[0; FRAME_HEADER]);
-        for &(key, value) in &writes {
-            push_write(&mut frame, key, value);
+        for (key, value) in &writes {
+            push_write(&mut frame, key, value.as_deref());
         }
         seal(&mut frame)?;
         let start = wal.len;
         let appended = wal.append(&frame);
         wal.frame = frame;
         appended?;
-        let readers_wait = self
-            .applying
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
+        let seq = self.progress.logged.fetch_add(1, Ordering::SeqCst) + 1;
         Ok(Logged {
             store: self,
             wal,
-            readers_wait: Some(readers_wait),
-            writes,
+            writes: Some(writes),
+            seq,
             start,
-            applied: false,
         })
+    }
+
+    /// Empties the log once sled has everything in it and is durable.
+    fn rotate(&self, wal: &mut Wal) {
+        self.settled();
+        if lock(&self.progress.failed).is_some() {
+            return;
+        }
+        match self.sync_db() {
+            Ok(()) => {
+                if let Err(e) = wal.truncate() {
+                    tracing::warn!(error = %e, "emptying the journal's write-ahead log failed; trying again later");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "flushing the journal to rotate its log failed; trying again later");
+            }
+        }
+    }
+
+    fn hand_off(&self, handoff: Handoff) {
+        let handoff = match &self.applier {
+            Some((tx, _)) => match tx.send(handoff) {
+                Ok(()) => return,
+                Err(std::sync::mpsc::SendError(handoff)) => handoff,
+            },
+            None => handoff,
+        };
+        // No applier (it panicked): apply here rather than leave readers waiting.
+        settle(&self.db, &self.progress, handoff);
     }
 
     /// Makes every applied write durable: already so for `Durability::Process` (the
@@ -302,54 +393,104 @@ impl Store {
     }
 }
 
-impl Logged<'_, '_> {
+impl Logged<'_> {
     /// Makes the batch durable for `Durability::Node` (`fdatasync` of the log); for
-    /// `Durability::Process` it already is. A failed sync takes the frame back.
+    /// `Durability::Process` it already is.
     pub(crate) fn sync(&self) -> Result<(), Error> {
         self.store.sync_log(&self.wal)
     }
 
-    /// Gives sled the batch's writes, then lets readers in.
-    pub(crate) fn apply(mut self) -> Result<(), Error> {
-        // The frame makes the batch atomic across a crash, so sled gets the writes
-        // one by one: its `apply_batch` rolls its I/O buffer twice per batch (two
-        // `sync_file_range`s on its thread pool), whatever the flush policy.
-        self.applied = true;
-        if let Err(e) = apply_writes(&self.store.db, &self.writes) {
-            // Part of the batch may be in sled now. The frame stays, so a restart
-            // completes the batch; until then nothing more is written.
+    /// Hands the batch to the applier; `then` is called once sled has it.
+    pub(crate) fn apply(mut self, then: Option<Then>) {
+        let handoff = self.handoff(then);
+        self.store.hand_off(handoff);
+    }
+
+    /// Gives sled the batch on the calling thread, after the batches before it; `then`
+    /// is called once sled has it. Cheaper than [`Logged::apply`] when nothing else
+    /// is waiting to be logged meanwhile: no other thread is woken.
+    pub(crate) fn apply_here(mut self, then: Option<Then>) {
+        let handoff = self.handoff(then);
+        self.store.wait_applied(handoff.seq - 1);
+        settle(&self.store.db, &self.store.progress, handoff);
+    }
+
+    fn handoff(&mut self, then: Option<Then>) -> Handoff {
+        Handoff {
+            seq: self.seq,
+            writes: self.writes.take().unwrap_or_default(),
+            then,
+        }
+    }
+}
+
+impl Drop for Logged<'_> {
+    /// A batch dropped unapplied was refused (its sync failed, or a fault was
+    /// injected): its frame must not be replayed at the next open, and readers must
+    /// not wait for it.
+    fn drop(&mut self) {
+        if self.writes.take().is_some() {
+            let start = self.start;
+            self.wal.take_back(start);
+            self.store.hand_off(Handoff {
+                seq: self.seq,
+                writes: Vec::new(),
+                then: None,
+            });
+        }
+    }
+}
+
+impl Drop for Store {
+    /// Lets the applier give sled what is queued, then stops it.
+    fn drop(&mut self) {
+        if let Some((tx, thread)) = self.applier.take() {
+            drop(tx);
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The applier thread: gives sled each logged batch, in order. sled's inserts are
+/// half of the journal writer's time; here they run beside it.
+fn run_applier(db: &sled::Db, progress: &Progress, rx: &Receiver<Handoff>) {
+    while let Ok(handoff) = rx.recv() {
+        settle(db, progress, handoff);
+    }
+}
+
+/// Gives sled one batch (unless an earlier one failed), lets readers in, and calls
+/// its `then`.
+fn settle(db: &sled::Db, progress: &Progress, handoff: Handoff) {
+    let Handoff { seq, writes, then } = handoff;
+    let earlier = lock(&progress.failed).clone();
+    let outcome = match earlier {
+        Some(reason) => Err(reason),
+        None => apply_owned(db, &writes).map_err(|e| {
+            // Part of the batch may be in sled now. Its frame stays in the log, so
+            // a restart completes it; until then nothing more is written.
             let reason = format!(
                 "the journal could not apply a batch ({e}); no further writes are accepted \
                  until the sidecar restarts and replays its write-ahead log"
             );
             tracing::error!("{reason}");
-            self.wal.broken = Some(reason);
-            return Err(e);
-        }
-        // Readers need not wait for a rotation's flush of sled.
-        drop(self.readers_wait.take());
-        if self.wal.len >= self.wal.rotate_at {
-            // Everything in the log is in sled; once sled is durable the log can go.
-            match self.store.sync_db() {
-                Ok(()) => self.wal.truncate()?,
-                Err(e) => {
-                    tracing::warn!(error = %e, "flushing the journal to rotate its log failed; trying again later");
-                }
-            }
-        }
-        Ok(())
+            *lock(&progress.failed) = Some(reason.clone());
+            reason
+        }),
+    };
+    {
+        let mut applied = lock(&progress.applied);
+        debug_assert_eq!(*applied + 1, seq, "batches reach sled in log order");
+        *applied = seq;
+    }
+    progress.moved.notify_all();
+    if let Some(then) = then {
+        then(outcome);
     }
 }
 
-impl Drop for Logged<'_, '_> {
-    /// A batch dropped unapplied was refused (its sync failed, or a fault was
-    /// injected): its frame must not be replayed at the next open.
-    fn drop(&mut self) {
-        if !self.applied {
-            let start = self.start;
-            self.wal.take_back(start);
-        }
-    }
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 fn check_unlocked(dir: &Path, db_file: &Path) -> Result<(), Error> {
@@ -541,6 +682,21 @@ fn apply_writes(db: &sled::Db, writes: &[Write<'_>]) -> Result<(), Error> {
     for &(key, value) in writes {
         match value {
             Some(value) => db.insert(key, value).map(drop),
+            None => db.remove(key).map(drop),
+        }
+        .map_err(storage)?;
+    }
+    Ok(())
+}
+
+/// Applies owned writes to sled, in order. The frame makes the batch atomic across a
+/// crash, so sled gets the writes one by one: its `apply_batch` rolls its I/O buffer
+/// twice per batch (two `sync_file_range`s on its thread pool), whatever the flush
+/// policy.
+fn apply_owned(db: &sled::Db, writes: &[OwnedWrite]) -> Result<(), Error> {
+    for (key, value) in writes {
+        match value {
+            Some(value) => db.insert(key.as_slice(), value.as_slice()).map(drop),
             None => db.remove(key).map(drop),
         }
         .map_err(storage)?;
@@ -852,14 +1008,14 @@ mod wal_tests {
         let dir = tempfile::tempdir().unwrap();
         let store = open(dir.path());
         let logged = store
-            .log([(b"k".as_slice(), Some(b"v".as_slice()))])
+            .log(vec![(b"k".to_vec(), Some(b"v".to_vec()))])
             .unwrap();
         std::thread::scope(|scope| {
             let reader = scope.spawn(|| get(&store, "k"));
             // Long enough for a reader that does not wait to read the old value.
             std::thread::sleep(std::time::Duration::from_millis(50));
             assert!(!reader.is_finished(), "the reader did not wait");
-            logged.apply().unwrap();
+            logged.apply(None);
             assert_eq!(reader.join().unwrap().as_deref(), Some("v"));
         });
     }
@@ -872,7 +1028,7 @@ mod wal_tests {
         let before = store.wal().len;
         drop(
             store
-                .log([(b"b".as_slice(), Some(b"2".as_slice()))])
+                .log(vec![(b"b".to_vec(), Some(b"2".to_vec()))])
                 .unwrap(),
         );
         assert_eq!(store.wal().len, before);
@@ -880,5 +1036,28 @@ mod wal_tests {
         let store = open(dir.path());
         assert_eq!(get(&store, "a").as_deref(), Some("1"));
         assert_eq!(get(&store, "b"), None);
+    }
+
+    #[test]
+    fn batches_reach_sled_in_log_order_on_either_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        for i in 0..10u32 {
+            // A large batch for the applier, then a small one applied here at once:
+            // the small one must still land last.
+            let mut large: Vec<OwnedWrite> = (0..2_000)
+                .map(|j| (format!("filler-{j}").into_bytes(), Some(b"x".to_vec())))
+                .collect();
+            large.push((b"k".to_vec(), Some(format!("large-{i}").into_bytes())));
+            store.log(large).unwrap().apply(None);
+            let small = format!("small-{i}");
+            store
+                .log(vec![(b"k".to_vec(), Some(small.clone().into_bytes()))])
+                .unwrap()
+                .apply_here(None);
+            // Give an applier that ran late the time to overwrite it.
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            assert_eq!(get(&store, "k"), Some(small), "round {i}");
+        }
     }
 }

@@ -28,7 +28,7 @@ use crate::record::{Begin, Record, State};
 use crate::slots;
 use crate::state::{self, Effect, Event};
 use crate::stats::{Shared, WriteFault};
-use crate::store::{Store, keys};
+use crate::store::{Store, Then, keys};
 use crate::stream::{
     StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest, StreamState, chunk,
 };
@@ -1020,8 +1020,10 @@ impl Core {
     /// Logs, syncs, answers and applies one batch. Its waiters are answered once the
     /// batch is durable in the write-ahead log, before sled has it: sled's inserts
     /// are half of the writer's time, and readers wait for them (see `Store::log`).
-    /// Lazy waiters (whose callers read what they wrote) are answered after.
-    pub(crate) async fn commit(&mut self, mut batch: Batch) {
+    /// Lazy waiters (whose callers read what they wrote) are answered after. When
+    /// `busy`, the inserts run on the store's applier thread while the writer makes
+    /// the next batch.
+    pub(crate) async fn commit(&mut self, mut batch: Batch, busy: bool) {
         if batch.writes.is_empty() {
             self.count(&batch, false);
             for answer in batch
@@ -1035,14 +1037,12 @@ impl Core {
         }
         let store = Arc::clone(&self.store);
         let staged = self.stage(&mut batch).map_err(|e| e.to_string());
-        let writes = std::mem::take(&mut batch.writes);
+        let writes = std::mem::take(&mut batch.writes).into_iter().collect();
         let logged = staged.and_then(|()| {
             if self.shared.fault() == Some(WriteFault::FailApply) {
                 return Err("injected write fault: the batch was refused".to_owned());
             }
-            let logged = store
-                .log(writes.iter().map(|(k, v)| (k.as_slice(), v.as_deref())))
-                .map_err(|e| e.to_string())?;
+            let logged = store.log(writes).map_err(|e| e.to_string())?;
             if batch.needs_flush {
                 if self.shared.fault() == Some(WriteFault::FailFlush) {
                     // Dropping the unapplied batch takes its frame back.
@@ -1074,19 +1074,33 @@ impl Core {
         for answer in batch.after_flush.drain(..) {
             answer(Ok(()));
         }
-        if let Err(e) = logged.apply() {
-            // The batch is durable in the log (a restart applies it), but sled may
-            // hold part of it, and the store takes no more writes.
-            self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
-            self.shared.failing.store(true, Ordering::Relaxed);
-            let reason = e.to_string();
-            fail(batch, &reason);
-            return;
+        // The waiters who read what they wrote are answered once sled has it. If sled
+        // cannot take it, the batch is still durable in the log (a restart applies
+        // it), and the store takes no more writes.
+        let after_apply = std::mem::take(&mut batch.after_apply);
+        let shared = Arc::clone(&self.shared);
+        let then: Then = Box::new(move |outcome| match outcome {
+            Ok(()) => {
+                for answer in after_apply {
+                    answer(Ok(()));
+                }
+            }
+            Err(reason) => {
+                shared.flush_errors.fetch_add(1, Ordering::Relaxed);
+                shared.failing.store(true, Ordering::Relaxed);
+                for answer in after_apply {
+                    answer(Err(&reason));
+                }
+            }
+        });
+        // Under load, sled's inserts run on the applier thread while the next batch
+        // is made; otherwise here (waking no other thread).
+        if busy {
+            logged.apply(Some(then));
+        } else {
+            logged.apply_here(Some(then));
         }
         self.count(&batch, true);
-        for answer in batch.after_apply.drain(..) {
-            answer(Ok(()));
-        }
         self.remember_in_flight(&mut batch);
         if batch.records_written > 0 {
             self.shared.commits.send_modify(|n| *n = n.wrapping_add(1));
@@ -1155,7 +1169,7 @@ impl Core {
                 }
             }
             batch.needs_flush = true;
-            self.commit(batch).await;
+            self.commit(batch, false).await;
             if self.dirty_since.is_none() {
                 return;
             }
@@ -1243,7 +1257,10 @@ impl Writer {
                 // writer on this thread, so it would otherwise wait for the commit).
                 tokio::task::yield_now().await;
             }
-            self.core.commit(batch).await;
+            // A batch of several commands means others are asking too: more will
+            // come while this one is applied, so sled's inserts go to the applier.
+            let busy = batch.commands > 1;
+            self.core.commit(batch, busy).await;
         }
         if self.core.dirty_since.is_some() {
             self.core.flush_lazy().await;
