@@ -17,9 +17,9 @@ use crate::store::{Store, keys};
 use crate::stream::{StreamKey, StreamMeta, chunk};
 use crate::writer::{decode_record, decode_stream};
 
-/// Reads go straight to the store: they never wait for the writer. They may see a
-/// write that is applied but whose flush is still running (it is milliseconds from
-/// durable); answers that release a side effect's outcome go through the writer.
+/// Reads go straight to the store: they never queue behind the writer, and wait only
+/// until sled has every commit already logged (see `Store::log`). Answers that
+/// release a side effect's outcome go through the writer.
 #[derive(Clone)]
 pub(crate) struct Reader {
     pub(crate) store: Arc<Store>,

@@ -29,7 +29,8 @@
 //!
 //! Shaped like a restate component: [`Options`], a service ([`Writer`]), a cloneable
 //! handle ([`Journal`]) and one [`Error`]. Reads (`get`, `list`, `verify`, streams, kv)
-//! go straight to the store and never queue behind the writer; an offline [`Audit`]
+//! go straight to the store (waiting only until sled has the commits already logged)
+//! and never queue behind the writer; an offline [`Audit`]
 //! offers the same reads on a stopped sidecar's directory.
 
 mod audit;
