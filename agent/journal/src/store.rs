@@ -455,7 +455,21 @@ impl Drop for Store {
 /// half of the journal writer's time; here they run beside it.
 fn run_applier(db: &sled::Db, progress: &Progress, rx: &Receiver<Handoff>) {
     while let Ok(handoff) = rx.recv() {
-        settle(db, progress, handoff);
+        let seq = handoff.seq;
+        let settled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            settle(db, progress, handoff)
+        }));
+        if settled.is_err() {
+            // Readers must not wait forever for a batch that will never land.
+            *lock(&progress.failed) = Some(
+                "the journal's applier failed; no further writes are accepted until the \
+                 sidecar restarts and replays its write-ahead log"
+                    .to_owned(),
+            );
+            let mut applied = lock(&progress.applied);
+            *applied = (*applied).max(seq);
+            progress.moved.notify_all();
+        }
     }
 }
 
