@@ -586,8 +586,8 @@ fn recover(store: &Store, core: &mut Core, epoch: u64) -> Result<(Recovery, [i64
         recovery.abandoned_streams.push(meta.key.clone());
         core.write_stream(&mut batch, meta, true)?;
     }
-    core.put(&mut batch, keys::FORMAT, FORMAT)?;
-    core.put(&mut batch, keys::EPOCH, &epoch.to_be_bytes())?;
+    core.put(&mut batch, keys::FORMAT, FORMAT);
+    core.put(&mut batch, keys::EPOCH, &epoch.to_be_bytes());
     core.commit_blocking(batch)?;
     Ok((recovery, counts))
 }

@@ -76,7 +76,9 @@ struct Progress {
     /// The number of the last batch sled has; readers wait on `moved` for it.
     applied: Mutex<u64>,
     moved: Condvar,
-    /// Set when sled failed to take a batch: later batches are refused.
+    /// Set when sled failed to take a batch, or a failed append could not be taken
+    /// back out of the log: later batches are refused (rather than land behind a
+    /// torn frame that replay would stop at).
     failed: Mutex<Option<String>>,
 }
 
@@ -101,9 +103,6 @@ struct Wal {
     rotate_at: u64,
     /// The frame being built, reused.
     frame: Vec<u8>,
-    /// Set when a failed append could not be taken back: every later write fails
-    /// closed rather than land behind a torn frame that replay would stop at.
-    broken: Option<String>,
 }
 
 /// A key/value pair read from the store.
@@ -196,7 +195,7 @@ impl Store {
         }
         let (frames, whole) = frames(&bytes);
         for writes in &frames {
-            apply_writes(&self.db, writes)?;
+            apply_writes(&self.db, writes.iter().copied())?;
         }
         if whole < bytes.len() {
             tracing::warn!(
@@ -286,21 +285,8 @@ impl Store {
     /// frame of the write-ahead log when this returns), and waits until sled has
     /// them. `None` removes the key. [`Store::flush`] makes it durable for
     /// `Durability::Node`.
-    pub(crate) fn apply<'w>(
-        &self,
-        writes: impl IntoIterator<Item = Write<'w>>,
-    ) -> Result<(), Error> {
-        let owned = writes
-            .into_iter()
-            .map(|(k, v)| (k.to_vec(), v.map(<[u8]>::to_vec)))
-            .collect();
-        let (tx, rx) = std::sync::mpsc::channel();
-        self.log(owned)?.apply_here(Some(Box::new(move |outcome| {
-            let _ = tx.send(outcome);
-        })));
-        rx.recv()
-            .map_err(|_| Error::Storage("the journal's applier stopped".to_owned()))?
-            .map_err(Error::Storage)
+    pub(crate) fn apply(&self, writes: Vec<OwnedWrite>) -> Result<(), Error> {
+        self.log(writes)?.apply_here(None).map_err(Error::Storage)
     }
 
     /// Appends the writes to the write-ahead log as one frame (with one `write`): once
@@ -310,9 +296,6 @@ impl Store {
     /// a waiter can be answered as soon as its batch is logged.
     pub(crate) fn log(&self, writes: Vec<OwnedWrite>) -> Result<Logged<'_>, Error> {
         let mut wal = self.wal();
-        if let Some(reason) = &wal.broken {
-            return Err(Error::Storage(reason.clone()));
-        }
         if let Some(reason) = lock(&self.progress.failed).clone() {
             return Err(Error::Storage(reason));
         }
@@ -329,7 +312,10 @@ impl Store {
         let start = wal.len;
         let appended = wal.append(&frame);
         wal.frame = frame;
-        appended?;
+        if let Err(e) = appended {
+            self.take_back(&mut wal, start);
+            return Err(e);
+        }
         let seq = self.progress.logged.fetch_add(1, Ordering::SeqCst) + 1;
         Ok(Logged {
             store: self,
@@ -358,6 +344,14 @@ impl Store {
         }
     }
 
+    /// Cuts the log back to `len` bytes; if it cannot be, the store takes no more.
+    fn take_back(&self, wal: &mut Wal, len: u64) {
+        if let Err(reason) = wal.take_back(len) {
+            tracing::error!("{reason}");
+            *lock(&self.progress.failed) = Some(reason);
+        }
+    }
+
     fn hand_off(&self, handoff: Handoff) {
         let handoff = match &self.applier {
             Some((tx, _)) => match tx.send(handoff) {
@@ -367,7 +361,7 @@ impl Store {
             None => handoff,
         };
         // No applier (it panicked): apply here rather than leave readers waiting.
-        settle(&self.db, &self.progress, handoff);
+        let _ = land(&self.db, &self.progress, handoff);
     }
 
     /// Makes every applied write durable: already so for `Durability::Process` (the
@@ -407,12 +401,13 @@ impl Logged<'_> {
     }
 
     /// Gives sled the batch on the calling thread, after the batches before it; `then`
-    /// is called once sled has it. Cheaper than [`Logged::apply`] when nothing else
-    /// is waiting to be logged meanwhile: no other thread is woken.
-    pub(crate) fn apply_here(mut self, then: Option<Then>) {
+    /// is called once sled has it, with the outcome this returns. Cheaper than
+    /// [`Logged::apply`] when nothing else is waiting to be logged meanwhile: no
+    /// other thread is woken.
+    pub(crate) fn apply_here(mut self, then: Option<Then>) -> Result<(), String> {
         let handoff = self.handoff(then);
         self.store.wait_applied(handoff.seq - 1);
-        settle(&self.store.db, &self.store.progress, handoff);
+        land(&self.store.db, &self.store.progress, handoff)
     }
 
     fn handoff(&mut self, then: Option<Then>) -> Handoff {
@@ -431,7 +426,7 @@ impl Drop for Logged<'_> {
     fn drop(&mut self) {
         if self.writes.take().is_some() {
             let start = self.start;
-            self.wal.take_back(start);
+            self.store.take_back(&mut self.wal, start);
             self.store.hand_off(Handoff {
                 seq: self.seq,
                 writes: Vec::new(),
@@ -457,7 +452,7 @@ fn run_applier(db: &sled::Db, progress: &Progress, rx: &Receiver<Handoff>) {
     while let Ok(handoff) = rx.recv() {
         let seq = handoff.seq;
         let settled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            settle(db, progress, handoff)
+            let _ = land(db, progress, handoff);
         }));
         if settled.is_err() {
             // Readers must not wait forever for a batch that will never land.
@@ -474,23 +469,25 @@ fn run_applier(db: &sled::Db, progress: &Progress, rx: &Receiver<Handoff>) {
 }
 
 /// Gives sled one batch (unless an earlier one failed), lets readers in, and calls
-/// its `then`.
-fn settle(db: &sled::Db, progress: &Progress, handoff: Handoff) {
+/// its `then` with the outcome, which it also returns.
+fn land(db: &sled::Db, progress: &Progress, handoff: Handoff) -> Result<(), String> {
     let Handoff { seq, writes, then } = handoff;
     let earlier = lock(&progress.failed).clone();
     let outcome = match earlier {
         Some(reason) => Err(reason),
-        None => apply_owned(db, &writes).map_err(|e| {
-            // Part of the batch may be in sled now. Its frame stays in the log, so
-            // a restart completes it; until then nothing more is written.
-            let reason = format!(
-                "the journal could not apply a batch ({e}); no further writes are accepted \
+        None => apply_writes(db, writes.iter().map(|(k, v)| (k.as_slice(), v.as_deref()))).map_err(
+            |e| {
+                // Part of the batch may be in sled now. Its frame stays in the log, so
+                // a restart completes it; until then nothing more is written.
+                let reason = format!(
+                    "the journal could not apply a batch ({e}); no further writes are accepted \
                  until the sidecar restarts and replays its write-ahead log"
-            );
-            tracing::error!("{reason}");
-            *lock(&progress.failed) = Some(reason.clone());
-            reason
-        }),
+                );
+                tracing::error!("{reason}");
+                *lock(&progress.failed) = Some(reason.clone());
+                reason
+            },
+        ),
     };
     {
         let mut applied = lock(&progress.applied);
@@ -498,8 +495,12 @@ fn settle(db: &sled::Db, progress: &Progress, handoff: Handoff) {
         *applied = seq;
     }
     progress.moved.notify_all();
-    if let Some(then) = then {
-        then(outcome);
+    match then {
+        Some(then) => {
+            then(outcome.clone());
+            outcome
+        }
+        None => outcome,
     }
 }
 
@@ -565,12 +566,11 @@ impl Wal {
             len: 0,
             rotate_at: WAL_ROTATE_BYTES,
             frame: Vec::new(),
-            broken: None,
         })
     }
 
-    /// Writes `frame` at the end. A write that fails is taken back, so no torn frame
-    /// stays in front of later ones.
+    /// Writes `frame` at the end. A write that fails must be taken back
+    /// ([`Store::take_back`]), so no torn frame stays in front of later ones.
     fn append(&mut self, frame: &[u8]) -> Result<(), Error> {
         let start = self.len;
         match self.file.write_all_at(frame, start) {
@@ -578,28 +578,23 @@ impl Wal {
                 self.len = start + frame.len() as u64;
                 Ok(())
             }
-            Err(e) => {
-                self.take_back(start);
-                Err(Error::Storage(format!(
-                    "writing the journal's write-ahead log failed: {e}"
-                )))
-            }
+            Err(e) => Err(Error::Storage(format!(
+                "writing the journal's write-ahead log failed: {e}"
+            ))),
         }
     }
 
-    /// Cuts the log back to `len` bytes (the frames before a failed batch).
-    fn take_back(&mut self, len: u64) {
-        match self.file.set_len(len) {
-            Ok(()) => self.len = len,
-            Err(e) => {
-                let reason = format!(
-                    "the journal's write-ahead log could not be cut back after a failed write ({e}); \
-                     no further writes are accepted until the sidecar restarts"
-                );
-                tracing::error!("{reason}");
-                self.broken = Some(reason);
-            }
-        }
+    /// Cuts the log back to `len` bytes (the frames before a failed batch); says why
+    /// it could not.
+    fn take_back(&mut self, len: u64) -> Result<(), String> {
+        self.file.set_len(len).map_err(|e| {
+            format!(
+                "the journal's write-ahead log could not be cut back after a failed write ({e}); \
+                 no further writes are accepted until the sidecar restarts"
+            )
+        })?;
+        self.len = len;
+        Ok(())
     }
 
     fn truncate(&mut self) -> Result<(), Error> {
@@ -663,7 +658,7 @@ fn frames(bytes: &[u8]) -> (Vec<Vec<Write<'_>>>, usize) {
     (out, at)
 }
 
-pub(crate) type Write<'a> = (&'a [u8], Option<&'a [u8]>);
+type Write<'a> = (&'a [u8], Option<&'a [u8]>);
 
 /// The writes of a frame's payload, or `None` when it does not parse.
 fn parse(payload: &[u8]) -> Option<Vec<Write<'_>>> {
@@ -691,26 +686,17 @@ fn parse(payload: &[u8]) -> Option<Vec<Write<'_>>> {
     Some(out)
 }
 
-/// Applies a batch's writes to sled, in order.
-fn apply_writes(db: &sled::Db, writes: &[Write<'_>]) -> Result<(), Error> {
-    for &(key, value) in writes {
-        match value {
-            Some(value) => db.insert(key, value).map(drop),
-            None => db.remove(key).map(drop),
-        }
-        .map_err(storage)?;
-    }
-    Ok(())
-}
-
-/// Applies owned writes to sled, in order. The frame makes the batch atomic across a
-/// crash, so sled gets the writes one by one: its `apply_batch` rolls its I/O buffer
-/// twice per batch (two `sync_file_range`s on its thread pool), whatever the flush
-/// policy.
-fn apply_owned(db: &sled::Db, writes: &[OwnedWrite]) -> Result<(), Error> {
+/// Applies a batch's writes to sled, in order. The frame makes the batch atomic
+/// across a crash, so sled gets the writes one by one: its `apply_batch` rolls its I/O
+/// buffer twice per batch (two `sync_file_range`s on its thread pool), whatever the
+/// flush policy.
+fn apply_writes<'a>(
+    db: &sled::Db,
+    writes: impl IntoIterator<Item = Write<'a>>,
+) -> Result<(), Error> {
     for (key, value) in writes {
         match value {
-            Some(value) => db.insert(key.as_slice(), value.as_slice()).map(drop),
+            Some(value) => db.insert(key, value).map(drop),
             None => db.remove(key).map(drop),
         }
         .map_err(storage)?;
@@ -903,9 +889,7 @@ mod wal_tests {
     }
 
     fn put(store: &Store, key: &str, value: &str) {
-        store
-            .apply([(key.as_bytes(), Some(value.as_bytes()))])
-            .unwrap();
+        store.apply(vec![(key.into(), Some(value.into()))]).unwrap();
     }
 
     fn get(store: &Store, key: &str) -> Option<String> {
@@ -922,9 +906,9 @@ mod wal_tests {
         put(&store, "a", "1");
         ends.push(store.wal().len as usize);
         store
-            .apply([
-                (b"b".as_slice(), Some(b"2".as_slice())),
-                (b"a".as_slice(), None),
+            .apply(vec![
+                (b"b".to_vec(), Some(b"2".to_vec())),
+                (b"a".to_vec(), None),
             ])
             .unwrap();
         ends.push(store.wal().len as usize);
@@ -1068,7 +1052,8 @@ mod wal_tests {
             store
                 .log(vec![(b"k".to_vec(), Some(small.clone().into_bytes()))])
                 .unwrap()
-                .apply_here(None);
+                .apply_here(None)
+                .unwrap();
             // Give an applier that ran late the time to overwrite it.
             std::thread::sleep(std::time::Duration::from_millis(20));
             assert_eq!(get(&store, "k"), Some(small), "round {i}");

@@ -941,23 +941,19 @@ impl Core {
         Ok(())
     }
 
-    pub(crate) fn put(&self, batch: &mut Batch, key: &[u8], value: &[u8]) -> Result<(), Error> {
+    pub(crate) fn put(&self, batch: &mut Batch, key: &[u8], value: &[u8]) {
         batch.set(key.to_vec(), Some(value.to_vec()));
-        Ok(())
     }
 
     /// Applies the batch and makes it durable, blocking (used at open).
     pub(crate) fn commit_blocking(&mut self, mut batch: Batch) -> Result<(), Error> {
         self.stage(&mut batch)?;
-        self.store.apply(
-            batch
-                .writes
-                .iter()
-                .map(|(k, v)| (k.as_slice(), v.as_deref())),
-        )?;
+        let writes: Vec<_> = std::mem::take(&mut batch.writes).into_iter().collect();
+        let wrote = !writes.is_empty();
+        self.store.apply(writes)?;
         self.store.flush()?;
         self.shared.flushes.fetch_add(1, Ordering::Relaxed);
-        self.count(&batch, !batch.writes.is_empty());
+        self.count(&batch, wrote);
         Ok(())
     }
 
@@ -1098,7 +1094,8 @@ impl Core {
         if busy {
             logged.apply(Some(then));
         } else {
-            logged.apply_here(Some(then));
+            // `then` has the outcome too.
+            let _ = logged.apply_here(Some(then));
         }
         self.count(&batch, true);
         self.remember_in_flight(&mut batch);
