@@ -24,16 +24,19 @@ use crate::stream::{StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest
 use crate::time::Timestamp;
 use crate::writer::{Command, Core, Known, ReapReport, Writer, decode_record, decode_stream};
 
-/// The on-disk format this build writes: records in slots, their keys pointing at
-/// them ([`crate::slots`]), and each new stream's events in a slot of their own
-/// ([`keys::Events`]).
-const FORMAT: &[u8] = b"3";
+/// The on-disk format this build writes: records in slots, found through an index
+/// in generations ([`crate::slots`]), and each new stream's events in a slot of
+/// their own ([`keys::Events`]).
+const FORMAT: &[u8] = b"4";
+/// Format 3: the record index by key alone. Opening it moves the index to
+/// generations.
+const FORMAT_3: &[u8] = b"3";
 /// Format 2: stream events stored under the stream's key. Still read; its streams
 /// keep that layout (their metadata names no slot), new streams get slots.
 const FORMAT_2: &[u8] = b"2";
-/// Format 1: each record stored under its key; still read, and each record moves to
-/// a slot when next written. Opening an older journal marks it format 3, so that an
-/// older build refuses it rather than misread it.
+/// Format 1: each record stored under its key; opening it moves each record to a
+/// slot. Opening an older journal marks it format 4, so that an older build refuses
+/// it rather than misread it.
 const FORMAT_1: &[u8] = b"1";
 
 /// What opening the journal found and did: the calls a previous process left in
@@ -81,12 +84,22 @@ impl Journal {
         )?);
         match store.get(keys::FORMAT)? {
             None => {}
-            Some(format) if format == FORMAT || format == FORMAT_2 || format == FORMAT_1 => {}
+            // Format 4 too: a move cut short by a crash is finished.
+            Some(format) if [FORMAT, FORMAT_3, FORMAT_2, FORMAT_1].contains(&format.as_slice()) => {
+                let moved = slots::migrate(&store, FORMAT)?;
+                if moved > 0 {
+                    tracing::info!(
+                        from = %String::from_utf8_lossy(&format),
+                        index_entries = moved,
+                        "journal moved to format 4 (its record index in generations)"
+                    );
+                }
+            }
             Some(other) => {
                 return Err(Error::Invalid {
                     what: "journal format",
                     detail: format!(
-                        "{} holds format {:?}; this build reads formats 1 to 3",
+                        "{} holds format {:?}; this build reads formats 1 to 4",
                         options.dir.display(),
                         String::from_utf8_lossy(&other)
                     ),

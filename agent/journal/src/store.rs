@@ -715,7 +715,10 @@ pub(crate) mod keys {
     pub(crate) const FORMAT: &[u8] = b"m/format";
     pub(crate) const EPOCH: &[u8] = b"m/epoch";
     pub(crate) const HEAD: &[u8] = b"m/head";
+    /// The record index of formats 1 to 3, by key alone (see [`crate::slots`]).
     pub(crate) const RECORDS: &[u8] = b"r/";
+    /// The record index since format 4: `i/{generation}{key}`.
+    pub(crate) const INDEX: &[u8] = b"i/";
     pub(crate) const BODIES: &[u8] = b"R/";
     pub(crate) const LOG: &[u8] = b"l/";
     pub(crate) const EXPIRY: &[u8] = b"x/";
@@ -737,6 +740,21 @@ pub(crate) mod keys {
 
     pub(crate) fn record(key: &str) -> Vec<u8> {
         join(&[RECORDS, key.as_bytes()])
+    }
+
+    /// A record's index entry (format 4): its generation (big-endian), then its key.
+    pub(crate) fn index(generation: u32, key: &str) -> Vec<u8> {
+        join(&[INDEX, &generation.to_be_bytes(), key.as_bytes()])
+    }
+
+    pub(crate) fn index_generation(storage_key: &[u8]) -> Option<u32> {
+        let raw = storage_key.strip_prefix(INDEX)?.get(..4)?;
+        Some(u32::from_be_bytes(raw.try_into().ok()?))
+    }
+
+    /// The record key of an index entry.
+    pub(crate) fn index_entry_key(storage_key: &[u8]) -> Option<&[u8]> {
+        storage_key.strip_prefix(INDEX)?.get(4..)
     }
 
     /// Where a record's bytes live in format 2: `R/` and its slot. Slots are handed

@@ -56,17 +56,14 @@ async fn verify_names_each_kind_of_tampering() -> TestResult {
     // Log entries: k0 → 1, 2; k1 → 3, 4; k2 → 5, 6; k3 → 7, 8.
     {
         let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-        let pointer = store.get(&keys::record("k0"))?.ok_or("k0 missing")?;
-        let k0 = keys::body(keys::parse_pointer(&pointer).ok_or("k0 is not in a slot")?);
+        let k0 = keys::body(crate::slots::slot(&store, "k0")?.ok_or("k0 missing")?);
         let original = String::from_utf8(store.get(&k0)?.ok_or("k0's slot is empty")?)?;
         let edited = original.replace("\"final_status\":200", "\"final_status\":201");
         assert_ne!(original, edited);
         store.raw_put(&k0, edited.as_bytes())?;
         // k1's key still points at its slot, but the slot is gone.
-        let k1 = store.get(&keys::record("k1"))?.ok_or("k1 missing")?;
-        store.raw_remove(&keys::body(
-            keys::parse_pointer(&k1).ok_or("k1 is not in a slot")?,
-        ))?;
+        let k1 = crate::slots::slot(&store, "k1")?.ok_or("k1 missing")?;
+        store.raw_remove(&keys::body(k1))?;
         let entry5 = String::from_utf8(store.get(&keys::log(5))?.ok_or("entry 5 missing")?)?;
         let edited5 = entry5.replace("\"dispatched\"", "\"failed_before_send\"");
         assert_ne!(entry5, edited5);
@@ -133,23 +130,48 @@ async fn node_durability_writes_and_reopens() -> TestResult {
     Ok(())
 }
 
-/// Rewrites a journal the way format 1 stored it: each record under its own key.
-fn to_format_1(dir: &std::path::Path, record_keys: &[&str]) -> TestResult {
+/// Rewrites a journal the way format 1 stored it (each record under its own key),
+/// or format 3 (each record's key pointing at its slot).
+fn to_format(format: u8, dir: &std::path::Path, record_keys: &[&str]) -> TestResult {
     let store = Store::open(dir, 16 << 20, Durability::Process, false)?;
     for key in record_keys {
-        let pointer = store.get(&keys::record(key))?.ok_or("record missing")?;
-        let slot = keys::parse_pointer(&pointer).ok_or("record not in a slot")?;
-        let bytes = store.get(&keys::body(slot))?.ok_or("slot empty")?;
-        store.raw_put(&keys::record(key), &bytes)?;
-        store.raw_remove(&keys::body(slot))?;
+        let slot = crate::slots::slot(&store, key)?.ok_or("record missing")?;
+        store.raw_remove(&crate::slots::index_key(key, slot))?;
+        if format == b'1' {
+            let bytes = store.get(&keys::body(slot))?.ok_or("slot empty")?;
+            store.raw_put(&keys::record(key), &bytes)?;
+            store.raw_remove(&keys::body(slot))?;
+        } else {
+            store.raw_put(&keys::record(key), &keys::pointer(slot))?;
+        }
     }
-    store.raw_put(keys::FORMAT, b"1")?;
+    store.raw_put(keys::FORMAT, &[format])?;
     store.flush()?;
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_format_1_journal_is_read_and_its_records_move_to_slots_when_written() -> TestResult {
+async fn a_format_1_journal_is_read_then_its_records_move_to_slots() -> TestResult {
+    an_older_journal_is_read_then_moved_to_format_4(b'1', b'1').await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_format_3_journal_is_read_then_its_index_moves_to_generations() -> TestResult {
+    an_older_journal_is_read_then_moved_to_format_4(b'3', b'3').await
+}
+
+/// A move cut short by a crash: the format already says 4, some keys are still in the
+/// older index. The next open moves the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_move_to_format_4_cut_short_is_finished_at_the_next_open() -> TestResult {
+    an_older_journal_is_read_then_moved_to_format_4(b'3', b'4').await
+}
+
+/// Three calls ("done" and "kept" completed, "cut" left in flight) rewritten the way
+/// `format` stored them, the journal then marked `marked`. An offline audit reads it
+/// as it is; opening it moves it to format 4 (two keys per frame in tests), and every
+/// record reads, replays, verifies and expires as before.
+async fn an_older_journal_is_read_then_moved_to_format_4(format: u8, marked: u8) -> TestResult {
     let dir = tempfile::tempdir()?;
     let options = Options {
         retention: Duration::from_secs(3600),
@@ -171,7 +193,21 @@ async fn a_format_1_journal_is_read_and_its_records_move_to_slots_when_written()
         drop(journal);
         task.await?;
     }
-    to_format_1(dir.path(), &["done", "kept", "cut"])?;
+    to_format(format, dir.path(), &["done", "kept", "cut"])?;
+    {
+        let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+        store.raw_put(keys::FORMAT, &[marked])?;
+        store.flush()?;
+    }
+    {
+        let audit = Journal::open_for_audit(dir.path())?;
+        let done = audit
+            .get(&IdempotencyKey::new("done")?)?
+            .ok_or("the audit misses a record of the older index")?;
+        assert_eq!(done.final_status, Some(200));
+        assert_eq!(audit.list(&crate::Filter::default())?.len(), 3);
+        assert!(audit.verify()?.is_clean());
+    }
 
     let start = SystemTime::now();
     let (journal, writer, recovery) = Journal::open(options.clone())?;
@@ -199,8 +235,18 @@ async fn a_format_1_journal_is_read_and_its_records_move_to_slots_when_written()
     task.await?;
 
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"3"[..]));
-    let moved = crate::slots::slot(&store, "done")?.ok_or("a rewritten record stays inline")?;
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"4"[..]));
+    assert_eq!(
+        store.scan_prefix(keys::RECORDS).count(),
+        0,
+        "the older index is left behind"
+    );
+    let moved = crate::slots::slot(&store, "done")?.ok_or("a record stays inline")?;
+    assert!(
+        store
+            .get(&crate::slots::index_key("done", moved))?
+            .is_some()
+    );
     assert!(crate::slots::slot(&store, "cut")?.is_some());
     assert!(store.get(&keys::body(moved))?.is_some());
     drop(store);
@@ -215,7 +261,8 @@ async fn a_format_1_journal_is_read_and_its_records_move_to_slots_when_written()
     drop(journal);
     task.await?;
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    assert_eq!(store.get(&keys::record("done"))?, None);
+    assert_eq!(crate::slots::slot(&store, "done")?, None);
+    assert_eq!(store.get(&crate::slots::index_key("done", moved))?, None);
     assert_eq!(
         store.get(&keys::body(moved))?,
         None,
@@ -224,20 +271,78 @@ async fn a_format_1_journal_is_read_and_its_records_move_to_slots_when_written()
     Ok(())
 }
 
+/// Records in different index generations: each is found, by the writer and by a
+/// reader, however many generations back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_are_found_across_index_generations() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let complete = async |journal: &Journal, key: &str| -> TestResult {
+        let Begin::Execute { ticket, .. } = journal.begin(intent(key)?).await? else {
+            return Err("a fresh key must execute".into());
+        };
+        let response = StoredResponse::new(200, Headers::default(), Body::from("{}"));
+        journal.complete(&ticket, response).await?;
+        Ok(())
+    };
+    {
+        let (journal, writer, _) = Journal::open(Options::new(dir.path()))?;
+        let task = tokio::spawn(writer.run());
+        complete(&journal, "old").await?;
+        complete(&journal, "mid").await?;
+        drop(journal);
+        task.await?;
+    }
+    // "mid" moves to the first slot of generation 2, so that new records follow it
+    // there, two generations after "old" (generation 0).
+    let far = 2 << 16;
+    {
+        let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+        let slot = crate::slots::slot(&store, "mid")?.ok_or("mid missing")?;
+        let bytes = store.get(&keys::body(slot))?.ok_or("slot empty")?;
+        store.raw_put(&keys::body(far), &bytes)?;
+        store.raw_put(&crate::slots::index_key("mid", far), &keys::pointer(far))?;
+        store.raw_remove(&keys::body(slot))?;
+        store.raw_remove(&crate::slots::index_key("mid", slot))?;
+        store.flush()?;
+    }
+    let (journal, writer, _) = Journal::open(Options::new(dir.path()))?;
+    let task = tokio::spawn(writer.run());
+    complete(&journal, "new").await?;
+    for key in ["old", "mid", "new"] {
+        let key = IdempotencyKey::new(key)?;
+        assert!(journal.get(&key)?.is_some(), "{key} not found by a reader");
+        let again = Intent {
+            key: key.clone(),
+            ..intent(key.as_str())?
+        };
+        assert!(
+            matches!(journal.begin(again).await?, Begin::Replay(_)),
+            "{key} not found by the writer"
+        );
+    }
+    assert!(journal.verify()?.is_clean());
+    drop(journal);
+    task.await?;
+    let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+    assert_eq!(crate::slots::slot(&store, "new")?, Some(far + 1));
+    assert_eq!(crate::slots::slot(&store, "old")?, Some(1));
+    Ok(())
+}
+
 #[test]
 fn a_journal_of_a_later_format_is_refused_not_misread() -> TestResult {
     let dir = tempfile::tempdir()?;
     drop(Journal::open(Options::new(dir.path()))?);
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    store.raw_put(keys::FORMAT, b"4")?;
+    store.raw_put(keys::FORMAT, b"5")?;
     store.flush()?;
     drop(store);
     let Err(e) = Journal::open(Options::new(dir.path())) else {
-        return Err("a format-4 journal was opened".into());
+        return Err("a format-5 journal was opened".into());
     };
     assert!(
         e.to_string()
-            .contains("holds format \"4\"; this build reads formats 1 to 3"),
+            .contains("holds format \"5\"; this build reads formats 1 to 4"),
         "{e}"
     );
     Ok(())
@@ -344,7 +449,7 @@ async fn format_2_streams_are_read_under_their_key_and_new_streams_get_slots() -
     task.await?;
 
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"3"[..]));
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"4"[..]));
     let raw = store.get(&keys::stream("fresh"))?.ok_or("fresh missing")?;
     let fresh_slot = crate::writer::decode_stream("fresh", &raw)?
         .events_slot

@@ -336,13 +336,16 @@ impl Core {
         if !self.may_exist(Known::Record, key.as_str()) {
             return Ok(None);
         }
-        slots::read(&self.store, key.as_str())?
+        let Some(slot) = self.find(key)? else {
+            return Ok(None);
+        };
+        self.store
+            .get(&keys::body(slot))?
             .map(|bytes| decode_record(key.as_str(), &bytes))
             .transpose()
     }
 
-    /// The slot of a stored record; `None` for a record stored inline (format 1) or
-    /// absent.
+    /// The slot of a stored record, if any.
     fn slot(&self, batch: &Batch, key: &IdempotencyKey) -> Result<Option<u64>, Error> {
         if let Some(&slot) = batch.slots.get(key) {
             return Ok(Some(slot));
@@ -350,7 +353,13 @@ impl Core {
         if let Some(hot) = self.hot.get(key) {
             return Ok(Some(hot.slot));
         }
-        slots::slot(&self.store, key.as_str())
+        self.find(key)
+    }
+
+    /// The slot the store's index names for `key` (the store was migrated at open).
+    fn find(&self, key: &IdempotencyKey) -> Result<Option<u64>, Error> {
+        let newest = slots::generation(self.next_slot.saturating_sub(1));
+        slots::find(&self.store, key.as_str(), newest)
     }
 
     fn stream(&self, batch: &Batch, key: &StreamKey) -> Result<Option<StreamMeta>, Error> {
@@ -379,9 +388,8 @@ impl Core {
         rec.log_seq = self.head.seq + 1;
         let bytes = encode("a record", &rec)?;
         let digest = chain::sha256(&bytes);
-        let record_key = keys::record(&key);
-        // A new record, or one stored inline by format 1, gets a slot (and its index
-        // entry a pointer); a stored one is rewritten in its slot.
+        // A new record gets a slot and an index entry pointing at it; a stored one is
+        // rewritten in its slot.
         let stored = match previous {
             Some(_) => self.slot(batch, &rec.key)?,
             None => None,
@@ -391,7 +399,7 @@ impl Core {
         // Nothing below can fail: the batch never holds half of a record's writes.
         if stored.is_none() {
             self.next_slot += 1;
-            batch.set(record_key, Some(keys::pointer(slot)));
+            batch.set(slots::index_key(&key, slot), Some(keys::pointer(slot)));
         }
         if previous.is_none() {
             // The task index key embeds the creation time and the key: it is new.
@@ -416,8 +424,9 @@ impl Core {
     /// log so that verification knows the deletion was retention, not tampering.
     fn purge(&mut self, batch: &mut Batch, rec: &Record) -> Result<(), Error> {
         let key = rec.key.as_str();
-        let mut removed = vec![keys::record(key)];
+        let mut removed = Vec::with_capacity(3);
         if let Some(slot) = self.slot(batch, &rec.key)? {
+            removed.push(slots::index_key(key, slot));
             removed.push(keys::body(slot));
         }
         if let Some(task) = &rec.task_id {
