@@ -814,10 +814,30 @@ fn free_port() -> anyhow::Result<SocketAddr> {
     Ok(l.local_addr()?)
 }
 
-fn tempdir() -> anyhow::Result<PathBuf> {
+/// The run's working directory (configs, journals, nginx's files), removed when
+/// the run ends: the journals of one full run take gigabytes.
+struct WorkDir(PathBuf);
+
+impl std::ops::Deref for WorkDir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.0) {
+            eprintln!("xtask bench: cannot remove {}: {e}", self.0.display());
+        }
+    }
+}
+
+fn tempdir() -> anyhow::Result<WorkDir> {
     let dir = std::env::temp_dir().join(format!("outrigger-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    Ok(dir)
+    Ok(WorkDir(dir))
 }
 
 /// nginx as a plain reverse proxy (keep-alive upstream, no buffering so streams
