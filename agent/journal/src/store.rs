@@ -19,7 +19,16 @@
 //! the making of the next batch), or on the writer's thread when it has not. Every
 //! read first waits until sled has every batch logged so far, so nobody reads around
 //! a write whose caller was answered.
+//!
+//! Some writes are *held*: logged like the others, but kept in memory instead of
+//! given to sled, because the writer will replace them soon (a call's record while
+//! it is in flight, rewritten when it ends). Reads see them as if they were in sled.
+//! sled gets a held value only if the log is rotated before it is replaced, and a
+//! restart applies the log's frames whole. Why: sled rewrites a leaf of up to 16
+//! values every tenth change to it, so each record written to it costs several
+//! times its size on disk, and a call's in-flight version is half of its bytes.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -58,6 +67,10 @@ pub(crate) struct Store {
 /// A key and its new value (`None` removes the key).
 pub(crate) type OwnedWrite = (Vec<u8>, Option<Vec<u8>>);
 
+/// A key and a value the store holds in memory instead of giving sled (see the
+/// module's documentation).
+pub(crate) type HeldWrite = (Vec<u8>, Vec<u8>);
+
 /// Called once sled has a batch, or with why it could not take it.
 pub(crate) type Then = Box<dyn FnOnce(Result<(), String>) + Send>;
 
@@ -65,6 +78,8 @@ pub(crate) type Then = Box<dyn FnOnce(Result<(), String>) + Send>;
 struct Handoff {
     seq: u64,
     writes: Vec<OwnedWrite>,
+    /// Values kept in memory instead (see the module's documentation).
+    held: Vec<HeldWrite>,
     then: Option<Then>,
 }
 
@@ -80,6 +95,8 @@ struct Progress {
     /// back out of the log: later batches are refused (rather than land behind a
     /// torn frame that replay would stop at).
     failed: Mutex<Option<String>>,
+    /// Held values of landed batches, which reads see over sled's.
+    held: Mutex<BTreeMap<Vec<u8>, Vec<u8>>>,
 }
 
 /// A batch appended to the write-ahead log and not yet handed to sled; see
@@ -88,7 +105,7 @@ pub(crate) struct Logged<'s> {
     store: &'s Store,
     wal: MutexGuard<'s, Wal>,
     /// Taken by [`Logged::apply`].
-    writes: Option<Vec<OwnedWrite>>,
+    writes: Option<(Vec<OwnedWrite>, Vec<HeldWrite>)>,
     seq: u64,
     /// Where the frame starts in the log.
     start: u64,
@@ -194,6 +211,7 @@ impl Store {
             return Ok(());
         }
         let (frames, whole) = frames(&bytes);
+        // Held writes are applied like the others: sled gets everything at open.
         for writes in &frames {
             apply_writes(&self.db, writes.iter().copied())?;
         }
@@ -247,6 +265,9 @@ impl Store {
 
     pub(crate) fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, Error> {
         self.settled();
+        if let Some(value) = lock(&self.progress.held).get(key) {
+            return Ok(Some(value.clone()));
+        }
         self.db
             .get(key)
             .map(|v| v.map(|v| v.to_vec()))
@@ -259,7 +280,8 @@ impl Store {
         prefix: &[u8],
     ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<> {
         self.settled();
-        self.db.scan_prefix(prefix).map(entry)
+        let held = self.held_in(|key| key.starts_with(prefix), prefix);
+        Merged::new(self.db.scan_prefix(prefix), held)
     }
 
     /// Entries with `start <= key < end`, in key order.
@@ -269,7 +291,8 @@ impl Store {
         end: &[u8],
     ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<> {
         self.settled();
-        self.db.range(start.to_vec()..end.to_vec()).map(entry)
+        let held = self.held_in(|key| key < end, start);
+        Merged::new(self.db.range(start.to_vec()..end.to_vec()), held)
     }
 
     /// Entries with `start <= key`, in key order.
@@ -278,7 +301,20 @@ impl Store {
         start: &[u8],
     ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<> {
         self.settled();
-        self.db.range(start.to_vec()..).map(entry)
+        let held = self.held_in(|_| true, start);
+        Merged::new(self.db.range(start.to_vec()..), held)
+    }
+
+    /// The held values from `start` on while `within`, in key order.
+    fn held_in(&self, within: impl Fn(&[u8]) -> bool, start: &[u8]) -> VecDeque<Entry> {
+        let held = lock(&self.progress.held);
+        if held.is_empty() {
+            return VecDeque::new();
+        }
+        held.range(start.to_vec()..)
+            .take_while(|(key, _)| within(key))
+            .map(|(key, value)| (key.clone(), value.clone()))
+            .collect()
     }
 
     /// Applies all writes, atomically across a crash (all or nothing: the batch is one
@@ -286,15 +322,23 @@ impl Store {
     /// them. `None` removes the key. [`Store::flush`] makes it durable for
     /// `Durability::Node`.
     pub(crate) fn apply(&self, writes: Vec<OwnedWrite>) -> Result<(), Error> {
-        self.log(writes)?.apply_here(None).map_err(Error::Storage)
+        self.log(writes, Vec::new())?
+            .apply_here(None)
+            .map_err(Error::Storage)
     }
 
     /// Appends the writes to the write-ahead log as one frame (with one `write`): once
     /// this returns, the batch survives a killed process, and once [`Logged::sync`]
     /// returns, a lost node. [`Logged::apply`] hands it to the applier thread, which
     /// gives sled the writes; readers wait for every logged batch to be in sled, so
-    /// a waiter can be answered as soon as its batch is logged.
-    pub(crate) fn log(&self, writes: Vec<OwnedWrite>) -> Result<Logged<'_>, Error> {
+    /// a waiter can be answered as soon as its batch is logged. `held` values are
+    /// logged too but kept in memory, not given to sled, until a later write of the
+    /// same key (see the module's documentation); their keys are not in `writes`.
+    pub(crate) fn log(
+        &self,
+        writes: Vec<OwnedWrite>,
+        held: Vec<HeldWrite>,
+    ) -> Result<Logged<'_>, Error> {
         let mut wal = self.wal();
         if let Some(reason) = lock(&self.progress.failed).clone() {
             return Err(Error::Storage(reason));
@@ -308,6 +352,9 @@ impl Store {
         for (key, value) in &writes {
             push_write(&mut frame, key, value.as_deref());
         }
+        for (key, value) in &held {
+            push_write(&mut frame, key, Some(value));
+        }
         seal(&mut frame)?;
         let start = wal.len;
         let appended = wal.append(&frame);
@@ -320,16 +367,26 @@ impl Store {
         Ok(Logged {
             store: self,
             wal,
-            writes: Some(writes),
+            writes: Some((writes, held)),
             seq,
             start,
         })
     }
 
-    /// Empties the log once sled has everything in it and is durable.
+    /// Empties the log once sled has everything in it and is durable: the held
+    /// values too, which sled gets now.
     fn rotate(&self, wal: &mut Wal) {
         self.settled();
         if lock(&self.progress.failed).is_some() {
+            return;
+        }
+        let held = std::mem::take(&mut *lock(&self.progress.held));
+        if let Err(e) = apply_writes(
+            &self.db,
+            held.iter().map(|(k, v)| (k.as_slice(), Some(v.as_slice()))),
+        ) {
+            *lock(&self.progress.held) = held;
+            tracing::warn!(error = %e, "giving sled the journal's held writes to rotate its log failed; trying again later");
             return;
         }
         match self.sync_db() {
@@ -411,9 +468,11 @@ impl Logged<'_> {
     }
 
     fn handoff(&mut self, then: Option<Then>) -> Handoff {
+        let (writes, held) = self.writes.take().unwrap_or_default();
         Handoff {
             seq: self.seq,
-            writes: self.writes.take().unwrap_or_default(),
+            writes,
+            held,
             then,
         }
     }
@@ -430,6 +489,7 @@ impl Drop for Logged<'_> {
             self.store.hand_off(Handoff {
                 seq: self.seq,
                 writes: Vec::new(),
+                held: Vec::new(),
                 then: None,
             });
         }
@@ -471,12 +531,18 @@ fn run_applier(db: &sled::Db, progress: &Progress, rx: &Receiver<Handoff>) {
 /// Gives sled one batch (unless an earlier one failed), lets readers in, and calls
 /// its `then` with the outcome, which it also returns.
 fn land(db: &sled::Db, progress: &Progress, handoff: Handoff) -> Result<(), String> {
-    let Handoff { seq, writes, then } = handoff;
+    let Handoff {
+        seq,
+        writes,
+        held,
+        then,
+    } = handoff;
     let earlier = lock(&progress.failed).clone();
     let outcome = match earlier {
         Some(reason) => Err(reason),
-        None => apply_writes(db, writes.iter().map(|(k, v)| (k.as_slice(), v.as_deref()))).map_err(
-            |e| {
+        None => apply_writes(db, writes.iter().map(|(k, v)| (k.as_slice(), v.as_deref())))
+            .map(|()| hold(progress, &writes, held))
+            .map_err(|e| {
                 // Part of the batch may be in sled now. Its frame stays in the log, so
                 // a restart completes it; until then nothing more is written.
                 let reason = format!(
@@ -486,8 +552,7 @@ fn land(db: &sled::Db, progress: &Progress, handoff: Handoff) -> Result<(), Stri
                 tracing::error!("{reason}");
                 *lock(&progress.failed) = Some(reason.clone());
                 reason
-            },
-        ),
+            }),
     };
     {
         let mut applied = lock(&progress.applied);
@@ -501,6 +566,112 @@ fn land(db: &sled::Db, progress: &Progress, handoff: Handoff) -> Result<(), Stri
             outcome
         }
         None => outcome,
+    }
+}
+
+/// Keeps a landed batch's held values, and forgets those its other writes replace.
+fn hold(progress: &Progress, writes: &[OwnedWrite], held: Vec<HeldWrite>) {
+    let mut map = lock(&progress.held);
+    if !map.is_empty() {
+        for (key, _) in writes {
+            map.remove(key);
+        }
+    }
+    map.extend(held);
+}
+
+/// Sled's entries in key order with the held values over them (a held value
+/// replaces sled's under the same key), from either end.
+struct Merged<I> {
+    sled: I,
+    held: VecDeque<Entry>,
+    /// An entry taken from sled's front (or back) and not yet returned.
+    front: Option<Entry>,
+    back: Option<Entry>,
+}
+
+impl<I> Merged<I>
+where
+    I: DoubleEndedIterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
+{
+    fn new(sled: I, held: VecDeque<Entry>) -> Self {
+        Self {
+            sled,
+            held,
+            front: None,
+            back: None,
+        }
+    }
+
+    fn sled_front(&mut self) -> Option<Result<Entry, Error>> {
+        if let Some(e) = self.front.take() {
+            return Some(Ok(e));
+        }
+        match self.sled.next() {
+            Some(item) => Some(entry(item)),
+            None => self.back.take().map(Ok),
+        }
+    }
+
+    fn sled_back(&mut self) -> Option<Result<Entry, Error>> {
+        if let Some(e) = self.back.take() {
+            return Some(Ok(e));
+        }
+        match self.sled.next_back() {
+            Some(item) => Some(entry(item)),
+            None => self.front.take().map(Ok),
+        }
+    }
+}
+
+impl<I> Iterator for Merged<I>
+where
+    I: DoubleEndedIterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
+{
+    type Item = Result<Entry, Error>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let stored = match self.sled_front() {
+            Some(Ok(e)) => e,
+            Some(Err(e)) => return Some(Err(e)),
+            None => return self.held.pop_front().map(Ok),
+        };
+        let Some(held) = self.held.front() else {
+            return Some(Ok(stored));
+        };
+        match stored.0.cmp(&held.0) {
+            std::cmp::Ordering::Less => Some(Ok(stored)),
+            // The held value replaces sled's.
+            std::cmp::Ordering::Equal => self.held.pop_front().map(Ok),
+            std::cmp::Ordering::Greater => {
+                self.front = Some(stored);
+                self.held.pop_front().map(Ok)
+            }
+        }
+    }
+}
+
+impl<I> DoubleEndedIterator for Merged<I>
+where
+    I: DoubleEndedIterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
+{
+    fn next_back(&mut self) -> Option<Self::Item> {
+        let stored = match self.sled_back() {
+            Some(Ok(e)) => e,
+            Some(Err(e)) => return Some(Err(e)),
+            None => return self.held.pop_back().map(Ok),
+        };
+        let Some(held) = self.held.back() else {
+            return Some(Ok(stored));
+        };
+        match stored.0.cmp(&held.0) {
+            std::cmp::Ordering::Greater => Some(Ok(stored)),
+            std::cmp::Ordering::Equal => self.held.pop_back().map(Ok),
+            std::cmp::Ordering::Less => {
+                self.back = Some(stored);
+                self.held.pop_back().map(Ok)
+            }
+        }
     }
 }
 
@@ -1024,7 +1195,7 @@ mod wal_tests {
         let dir = tempfile::tempdir().unwrap();
         let store = open(dir.path());
         let logged = store
-            .log(vec![(b"k".to_vec(), Some(b"v".to_vec()))])
+            .log(vec![(b"k".to_vec(), Some(b"v".to_vec()))], Vec::new())
             .unwrap();
         std::thread::scope(|scope| {
             let reader = scope.spawn(|| get(&store, "k"));
@@ -1044,7 +1215,7 @@ mod wal_tests {
         let before = store.wal().len;
         drop(
             store
-                .log(vec![(b"b".to_vec(), Some(b"2".to_vec()))])
+                .log(vec![(b"b".to_vec(), Some(b"2".to_vec()))], Vec::new())
                 .unwrap(),
         );
         assert_eq!(store.wal().len, before);
@@ -1065,10 +1236,13 @@ mod wal_tests {
                 .map(|j| (format!("filler-{j}").into_bytes(), Some(b"x".to_vec())))
                 .collect();
             large.push((b"k".to_vec(), Some(format!("large-{i}").into_bytes())));
-            store.log(large).unwrap().apply(None);
+            store.log(large, Vec::new()).unwrap().apply(None);
             let small = format!("small-{i}");
             store
-                .log(vec![(b"k".to_vec(), Some(small.clone().into_bytes()))])
+                .log(
+                    vec![(b"k".to_vec(), Some(small.clone().into_bytes()))],
+                    Vec::new(),
+                )
                 .unwrap()
                 .apply_here(None)
                 .unwrap();
@@ -1076,5 +1250,103 @@ mod wal_tests {
             std::thread::sleep(std::time::Duration::from_millis(20));
             assert_eq!(get(&store, "k"), Some(small), "round {i}");
         }
+    }
+
+    fn held(pairs: &[(&str, &str)]) -> Vec<HeldWrite> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    fn keys_and_values(entries: impl Iterator<Item = Result<Entry, Error>>) -> Vec<String> {
+        entries
+            .map(|e| {
+                let (k, v) = e.unwrap();
+                format!(
+                    "{}={}",
+                    String::from_utf8(k).unwrap(),
+                    String::from_utf8(v).unwrap()
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn held_values_are_read_over_sleds_but_not_given_to_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        for (k, v) in [("p/a", "1"), ("p/c", "3"), ("p/e", "5")] {
+            put(&store, k, v);
+        }
+        store
+            .log(
+                Vec::new(),
+                held(&[("p/b", "2h"), ("p/c", "3h"), ("p/f", "6h")]),
+            )
+            .unwrap()
+            .apply(None);
+        assert_eq!(get(&store, "p/c").as_deref(), Some("3h"));
+        assert_eq!(store.db.get(b"p/b").unwrap(), None, "sled got a held value");
+        let all = ["p/a=1", "p/b=2h", "p/c=3h", "p/e=5", "p/f=6h"];
+        assert_eq!(keys_and_values(store.scan_prefix(b"p/")), all);
+        let mut reversed = all.to_vec();
+        reversed.reverse();
+        assert_eq!(keys_and_values(store.scan_prefix(b"p/").rev()), reversed);
+        assert_eq!(
+            keys_and_values(store.range(b"p/b", b"p/e")),
+            ["p/b=2h", "p/c=3h"]
+        );
+        assert_eq!(
+            keys_and_values(store.range_from(b"p/d")),
+            ["p/e=5", "p/f=6h"]
+        );
+        // From both ends at once, meeting in the middle.
+        let mut both = store.scan_prefix(b"p/");
+        let mut met = Vec::new();
+        while let (Some(front), back) = (both.next(), both.next_back()) {
+            met.push(front);
+            met.extend(back);
+        }
+        let mut met = keys_and_values(met.into_iter());
+        met.sort();
+        assert_eq!(met, all);
+
+        // A later write of a held key replaces it, in sled.
+        put(&store, "p/b", "2");
+        assert_eq!(get(&store, "p/b").as_deref(), Some("2"));
+        assert_eq!(store.db.get(b"p/b").unwrap().as_deref(), Some(&b"2"[..]));
+        assert_eq!(lock(&store.progress.held).len(), 2);
+    }
+
+    #[test]
+    fn held_values_survive_a_restart_and_reach_sled_at_rotation() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let store = open(dir.path());
+            store
+                .log(Vec::new(), held(&[("h", "1")]))
+                .unwrap()
+                .apply_here(None)
+                .unwrap();
+        }
+        // The log's frames are applied whole at open.
+        let store = open(dir.path());
+        assert_eq!(store.db.get(b"h").unwrap().as_deref(), Some(&b"1"[..]));
+        store
+            .log(Vec::new(), held(&[("h", "2")]))
+            .unwrap()
+            .apply_here(None)
+            .unwrap();
+        store.set_wal_rotate_at(1);
+        put(&store, "other", "x");
+        assert_eq!(store.wal().len, {
+            let mut frame = vec![0; FRAME_HEADER];
+            push_write(&mut frame, b"other", Some(b"x"));
+            frame.len() as u64
+        });
+        assert_eq!(store.db.get(b"h").unwrap().as_deref(), Some(&b"2"[..]));
+        assert!(lock(&store.progress.held).is_empty());
+        assert_eq!(get(&store, "h").as_deref(), Some("2"));
     }
 }

@@ -28,7 +28,7 @@ use crate::record::{Begin, Record, State};
 use crate::slots;
 use crate::state::{self, Effect, Event};
 use crate::stats::{Shared, WriteFault};
-use crate::store::{Store, Then, keys};
+use crate::store::{HeldWrite, OwnedWrite, Store, Then, keys};
 use crate::stream::{
     StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest, StreamState, chunk,
 };
@@ -125,6 +125,9 @@ fn pending<T: Send + 'static>(reply: Reply<T>, value: T) -> Pending {
 #[derive(Default)]
 pub(crate) struct Batch {
     writes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    /// The keys of `writes` whose values the store holds rather than gives sled (an
+    /// in-flight record's, replaced when the call ends; see `crate::store`).
+    held: HashSet<Vec<u8>>,
     records: HashMap<IdempotencyKey, Option<Record>>,
     /// The slot of each record this batch wrote.
     slots: HashMap<IdempotencyKey, u64>,
@@ -161,7 +164,34 @@ impl Batch {
     }
 
     fn set(&mut self, key: Vec<u8>, value: Option<Vec<u8>>) {
+        if !self.held.is_empty() {
+            self.held.remove(&key);
+        }
         self.writes.insert(key, value);
+    }
+
+    /// Writes a value the store keeps in memory until it is replaced.
+    fn hold(&mut self, key: Vec<u8>, value: Vec<u8>) {
+        self.held.insert(key.clone());
+        self.writes.insert(key, Some(value));
+    }
+
+    /// The batch's writes for sled and its held values.
+    fn take_writes(&mut self) -> (Vec<OwnedWrite>, Vec<HeldWrite>) {
+        let writes = std::mem::take(&mut self.writes);
+        if self.held.is_empty() {
+            return (writes.into_iter().collect(), Vec::new());
+        }
+        let mut stored = Vec::with_capacity(writes.len());
+        let mut held = Vec::with_capacity(self.held.len());
+        for (key, value) in writes {
+            match value {
+                Some(value) if self.held.contains(&key) => held.push((key, value)),
+                value => stored.push((key, value)),
+            }
+        }
+        self.held.clear();
+        (stored, held)
     }
 
     fn expire_later(&mut self, kind: u8, due: Timestamp, key: String) {
@@ -410,7 +440,12 @@ impl Core {
             let due = rec.created_at.saturating_add(self.options.retention);
             batch.expire_later(keys::EXPIRE_RECORD, due, key.clone());
         }
-        batch.set(body_key, Some(bytes));
+        // An in-flight version is replaced when the call ends: sled need not have it.
+        if rec.state.in_flight() {
+            batch.hold(body_key, bytes);
+        } else {
+            batch.set(body_key, Some(bytes));
+        }
         batch.slots.insert(rec.key.clone(), slot);
         batch.changes.push((key, rec.state.as_str(), digest));
         batch.delta(previous.map(|p| p.state), Some(rec.state));
@@ -957,7 +992,8 @@ impl Core {
     /// Applies the batch and makes it durable, blocking (used at open).
     pub(crate) fn commit_blocking(&mut self, mut batch: Batch) -> Result<(), Error> {
         self.stage(&mut batch)?;
-        let writes: Vec<_> = std::mem::take(&mut batch.writes).into_iter().collect();
+        let (mut writes, held) = batch.take_writes();
+        writes.extend(held.into_iter().map(|(key, value)| (key, Some(value))));
         let wrote = !writes.is_empty();
         self.store.apply(writes)?;
         self.store.flush()?;
@@ -1042,12 +1078,12 @@ impl Core {
         }
         let store = Arc::clone(&self.store);
         let staged = self.stage(&mut batch).map_err(|e| e.to_string());
-        let writes = std::mem::take(&mut batch.writes).into_iter().collect();
+        let (writes, held) = batch.take_writes();
         let logged = staged.and_then(|()| {
             if self.shared.fault() == Some(WriteFault::FailApply) {
                 return Err("injected write fault: the batch was refused".to_owned());
             }
-            let logged = store.log(writes).map_err(|e| e.to_string())?;
+            let logged = store.log(writes, held).map_err(|e| e.to_string())?;
             if batch.needs_flush {
                 if self.shared.fault() == Some(WriteFault::FailFlush) {
                     // Dropping the unapplied batch takes its frame back.
