@@ -25,9 +25,13 @@ use crate::time::Timestamp;
 use crate::writer::{Command, Core, Known, ReapReport, Writer, decode_record, decode_stream};
 
 /// The on-disk format this build writes: records in slots, found through an index
-/// in generations ([`crate::slots`]), and each new stream's events in a slot of
-/// their own ([`keys::Events`]).
-const FORMAT: &[u8] = b"4";
+/// in generations ([`crate::slots`]), their bytes in files of their own
+/// ([`crate::bodies`]), and each new stream's events in a slot of their own
+/// ([`keys::Events`]).
+const FORMAT: &[u8] = b"5";
+/// Format 4: record bodies stored in sled. Still read; each record moves to a file
+/// when next written.
+const FORMAT_4: &[u8] = b"4";
 /// Format 3: the record index by key alone. Opening it moves the index to
 /// generations.
 const FORMAT_3: &[u8] = b"3";
@@ -35,7 +39,7 @@ const FORMAT_3: &[u8] = b"3";
 /// keep that layout (their metadata names no slot), new streams get slots.
 const FORMAT_2: &[u8] = b"2";
 /// Format 1: each record stored under its key; opening it moves each record to a
-/// slot. Opening an older journal marks it format 4, so that an older build refuses
+/// slot. Opening an older journal marks it format 5, so that an older build refuses
 /// it rather than misread it.
 const FORMAT_1: &[u8] = b"1";
 
@@ -84,14 +88,17 @@ impl Journal {
         )?);
         match store.get(keys::FORMAT)? {
             None => {}
-            // Format 4 too: a move cut short by a crash is finished.
-            Some(format) if [FORMAT, FORMAT_3, FORMAT_2, FORMAT_1].contains(&format.as_slice()) => {
+            // The current format too: a move cut short by a crash is finished.
+            Some(format)
+                if [FORMAT, FORMAT_4, FORMAT_3, FORMAT_2, FORMAT_1]
+                    .contains(&format.as_slice()) =>
+            {
                 let moved = slots::migrate(&store, FORMAT)?;
                 if moved > 0 {
                     tracing::info!(
                         from = %String::from_utf8_lossy(&format),
                         index_entries = moved,
-                        "journal moved to format 4 (its record index in generations)"
+                        "journal moved to format 5 (its record index in generations)"
                     );
                 }
             }
@@ -99,7 +106,7 @@ impl Journal {
                 return Err(Error::Invalid {
                     what: "journal format",
                     detail: format!(
-                        "{} holds format {:?}; this build reads formats 1 to 4",
+                        "{} holds format {:?}; this build reads formats 1 to 5",
                         options.dir.display(),
                         String::from_utf8_lossy(&other)
                     ),

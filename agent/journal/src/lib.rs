@@ -34,6 +34,7 @@
 //! offers the same reads on a stopped sidecar's directory.
 
 mod audit;
+mod bodies;
 mod chain;
 mod error;
 mod journal;

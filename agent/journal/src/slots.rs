@@ -26,7 +26,7 @@ use crate::Error;
 use crate::store::{OwnedWrite, Store, keys};
 
 /// Slots per index generation, as a power of two.
-const GENERATION_BITS: u32 = 16;
+pub(crate) const GENERATION_BITS: u32 = 16;
 /// Index entries moved per write-ahead-log frame by [`migrate`].
 const MIGRATE_CHUNK: usize = if cfg!(test) { 2 } else { 10_000 };
 

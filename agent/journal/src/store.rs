@@ -38,6 +38,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 
 use crate::Error;
+use crate::bodies::Bodies;
 use crate::options::Durability;
 
 /// sled's own message when its `flock` on the db file fails.
@@ -54,6 +55,8 @@ const OP_REMOVE: u8 = b'd';
 
 pub(crate) struct Store {
     db: sled::Db,
+    /// Record bodies, outside sled (see [`crate::bodies`]).
+    bodies: Arc<Bodies>,
     /// A second handle on sled's data file, for `fdatasync` in `Durability::Node`.
     sync_file: Option<File>,
     wal: Mutex<Wal>,
@@ -183,6 +186,7 @@ impl Store {
         let wal = Wal::open(dir)?;
         let mut store = Self {
             db,
+            bodies: Arc::new(Bodies::open(dir)?),
             sync_file,
             wal: Mutex::new(wal),
             progress: Arc::new(Progress::default()),
@@ -192,10 +196,11 @@ impl Store {
         };
         store.recover()?;
         let (tx, rx) = std::sync::mpsc::channel();
-        let (db, progress) = (store.db.clone(), Arc::clone(&store.progress));
+        let engine = store.engine();
+        let progress = Arc::clone(&store.progress);
         let thread = std::thread::Builder::new()
             .name("outrigger-journal-apply".to_owned())
-            .spawn(move || run_applier(&db, &progress, &rx))
+            .spawn(move || run_applier(&engine, &progress, &rx))
             .map_err(|e| Error::Storage(format!("cannot start the journal's applier: {e}")))?;
         store.applier = Some((tx, thread));
         Ok(store)
@@ -213,7 +218,7 @@ impl Store {
         let (frames, whole) = frames(&bytes);
         // Held writes are applied like the others: sled gets everything at open.
         for writes in &frames {
-            apply_writes(&self.db, writes.iter().copied())?;
+            apply_writes(&self.engine(), writes.iter().copied())?;
         }
         if whole < bytes.len() {
             tracing::warn!(
@@ -236,6 +241,7 @@ impl Store {
     fn sync_db(&self) -> Result<(), Error> {
         self.db.flush().map_err(storage)?;
         if let Some(file) = &self.sync_file {
+            self.bodies.sync()?;
             file.sync_data()
                 .map_err(|e| Error::Storage(format!("fdatasync of the journal failed: {e}")))?;
         }
@@ -263,15 +269,38 @@ impl Store {
         }
     }
 
+    /// What the applier writes to.
+    fn engine(&self) -> Engine {
+        Engine {
+            db: self.db.clone(),
+            bodies: Arc::clone(&self.bodies),
+        }
+    }
+
     pub(crate) fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, Error> {
         self.settled();
         if let Some(value) = lock(&self.progress.held).get(key) {
             return Ok(Some(value.clone()));
         }
-        self.db
-            .get(key)
-            .map(|v| v.map(|v| v.to_vec()))
-            .map_err(storage)
+        match self.db.get(key).map_err(storage)? {
+            Some(value) => self.bodies.resolve(value.to_vec()).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// sled's entries, each body read from its file.
+    fn stored<I>(
+        &self,
+        entries: I,
+    ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<I>
+    where
+        I: DoubleEndedIterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
+    {
+        let bodies = Arc::clone(&self.bodies);
+        entries.map(move |item| {
+            let (key, value) = entry(item)?;
+            Ok((key, bodies.resolve(value)?))
+        })
     }
 
     /// Every entry whose key starts with `prefix`, in key order.
@@ -281,7 +310,7 @@ impl Store {
     ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<> {
         self.settled();
         let held = self.held_in(|key| key.starts_with(prefix), prefix);
-        Merged::new(self.db.scan_prefix(prefix), held)
+        Merged::new(self.stored(self.db.scan_prefix(prefix)), held)
     }
 
     /// Entries with `start <= key < end`, in key order.
@@ -292,7 +321,10 @@ impl Store {
     ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<> {
         self.settled();
         let held = self.held_in(|key| key < end, start);
-        Merged::new(self.db.range(start.to_vec()..end.to_vec()), held)
+        Merged::new(
+            self.stored(self.db.range(start.to_vec()..end.to_vec())),
+            held,
+        )
     }
 
     /// Entries with `start <= key`, in key order.
@@ -302,7 +334,7 @@ impl Store {
     ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<> {
         self.settled();
         let held = self.held_in(|_| true, start);
-        Merged::new(self.db.range(start.to_vec()..), held)
+        Merged::new(self.stored(self.db.range(start.to_vec()..)), held)
     }
 
     /// The held values from `start` on while `within`, in key order.
@@ -382,7 +414,7 @@ impl Store {
         }
         let held = std::mem::take(&mut *lock(&self.progress.held));
         if let Err(e) = apply_writes(
-            &self.db,
+            &self.engine(),
             held.iter().map(|(k, v)| (k.as_slice(), Some(v.as_slice()))),
         ) {
             *lock(&self.progress.held) = held;
@@ -390,11 +422,20 @@ impl Store {
             return;
         }
         match self.sync_db() {
-            Ok(()) => {
-                if let Err(e) = wal.truncate() {
+            Ok(()) => match wal.truncate() {
+                // No frame can write to a generation retention has emptied.
+                Ok(()) => self.bodies.drop_empty(|generation| {
+                    let first = u64::from(generation) << crate::slots::GENERATION_BITS;
+                    let end = (u64::from(generation) + 1) << crate::slots::GENERATION_BITS;
+                    self.db
+                        .range(keys::body(first)..keys::body(end))
+                        .next()
+                        .is_none()
+                }),
+                Err(e) => {
                     tracing::warn!(error = %e, "emptying the journal's write-ahead log failed; trying again later");
                 }
-            }
+            },
             Err(e) => {
                 tracing::warn!(error = %e, "flushing the journal to rotate its log failed; trying again later");
             }
@@ -418,7 +459,7 @@ impl Store {
             None => handoff,
         };
         // No applier (it panicked): apply here rather than leave readers waiting.
-        let _ = land(&self.db, &self.progress, handoff);
+        let _ = land(&self.engine(), &self.progress, handoff);
     }
 
     /// Makes every applied write durable: already so for `Durability::Process` (the
@@ -440,7 +481,7 @@ impl Store {
     }
 
     pub(crate) fn size_on_disk(&self) -> u64 {
-        self.db.size_on_disk().unwrap_or(0)
+        self.db.size_on_disk().unwrap_or(0) + self.bodies.size_on_disk()
     }
 }
 
@@ -464,7 +505,7 @@ impl Logged<'_> {
     pub(crate) fn apply_here(mut self, then: Option<Then>) -> Result<(), String> {
         let handoff = self.handoff(then);
         self.store.wait_applied(handoff.seq - 1);
-        land(&self.store.db, &self.store.progress, handoff)
+        land(&self.store.engine(), &self.store.progress, handoff)
     }
 
     fn handoff(&mut self, then: Option<Then>) -> Handoff {
@@ -508,11 +549,11 @@ impl Drop for Store {
 
 /// The applier thread: gives sled each logged batch, in order. sled's inserts are
 /// half of the journal writer's time; here they run beside it.
-fn run_applier(db: &sled::Db, progress: &Progress, rx: &Receiver<Handoff>) {
+fn run_applier(engine: &Engine, progress: &Progress, rx: &Receiver<Handoff>) {
     while let Ok(handoff) = rx.recv() {
         let seq = handoff.seq;
         let settled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _ = land(db, progress, handoff);
+            let _ = land(engine, progress, handoff);
         }));
         if settled.is_err() {
             // Readers must not wait forever for a batch that will never land.
@@ -530,7 +571,7 @@ fn run_applier(db: &sled::Db, progress: &Progress, rx: &Receiver<Handoff>) {
 
 /// Gives sled one batch (unless an earlier one failed), lets readers in, and calls
 /// its `then` with the outcome, which it also returns.
-fn land(db: &sled::Db, progress: &Progress, handoff: Handoff) -> Result<(), String> {
+fn land(engine: &Engine, progress: &Progress, handoff: Handoff) -> Result<(), String> {
     let Handoff {
         seq,
         writes,
@@ -540,19 +581,22 @@ fn land(db: &sled::Db, progress: &Progress, handoff: Handoff) -> Result<(), Stri
     let earlier = lock(&progress.failed).clone();
     let outcome = match earlier {
         Some(reason) => Err(reason),
-        None => apply_writes(db, writes.iter().map(|(k, v)| (k.as_slice(), v.as_deref())))
-            .map(|()| hold(progress, &writes, held))
-            .map_err(|e| {
-                // Part of the batch may be in sled now. Its frame stays in the log, so
-                // a restart completes it; until then nothing more is written.
-                let reason = format!(
-                    "the journal could not apply a batch ({e}); no further writes are accepted \
+        None => apply_writes(
+            engine,
+            writes.iter().map(|(k, v)| (k.as_slice(), v.as_deref())),
+        )
+        .map(|()| hold(progress, &writes, held))
+        .map_err(|e| {
+            // Part of the batch may be in sled now. Its frame stays in the log, so
+            // a restart completes it; until then nothing more is written.
+            let reason = format!(
+                "the journal could not apply a batch ({e}); no further writes are accepted \
                  until the sidecar restarts and replays its write-ahead log"
-                );
-                tracing::error!("{reason}");
-                *lock(&progress.failed) = Some(reason.clone());
-                reason
-            }),
+            );
+            tracing::error!("{reason}");
+            *lock(&progress.failed) = Some(reason.clone());
+            reason
+        }),
     };
     {
         let mut applied = lock(&progress.applied);
@@ -592,7 +636,7 @@ struct Merged<I> {
 
 impl<I> Merged<I>
 where
-    I: DoubleEndedIterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
+    I: DoubleEndedIterator<Item = Result<Entry, Error>>,
 {
     fn new(sled: I, held: VecDeque<Entry>) -> Self {
         Self {
@@ -608,7 +652,7 @@ where
             return Some(Ok(e));
         }
         match self.sled.next() {
-            Some(item) => Some(entry(item)),
+            Some(item) => Some(item),
             None => self.back.take().map(Ok),
         }
     }
@@ -618,7 +662,7 @@ where
             return Some(Ok(e));
         }
         match self.sled.next_back() {
-            Some(item) => Some(entry(item)),
+            Some(item) => Some(item),
             None => self.front.take().map(Ok),
         }
     }
@@ -626,7 +670,7 @@ where
 
 impl<I> Iterator for Merged<I>
 where
-    I: DoubleEndedIterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
+    I: DoubleEndedIterator<Item = Result<Entry, Error>>,
 {
     type Item = Result<Entry, Error>;
 
@@ -653,7 +697,7 @@ where
 
 impl<I> DoubleEndedIterator for Merged<I>
 where
-    I: DoubleEndedIterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
+    I: DoubleEndedIterator<Item = Result<Entry, Error>>,
 {
     fn next_back(&mut self) -> Option<Self::Item> {
         let stored = match self.sled_back() {
@@ -861,18 +905,30 @@ fn parse(payload: &[u8]) -> Option<Vec<Write<'_>>> {
 /// across a crash, so sled gets the writes one by one: its `apply_batch` rolls its I/O
 /// buffer twice per batch (two `sync_file_range`s on its thread pool), whatever the
 /// flush policy.
+/// A record body goes to its file first, and sled gets the pointer to it.
 fn apply_writes<'a>(
-    db: &sled::Db,
+    engine: &Engine,
     writes: impl IntoIterator<Item = Write<'a>>,
 ) -> Result<(), Error> {
+    let db = &engine.db;
     for (key, value) in writes {
         match value {
+            Some(value) if Bodies::holds(key) => {
+                let pointer = engine.bodies.append(key, value)?;
+                db.insert(key, pointer).map(drop)
+            }
             Some(value) => db.insert(key, value).map(drop),
             None => db.remove(key).map(drop),
         }
         .map_err(storage)?;
     }
     Ok(())
+}
+
+/// Where batches are applied: sled, and the record bodies' files.
+struct Engine {
+    db: sled::Db,
+    bodies: Arc<Bodies>,
 }
 
 fn entry(item: sled::Result<(sled::IVec, sled::IVec)>) -> Result<Entry, Error> {
@@ -1348,5 +1404,60 @@ mod wal_tests {
         assert_eq!(store.db.get(b"h").unwrap().as_deref(), Some(&b"2"[..]));
         assert!(lock(&store.progress.held).is_empty());
         assert_eq!(get(&store, "h").as_deref(), Some("2"));
+    }
+
+    fn set_body(store: &Store, slot: u64, value: Option<&[u8]>) {
+        store
+            .apply(vec![(keys::body(slot), value.map(<[u8]>::to_vec))])
+            .unwrap();
+    }
+
+    #[test]
+    fn record_bodies_live_in_their_files_and_sled_keeps_pointers() {
+        let dir = tempfile::tempdir().unwrap();
+        let value = br#"{"key":"k","state":"completed"}"#.to_vec();
+        {
+            let store = open(dir.path());
+            set_body(&store, 5, Some(&value));
+            let raw = store.db.get(keys::body(5)).unwrap().unwrap();
+            assert_eq!(raw.len(), 17, "sled holds the record itself");
+            assert_eq!(store.get(&keys::body(5)).unwrap(), Some(value.clone()));
+            let scanned: Vec<_> = store
+                .scan_prefix(keys::BODIES)
+                .map(|e| e.unwrap().1)
+                .collect();
+            assert_eq!(scanned, std::slice::from_ref(&value));
+            let file = dir.path().join("records").join("00000000");
+            assert_eq!(std::fs::metadata(&file).unwrap().len(), value.len() as u64);
+        }
+        // Replayed from the write-ahead log at open: appended again, read the same.
+        let store = open(dir.path());
+        assert_eq!(store.get(&keys::body(5)).unwrap(), Some(value.clone()));
+        // A value stored inline (as by format 4) is read as it is.
+        store.raw_put(&keys::body(6), b"{}").unwrap();
+        assert_eq!(store.get(&keys::body(6)).unwrap(), Some(b"{}".to_vec()));
+    }
+
+    #[test]
+    fn a_generation_emptied_by_retention_loses_its_file_at_rotation() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        let file = |g: &str| dir.path().join("records").join(g);
+        for slot in [1, 1 << 16, 2 << 16] {
+            set_body(&store, slot, Some(b"{}"));
+        }
+        set_body(&store, 1, None);
+        store.set_wal_rotate_at(1);
+        put(&store, "other", "x");
+        assert!(
+            !file("00000000").exists(),
+            "an emptied generation keeps its file"
+        );
+        assert!(file("00000001").exists());
+        assert!(file("00000002").exists(), "the newest generation is kept");
+        assert_eq!(
+            store.get(&keys::body(1 << 16)).unwrap(),
+            Some(b"{}".to_vec())
+        );
     }
 }

@@ -131,11 +131,17 @@ async fn node_durability_writes_and_reopens() -> TestResult {
 }
 
 /// Rewrites a journal the way format 1 stored it (each record under its own key),
-/// or format 3 (each record's key pointing at its slot).
+/// format 3 (each record's key pointing at its slot) or format 4 (each record's
+/// bytes in sled, under its slot).
 fn to_format(format: u8, dir: &std::path::Path, record_keys: &[&str]) -> TestResult {
     let store = Store::open(dir, 16 << 20, Durability::Process, false)?;
     for key in record_keys {
         let slot = crate::slots::slot(&store, key)?.ok_or("record missing")?;
+        if format == b'4' {
+            let bytes = store.get(&keys::body(slot))?.ok_or("slot empty")?;
+            store.raw_put(&keys::body(slot), &bytes)?;
+            continue;
+        }
         store.raw_remove(&crate::slots::index_key(key, slot))?;
         if format == b'1' {
             let bytes = store.get(&keys::body(slot))?.ok_or("slot empty")?;
@@ -152,26 +158,34 @@ fn to_format(format: u8, dir: &std::path::Path, record_keys: &[&str]) -> TestRes
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_format_1_journal_is_read_then_its_records_move_to_slots() -> TestResult {
-    an_older_journal_is_read_then_moved_to_format_4(b'1', b'1').await
+    an_older_journal_is_read_then_moved_to_the_current_format(b'1', b'1').await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_format_3_journal_is_read_then_its_index_moves_to_generations() -> TestResult {
-    an_older_journal_is_read_then_moved_to_format_4(b'3', b'3').await
+    an_older_journal_is_read_then_moved_to_the_current_format(b'3', b'3').await
 }
 
-/// A move cut short by a crash: the format already says 4, some keys are still in the
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_format_4_journal_is_read_with_its_records_in_sled() -> TestResult {
+    an_older_journal_is_read_then_moved_to_the_current_format(b'4', b'4').await
+}
+
+/// A move cut short by a crash: the format already says 5, some keys are still in the
 /// older index. The next open moves the rest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_move_to_format_4_cut_short_is_finished_at_the_next_open() -> TestResult {
-    an_older_journal_is_read_then_moved_to_format_4(b'3', b'4').await
+async fn a_move_to_the_current_format_cut_short_is_finished_at_the_next_open() -> TestResult {
+    an_older_journal_is_read_then_moved_to_the_current_format(b'3', b'5').await
 }
 
 /// Three calls ("done" and "kept" completed, "cut" left in flight) rewritten the way
 /// `format` stored them, the journal then marked `marked`. An offline audit reads it
-/// as it is; opening it moves it to format 4 (two keys per frame in tests), and every
+/// as it is; opening it moves it to format 5 (two keys per frame in tests), and every
 /// record reads, replays, verifies and expires as before.
-async fn an_older_journal_is_read_then_moved_to_format_4(format: u8, marked: u8) -> TestResult {
+async fn an_older_journal_is_read_then_moved_to_the_current_format(
+    format: u8,
+    marked: u8,
+) -> TestResult {
     let dir = tempfile::tempdir()?;
     let options = Options {
         retention: Duration::from_secs(3600),
@@ -235,7 +249,7 @@ async fn an_older_journal_is_read_then_moved_to_format_4(format: u8, marked: u8)
     task.await?;
 
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"4"[..]));
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"5"[..]));
     assert_eq!(
         store.scan_prefix(keys::RECORDS).count(),
         0,
@@ -334,15 +348,15 @@ fn a_journal_of_a_later_format_is_refused_not_misread() -> TestResult {
     let dir = tempfile::tempdir()?;
     drop(Journal::open(Options::new(dir.path()))?);
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    store.raw_put(keys::FORMAT, b"5")?;
+    store.raw_put(keys::FORMAT, b"6")?;
     store.flush()?;
     drop(store);
     let Err(e) = Journal::open(Options::new(dir.path())) else {
-        return Err("a format-5 journal was opened".into());
+        return Err("a format-6 journal was opened".into());
     };
     assert!(
         e.to_string()
-            .contains("holds format \"5\"; this build reads formats 1 to 4"),
+            .contains("holds format \"6\"; this build reads formats 1 to 5"),
         "{e}"
     );
     Ok(())
@@ -449,7 +463,7 @@ async fn format_2_streams_are_read_under_their_key_and_new_streams_get_slots() -
     task.await?;
 
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"4"[..]));
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"5"[..]));
     let raw = store.get(&keys::stream("fresh"))?.ok_or("fresh missing")?;
     let fresh_slot = crate::writer::decode_stream("fresh", &raw)?
         .events_slot

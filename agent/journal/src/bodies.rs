@@ -1,0 +1,222 @@
+//! Record bodies kept outside sled, in append-only files of their own (format 5):
+//! sled holds, under the record's slot key, a small pointer to where the bytes are.
+//!
+//! Why: sled rewrites a leaf of up to 16 values every tenth change to it, so a
+//! journaled call's record of about 1.9 KB cost sled about 8 KB of writes (and its
+//! I/O threads about a fifth of the call's CPU). Appended here, a record is written
+//! once; the pointers sled keeps are 17 bytes.
+//!
+//! One file per index generation of slots (`records/{generation}` in the journal
+//! directory, 65,536 slots each, see [`crate::slots`]): a record rewritten later (an
+//! in-doubt call resolved) is appended to its generation's file again, and once
+//! retention has removed every record of a generation its file is deleted (at the
+//! next rotation of the write-ahead log). Appends happen where sled's writes do, when
+//! a logged batch is applied, so a batch replayed from the write-ahead log at open
+//! appends its bodies again (the earlier bytes, if any, are left unreferenced).
+//! Values stored inline by earlier formats (and by tests that edit the store) are
+//! read as they are.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crate::Error;
+use crate::store::keys;
+
+/// The directory of body files, in the journal directory.
+const DIR: &str = "records";
+/// The first byte of a pointer; no JSON value starts with it.
+const TAG: u8 = 0xFF;
+/// Tag, generation (u32), offset (u64), length (u32), big-endian.
+const POINTER_LEN: usize = 1 + 4 + 8 + 4;
+
+pub(crate) struct Bodies {
+    dir: PathBuf,
+    files: Mutex<HashMap<u32, Segment>>,
+}
+
+struct Segment {
+    file: Arc<File>,
+    /// Where the next body goes.
+    len: u64,
+    /// Appended to since the last [`Bodies::sync`].
+    dirty: bool,
+}
+
+impl Bodies {
+    /// The body files of the journal in `journal_dir` (created if missing).
+    pub(crate) fn open(journal_dir: &Path) -> Result<Self, Error> {
+        let dir = journal_dir.join(DIR);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Error::Storage(format!("cannot create {}: {e}", dir.display())))?;
+        Ok(Self {
+            dir,
+            files: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// Whether the value stored under `key` goes to a body file.
+    pub(crate) fn holds(key: &[u8]) -> bool {
+        key.starts_with(keys::BODIES)
+    }
+
+    /// Appends `value`, the body stored under `key`, to its generation's file, and
+    /// returns the pointer sled keeps instead.
+    pub(crate) fn append(&self, key: &[u8], value: &[u8]) -> Result<Vec<u8>, Error> {
+        let slot = keys::body_slot(key).ok_or_else(|| Error::Decode {
+            what: "a record slot key".to_owned(),
+            detail: format!("{} bytes", key.len()),
+        })?;
+        let generation = crate::slots::generation(slot);
+        let len = u32::try_from(value.len()).map_err(|_| {
+            Error::Storage(format!("a record of {} bytes is too large", value.len()))
+        })?;
+        let mut files = self.files();
+        let segment = match files.get_mut(&generation) {
+            Some(segment) => segment,
+            None => {
+                let segment = self.open_segment(generation)?;
+                files.entry(generation).or_insert(segment)
+            }
+        };
+        let offset = segment.len;
+        segment.file.write_all_at(value, offset).map_err(|e| {
+            Error::Storage(format!(
+                "writing a record to {} failed: {e}",
+                self.path(generation).display()
+            ))
+        })?;
+        segment.len += u64::from(len);
+        segment.dirty = true;
+        let mut pointer = Vec::with_capacity(POINTER_LEN);
+        pointer.push(TAG);
+        pointer.extend_from_slice(&generation.to_be_bytes());
+        pointer.extend_from_slice(&offset.to_be_bytes());
+        pointer.extend_from_slice(&len.to_be_bytes());
+        Ok(pointer)
+    }
+
+    /// The value a stored one stands for: the body a pointer names, or the value
+    /// itself (stored inline).
+    pub(crate) fn resolve(&self, value: Vec<u8>) -> Result<Vec<u8>, Error> {
+        let Some((generation, offset, len)) = parse(&value) else {
+            return Ok(value);
+        };
+        let file = {
+            let mut files = self.files();
+            match files.get(&generation) {
+                Some(segment) => Arc::clone(&segment.file),
+                None => {
+                    let segment = self.open_segment(generation)?;
+                    let file = Arc::clone(&segment.file);
+                    files.insert(generation, segment);
+                    file
+                }
+            }
+        };
+        let mut body = vec![0; len as usize];
+        file.read_exact_at(&mut body, offset)
+            .map_err(|e| Error::Decode {
+                what: format!("a record in {}", self.path(generation).display()),
+                detail: format!("{len} bytes at {offset}: {e}"),
+            })?;
+        Ok(body)
+    }
+
+    /// `fdatasync`s every file appended to since the last call.
+    pub(crate) fn sync(&self) -> Result<(), Error> {
+        let mut files = self.files();
+        for (generation, segment) in files.iter_mut().filter(|(_, s)| s.dirty) {
+            segment.file.sync_data().map_err(|e| {
+                Error::Storage(format!(
+                    "fdatasync of {} failed: {e}",
+                    self.path(*generation).display()
+                ))
+            })?;
+            segment.dirty = false;
+        }
+        Ok(())
+    }
+
+    /// Deletes the file of every generation but the newest for which `empty` says
+    /// no record is left.
+    pub(crate) fn drop_empty(&self, empty: impl Fn(u32) -> bool) {
+        let mut generations: Vec<u32> = self.on_disk();
+        generations.sort_unstable();
+        generations.pop();
+        let mut files = self.files();
+        for generation in generations.into_iter().filter(|&g| empty(g)) {
+            files.remove(&generation);
+            let path = self.path(generation);
+            match std::fs::remove_file(&path) {
+                Ok(()) => {
+                    tracing::info!(file = %path.display(), "journal record file emptied by retention; deleted")
+                }
+                Err(e) => {
+                    tracing::warn!(file = %path.display(), error = %e, "cannot delete an emptied journal record file")
+                }
+            }
+        }
+    }
+
+    /// The bytes the body files take.
+    pub(crate) fn size_on_disk(&self) -> u64 {
+        self.on_disk()
+            .into_iter()
+            .filter_map(|g| std::fs::metadata(self.path(g)).ok())
+            .map(|m| m.len())
+            .sum()
+    }
+
+    /// The generations that have a file.
+    fn on_disk(&self) -> Vec<u32> {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(|e| e.ok())
+            .filter_map(|e| u32::from_str_radix(e.file_name().to_str()?, 16).ok())
+            .collect()
+    }
+
+    fn open_segment(&self, generation: u32) -> Result<Segment, Error> {
+        let path = self.path(generation);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|e| Error::Storage(format!("cannot open {}: {e}", path.display())))?;
+        let len = file
+            .metadata()
+            .map_err(|e| Error::Storage(format!("cannot read {}: {e}", path.display())))?
+            .len();
+        Ok(Segment {
+            file: Arc::new(file),
+            len,
+            dirty: false,
+        })
+    }
+
+    fn path(&self, generation: u32) -> PathBuf {
+        self.dir.join(format!("{generation:08x}"))
+    }
+
+    fn files(&self) -> MutexGuard<'_, HashMap<u32, Segment>> {
+        self.files.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// `(generation, offset, length)` of a pointer; `None` for an inline value.
+fn parse(value: &[u8]) -> Option<(u32, u64, u32)> {
+    if value.len() != POINTER_LEN || value[0] != TAG {
+        return None;
+    }
+    let generation = u32::from_be_bytes(value[1..5].try_into().ok()?);
+    let offset = u64::from_be_bytes(value[5..13].try_into().ok()?);
+    let len = u32::from_be_bytes(value[13..17].try_into().ok()?);
+    Some((generation, offset, len))
+}
