@@ -62,40 +62,60 @@ impl Bodies {
         key.starts_with(keys::BODIES)
     }
 
-    /// Appends `value`, the body stored under `key`, to its generation's file, and
-    /// returns the pointer sled keeps instead.
-    pub(crate) fn append(&self, key: &[u8], value: &[u8]) -> Result<Vec<u8>, Error> {
-        let slot = keys::body_slot(key).ok_or_else(|| Error::Decode {
-            what: "a record slot key".to_owned(),
-            detail: format!("{} bytes", key.len()),
-        })?;
-        let generation = crate::slots::generation(slot);
-        let len = u32::try_from(value.len()).map_err(|_| {
-            Error::Storage(format!("a record of {} bytes is too large", value.len()))
-        })?;
+    /// Appends each `(key, body)` to its generation's file, one `write` per file,
+    /// and returns the pointers sled keeps instead, in order.
+    pub(crate) fn append_all(&self, items: &[(&[u8], &[u8])]) -> Result<Vec<Vec<u8>>, Error> {
         let mut files = self.files();
-        let segment = match files.get_mut(&generation) {
-            Some(segment) => segment,
-            None => {
-                let segment = self.open_segment(generation)?;
-                files.entry(generation).or_insert(segment)
+        // Each file's new bytes, starting where the file ends.
+        let mut staged: Vec<(u32, Vec<u8>)> = Vec::new();
+        let mut pointers = Vec::with_capacity(items.len());
+        for (key, value) in items {
+            let slot = keys::body_slot(key).ok_or_else(|| Error::Decode {
+                what: "a record slot key".to_owned(),
+                detail: format!("{} bytes", key.len()),
+            })?;
+            let generation = crate::slots::generation(slot);
+            let len = u32::try_from(value.len()).map_err(|_| {
+                Error::Storage(format!("a record of {} bytes is too large", value.len()))
+            })?;
+            let end = match files.entry(generation) {
+                std::collections::hash_map::Entry::Occupied(e) => e.get().len,
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(self.open_segment(generation)?).len
+                }
+            };
+            if !staged.iter().any(|(g, _)| *g == generation) {
+                staged.push((generation, Vec::new()));
             }
-        };
-        let offset = segment.len;
-        segment.file.write_all_at(value, offset).map_err(|e| {
-            Error::Storage(format!(
-                "writing a record to {} failed: {e}",
-                self.path(generation).display()
-            ))
-        })?;
-        segment.len += u64::from(len);
-        segment.dirty = true;
-        let mut pointer = Vec::with_capacity(POINTER_LEN);
-        pointer.push(TAG);
-        pointer.extend_from_slice(&generation.to_be_bytes());
-        pointer.extend_from_slice(&offset.to_be_bytes());
-        pointer.extend_from_slice(&len.to_be_bytes());
-        Ok(pointer)
+            let mut offset = end;
+            if let Some((_, buffer)) = staged.iter_mut().find(|(g, _)| *g == generation) {
+                offset += buffer.len() as u64;
+                buffer.extend_from_slice(value);
+            }
+            let mut pointer = Vec::with_capacity(POINTER_LEN);
+            pointer.push(TAG);
+            pointer.extend_from_slice(&generation.to_be_bytes());
+            pointer.extend_from_slice(&offset.to_be_bytes());
+            pointer.extend_from_slice(&len.to_be_bytes());
+            pointers.push(pointer);
+        }
+        for (generation, bytes) in staged {
+            let Some(segment) = files.get_mut(&generation) else {
+                continue;
+            };
+            segment
+                .file
+                .write_all_at(&bytes, segment.len)
+                .map_err(|e| {
+                    Error::Storage(format!(
+                        "writing records to {} failed: {e}",
+                        self.path(generation).display()
+                    ))
+                })?;
+            segment.len += bytes.len() as u64;
+            segment.dirty = true;
+        }
+        Ok(pointers)
     }
 
     /// The value a stored one stands for: the body a pointer names, or the value

@@ -905,16 +905,25 @@ fn parse(payload: &[u8]) -> Option<Vec<Write<'_>>> {
 /// across a crash, so sled gets the writes one by one: its `apply_batch` rolls its I/O
 /// buffer twice per batch (two `sync_file_range`s on its thread pool), whatever the
 /// flush policy.
-/// A record body goes to its file first, and sled gets the pointer to it.
+/// Record bodies go to their files first (one `write` per file per batch), and sled
+/// gets the pointers to them.
 fn apply_writes<'a>(
     engine: &Engine,
     writes: impl IntoIterator<Item = Write<'a>>,
 ) -> Result<(), Error> {
     let db = &engine.db;
+    let writes: Vec<Write<'a>> = writes.into_iter().collect();
+    let bodies: Vec<(&[u8], &[u8])> = writes
+        .iter()
+        .filter_map(|&(key, value)| Some((key, value?)).filter(|_| Bodies::holds(key)))
+        .collect();
+    let mut pointers = engine.bodies.append_all(&bodies)?.into_iter();
     for (key, value) in writes {
         match value {
-            Some(value) if Bodies::holds(key) => {
-                let pointer = engine.bodies.append(key, value)?;
+            Some(_) if Bodies::holds(key) => {
+                let pointer = pointers
+                    .next()
+                    .ok_or_else(|| Error::Storage("a record body was not appended".to_owned()))?;
                 db.insert(key, pointer).map(drop)
             }
             Some(value) => db.insert(key, value).map(drop),
@@ -1433,6 +1442,21 @@ mod wal_tests {
         // Replayed from the write-ahead log at open: appended again, read the same.
         let store = open(dir.path());
         assert_eq!(store.get(&keys::body(5)).unwrap(), Some(value.clone()));
+        // One batch, bodies of two generations and a plain write between them.
+        store
+            .apply(vec![
+                (keys::body(7), Some(b"seven".to_vec())),
+                (b"plain".to_vec(), Some(b"p".to_vec())),
+                (keys::body(1 << 16), Some(b"gen-one".to_vec())),
+                (keys::body(8), Some(b"eight".to_vec())),
+            ])
+            .unwrap();
+        for (slot, body) in [(7, "seven"), (1 << 16, "gen-one"), (8, "eight")] {
+            assert_eq!(store.get(&keys::body(slot)).unwrap(), Some(body.into()));
+        }
+        assert_eq!(get(&store, "plain").as_deref(), Some("p"));
+        let gen_one = dir.path().join("records").join("00000001");
+        assert_eq!(std::fs::metadata(gen_one).unwrap().len(), 7);
         // A value stored inline (as by format 4) is read as it is.
         store.raw_put(&keys::body(6), b"{}").unwrap();
         assert_eq!(store.get(&keys::body(6)).unwrap(), Some(b"{}".to_vec()));

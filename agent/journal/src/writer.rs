@@ -298,7 +298,22 @@ pub(crate) fn decode_stream(key: &str, bytes: &[u8]) -> Result<StreamMeta, Error
 }
 
 fn encode<T: serde::Serialize>(what: &str, value: &T) -> Result<Vec<u8>, Error> {
-    serde_json::to_vec(value).map_err(|e| Error::Storage(format!("cannot encode {what}: {e}")))
+    encode_into(what, value, Vec::with_capacity(128))
+}
+
+/// Bytes a record's JSON is encoded into at first: a tool call's record with its
+/// redacted request and response is 1–3 KB, and growing from serde_json's 128 bytes
+/// copied it five times over.
+const RECORD_CAPACITY: usize = 2048;
+
+fn encode_into<T: serde::Serialize>(
+    what: &str,
+    value: &T,
+    mut out: Vec<u8>,
+) -> Result<Vec<u8>, Error> {
+    serde_json::to_writer(&mut out, value)
+        .map_err(|e| Error::Storage(format!("cannot encode {what}: {e}")))?;
+    Ok(out)
 }
 
 impl Core {
@@ -416,7 +431,7 @@ impl Core {
         self.remember(Known::Record, &key);
         // The batch's log entry is appended at commit, right after the current head.
         rec.log_seq = self.head.seq + 1;
-        let bytes = encode("a record", &rec)?;
+        let bytes = encode_into("a record", &rec, Vec::with_capacity(RECORD_CAPACITY))?;
         let digest = chain::sha256(&bytes);
         // A new record gets a slot and an index entry pointing at it; a stored one is
         // rewritten in its slot.
