@@ -17,7 +17,7 @@
 //! read as they are.
 
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -203,13 +203,7 @@ impl Bodies {
 
     fn open_segment(&self, generation: u32) -> Result<Segment, Error> {
         let path = self.path(generation);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(|e| Error::Storage(format!("cannot open {}: {e}", path.display())))?;
+        let file = crate::store::open_read_write(&path)?;
         let len = file
             .metadata()
             .map_err(|e| Error::Storage(format!("cannot read {}: {e}", path.display())))?

@@ -719,6 +719,17 @@ where
     }
 }
 
+/// Opens `path` for reading and writing, creating it if missing.
+pub(crate) fn open_read_write(path: &Path) -> Result<File, Error> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(|e| Error::Storage(format!("cannot open {}: {e}", path.display())))
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -763,13 +774,7 @@ impl Wal {
     fn open(dir: &Path) -> Result<Self, Error> {
         let path = dir.join(WAL_FILE);
         let existed = path.exists();
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(|e| Error::Storage(format!("cannot open {}: {e}", path.display())))?;
+        let file = open_read_write(&path)?;
         if !existed {
             // The new file's name must survive too.
             File::open(dir)
