@@ -10,16 +10,20 @@
 //! directory, 65,536 slots each, see [`crate::slots`]): a record rewritten later (an
 //! in-doubt call resolved) is appended to its generation's file again, and once
 //! retention has removed every record of a generation its file is deleted (at the
-//! next rotation of the write-ahead log). Appends happen where sled's writes do, when
-//! a logged batch is applied, so a batch replayed from the write-ahead log at open
-//! appends its bodies again (the earlier bytes, if any, are left unreferenced).
-//! Values stored inline by earlier formats (and by tests that edit the store) are
-//! read as they are.
+//! second rotation of the write-ahead log that finds it empty, so that a reader
+//! holding a pointer taken just before does not find the file gone). Appends happen
+//! where sled's writes do, when a logged batch is applied. A batch replayed from the
+//! write-ahead log at open gives its bodies to sled itself instead, as every format
+//! reads them there: `outrigger journal` may replay an older build's log, which that
+//! build must still be able to read. Values stored inline (by replay, by earlier
+//! formats, by tests that edit the store) are read as they are and move to a file
+//! when next written.
 
-use std::collections::HashMap;
-use std::fs::File;
+use std::collections::{HashMap, HashSet};
+use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::Error;
@@ -35,6 +39,13 @@ const POINTER_LEN: usize = 1 + 4 + 8 + 4;
 pub(crate) struct Bodies {
     dir: PathBuf,
     files: Mutex<HashMap<u32, Segment>>,
+    /// A file was created since the last [`Bodies::sync`]: its name must be made
+    /// durable too.
+    created: AtomicBool,
+    /// The generations found empty at the last [`Bodies::drop_empty`]: a file is
+    /// deleted only when found empty twice, so a reader that took a pointer just
+    /// before retention removed it does not find the file gone.
+    empty_before: Mutex<HashSet<u32>>,
 }
 
 struct Segment {
@@ -46,14 +57,21 @@ struct Segment {
 }
 
 impl Bodies {
-    /// The body files of the journal in `journal_dir` (created if missing).
-    pub(crate) fn open(journal_dir: &Path) -> Result<Self, Error> {
+    /// The body files of the journal in `journal_dir`; with `create`, their
+    /// directory is created if missing (an offline audit creates nothing).
+    pub(crate) fn open(journal_dir: &Path, create: bool) -> Result<Self, Error> {
         let dir = journal_dir.join(DIR);
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| Error::Storage(format!("cannot create {}: {e}", dir.display())))?;
+        let created = create && !dir.exists();
+        if created {
+            std::fs::create_dir_all(&dir)
+                .and_then(|()| File::open(journal_dir)?.sync_all())
+                .map_err(|e| Error::Storage(format!("cannot create {}: {e}", dir.display())))?;
+        }
         Ok(Self {
             dir,
             files: Mutex::new(HashMap::new()),
+            created: AtomicBool::new(false),
+            empty_before: Mutex::new(HashSet::new()),
         })
     }
 
@@ -81,7 +99,7 @@ impl Bodies {
             let end = match files.entry(generation) {
                 std::collections::hash_map::Entry::Occupied(e) => e.get().len,
                 std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(self.open_segment(generation)?).len
+                    e.insert(self.open_segment(generation, true)?).len
                 }
             };
             if !staged.iter().any(|(g, _)| *g == generation) {
@@ -129,7 +147,7 @@ impl Bodies {
             match files.get(&generation) {
                 Some(segment) => Arc::clone(&segment.file),
                 None => {
-                    let segment = self.open_segment(generation)?;
+                    let segment = self.open_segment(generation, false)?;
                     let file = Arc::clone(&segment.file);
                     files.insert(generation, segment);
                     file
@@ -145,8 +163,14 @@ impl Bodies {
         Ok(body)
     }
 
-    /// `fdatasync`s every file appended to since the last call.
+    /// `fdatasync`s every file appended to since the last call (and the directory,
+    /// if a file was created).
     pub(crate) fn sync(&self) -> Result<(), Error> {
+        if self.created.swap(false, Ordering::AcqRel) {
+            File::open(&self.dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| Error::Storage(format!("cannot sync {}: {e}", self.dir.display())))?;
+        }
         let mut files = self.files();
         for (generation, segment) in files.iter_mut().filter(|(_, s)| s.dirty) {
             segment.file.sync_data().map_err(|e| {
@@ -161,13 +185,21 @@ impl Bodies {
     }
 
     /// Deletes the file of every generation but the newest for which `empty` says
-    /// no record is left.
+    /// no record is left, now and at the call before.
     pub(crate) fn drop_empty(&self, empty: impl Fn(u32) -> bool) {
         let mut generations: Vec<u32> = self.on_disk();
         generations.sort_unstable();
         generations.pop();
+        let now: HashSet<u32> = generations.into_iter().filter(|&g| empty(g)).collect();
+        let before = std::mem::replace(
+            &mut *self
+                .empty_before
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+            now.clone(),
+        );
         let mut files = self.files();
-        for generation in generations.into_iter().filter(|&g| empty(g)) {
+        for generation in now.into_iter().filter(|g| before.contains(g)) {
             files.remove(&generation);
             let path = self.path(generation);
             match std::fs::remove_file(&path) {
@@ -201,9 +233,25 @@ impl Bodies {
             .collect()
     }
 
-    fn open_segment(&self, generation: u32) -> Result<Segment, Error> {
+    /// Opens a generation's file; with `create` (to append), creating it. A file
+    /// missing when read names a record retention removed while the read ran.
+    fn open_segment(&self, generation: u32, create: bool) -> Result<Segment, Error> {
         let path = self.path(generation);
-        let file = crate::store::open_read_write(&path)?;
+        let file = if create {
+            if !path.exists() {
+                self.created.store(true, Ordering::Release);
+            }
+            crate::store::open_read_write(&path)?
+        } else {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .map_err(|e| Error::Decode {
+                    what: format!("the record file {}", path.display()),
+                    detail: format!("{e} (its records were removed by retention?)"),
+                })?
+        };
         let len = file
             .metadata()
             .map_err(|e| Error::Storage(format!("cannot read {}: {e}", path.display())))?

@@ -186,7 +186,7 @@ impl Store {
         let wal = Wal::open(dir)?;
         let mut store = Self {
             db,
-            bodies: Arc::new(Bodies::open(dir)?),
+            bodies: Arc::new(Bodies::open(dir, create)?),
             sync_file,
             wal: Mutex::new(wal),
             progress: Arc::new(Progress::default()),
@@ -217,8 +217,11 @@ impl Store {
         }
         let (frames, whole) = frames(&bytes);
         // Held writes are applied like the others: sled gets everything at open.
+        // Record bodies are given to sled itself, as every format reads them: a
+        // journal of an older format opened by `outrigger journal` must stay
+        // readable by its own build (they move to files when next written).
         for writes in &frames {
-            apply_writes(&self.engine(), writes.iter().copied())?;
+            apply_writes(&self.engine(), writes.iter().copied(), true)?;
         }
         if whole < bytes.len() {
             tracing::warn!(
@@ -412,14 +415,18 @@ impl Store {
         if lock(&self.progress.failed).is_some() {
             return;
         }
-        let held = std::mem::take(&mut *lock(&self.progress.held));
-        if let Err(e) = apply_writes(
-            &self.engine(),
-            held.iter().map(|(k, v)| (k.as_slice(), Some(v.as_slice()))),
-        ) {
-            *lock(&self.progress.held) = held;
-            tracing::warn!(error = %e, "giving sled the journal's held writes to rotate its log failed; trying again later");
-            return;
+        // Readers wait on the lock meanwhile rather than find a held value nowhere.
+        {
+            let mut held = lock(&self.progress.held);
+            if let Err(e) = apply_writes(
+                &self.engine(),
+                held.iter().map(|(k, v)| (k.as_slice(), Some(v.as_slice()))),
+                false,
+            ) {
+                tracing::warn!(error = %e, "giving sled the journal's held writes to rotate its log failed; trying again later");
+                return;
+            }
+            held.clear();
         }
         match self.sync_db() {
             Ok(()) => match wal.truncate() {
@@ -584,6 +591,7 @@ fn land(engine: &Engine, progress: &Progress, handoff: Handoff) -> Result<(), St
         None => apply_writes(
             engine,
             writes.iter().map(|(k, v)| (k.as_slice(), v.as_deref())),
+            false,
         )
         .map(|()| hold(progress, &writes, held))
         .map_err(|e| {
@@ -911,21 +919,23 @@ fn parse(payload: &[u8]) -> Option<Vec<Write<'_>>> {
 /// buffer twice per batch (two `sync_file_range`s on its thread pool), whatever the
 /// flush policy.
 /// Record bodies go to their files first (one `write` per file per batch), and sled
-/// gets the pointers to them.
+/// gets the pointers to them; with `inline`, sled gets the bodies themselves.
 fn apply_writes<'a>(
     engine: &Engine,
     writes: impl IntoIterator<Item = Write<'a>>,
+    inline: bool,
 ) -> Result<(), Error> {
     let db = &engine.db;
     let writes: Vec<Write<'a>> = writes.into_iter().collect();
+    let to_files = |key: &[u8]| !inline && Bodies::holds(key);
     let bodies: Vec<(&[u8], &[u8])> = writes
         .iter()
-        .filter_map(|&(key, value)| Some((key, value?)).filter(|_| Bodies::holds(key)))
+        .filter_map(|&(key, value)| Some((key, value?)).filter(|_| to_files(key)))
         .collect();
     let mut pointers = engine.bodies.append_all(&bodies)?.into_iter();
     for (key, value) in writes {
         match value {
-            Some(_) if Bodies::holds(key) => {
+            Some(_) if to_files(key) => {
                 let pointer = pointers
                     .next()
                     .ok_or_else(|| Error::Storage("a record body was not appended".to_owned()))?;
@@ -1444,9 +1454,26 @@ mod wal_tests {
             let file = dir.path().join("records").join("00000000");
             assert_eq!(std::fs::metadata(&file).unwrap().len(), value.len() as u64);
         }
-        // Replayed from the write-ahead log at open: appended again, read the same.
+        // Replayed from the write-ahead log at open, the body is given to sled itself
+        // (any format reads it; an older build's journal stays readable by it), and
+        // the file is not appended to again.
         let store = open(dir.path());
         assert_eq!(store.get(&keys::body(5)).unwrap(), Some(value.clone()));
+        assert_eq!(
+            store.db.get(keys::body(5)).unwrap().as_deref(),
+            Some(value.as_slice())
+        );
+        let file = dir.path().join("records").join("00000000");
+        assert_eq!(std::fs::metadata(&file).unwrap().len(), value.len() as u64);
+        // A pointer to a file that is gone is an error naming it, and no file is made.
+        let mut pointer = vec![0xFF];
+        pointer.extend_from_slice(&9u32.to_be_bytes());
+        pointer.extend_from_slice(&0u64.to_be_bytes());
+        pointer.extend_from_slice(&2u32.to_be_bytes());
+        store.raw_put(&keys::body(9 << 16), &pointer).unwrap();
+        let err = store.get(&keys::body(9 << 16)).unwrap_err().to_string();
+        assert!(err.contains("00000009"), "{err}");
+        assert!(!dir.path().join("records").join("00000009").exists());
         // One batch, bodies of two generations and a plain write between them.
         store
             .apply(vec![
@@ -1478,6 +1505,9 @@ mod wal_tests {
         set_body(&store, 1, None);
         store.set_wal_rotate_at(1);
         put(&store, "other", "x");
+        // Found empty once: kept, for a reader that took a pointer just before.
+        assert!(file("00000000").exists());
+        put(&store, "other", "y");
         assert!(
             !file("00000000").exists(),
             "an emptied generation keeps its file"

@@ -1127,6 +1127,8 @@ impl Core {
         } else {
             self.dirty_since.get_or_insert_with(Instant::now);
         }
+        // Counted before anyone is answered: a caller reads the statistics it moved.
+        self.count(&batch, true);
         for answer in batch.after_flush.drain(..) {
             answer(Ok(()));
         }
@@ -1157,7 +1159,6 @@ impl Core {
             // `then` has the outcome too.
             let _ = logged.apply_here(Some(then));
         }
-        self.count(&batch, true);
         self.remember_in_flight(&mut batch);
         if batch.records_written > 0 {
             self.shared.commits.send_modify(|n| *n = n.wrapping_add(1));
