@@ -102,20 +102,12 @@ impl Bodies {
                     e.insert(self.open_segment(generation, true)?).len
                 }
             };
-            if !staged.iter().any(|(g, _)| *g == generation) {
-                staged.push((generation, Vec::new()));
-            }
-            let mut offset = end;
-            if let Some((_, buffer)) = staged.iter_mut().find(|(g, _)| *g == generation) {
-                offset += buffer.len() as u64;
-                buffer.extend_from_slice(value);
-            }
-            let mut pointer = Vec::with_capacity(POINTER_LEN);
-            pointer.push(TAG);
-            pointer.extend_from_slice(&generation.to_be_bytes());
-            pointer.extend_from_slice(&offset.to_be_bytes());
-            pointer.extend_from_slice(&len.to_be_bytes());
-            pointers.push(pointer);
+            let buffer = match staged.iter_mut().position(|(g, _)| *g == generation) {
+                Some(i) => &mut staged[i].1,
+                None => &mut staged.push_mut((generation, Vec::new())).1,
+            };
+            pointers.push(pointer(generation, end + buffer.len() as u64, len));
+            buffer.extend_from_slice(value);
         }
         for (generation, bytes) in staged {
             let Some(segment) = files.get_mut(&generation) else {
@@ -270,6 +262,16 @@ impl Bodies {
     fn files(&self) -> MutexGuard<'_, HashMap<u32, Segment>> {
         self.files.lock().unwrap_or_else(PoisonError::into_inner)
     }
+}
+
+/// The pointer to `len` bytes at `offset` in `generation`'s file.
+fn pointer(generation: u32, offset: u64, len: u32) -> Vec<u8> {
+    let mut pointer = Vec::with_capacity(POINTER_LEN);
+    pointer.push(TAG);
+    pointer.extend_from_slice(&generation.to_be_bytes());
+    pointer.extend_from_slice(&offset.to_be_bytes());
+    pointer.extend_from_slice(&len.to_be_bytes());
+    pointer
 }
 
 /// `(generation, offset, length)` of a pointer; `None` for an inline value.

@@ -157,7 +157,9 @@ pub(crate) fn scan(
 /// within one frame, so a crash part-way leaves some keys moved and the others as
 /// they were, and the next open moves the rest. Returns how many moved.
 pub(crate) fn migrate(store: &Store, format: &[u8]) -> Result<u64, Error> {
-    let mut next = next_slot(store)?;
+    // Looked up only for a format-1 record: an open with nothing to move reads no
+    // slot.
+    let mut next = None;
     let mut moved = 0;
     loop {
         let mut writes: Vec<OwnedWrite> = Vec::new();
@@ -171,8 +173,11 @@ pub(crate) fn migrate(store: &Store, format: &[u8]) -> Result<u64, Error> {
             let slot = match keys::parse_pointer(&value) {
                 Some(slot) => slot,
                 None => {
-                    let slot = next;
-                    next += 1;
+                    let slot = match next {
+                        Some(slot) => slot,
+                        None => next_slot(store)?,
+                    };
+                    next = Some(slot + 1);
                     writes.push((keys::body(slot), Some(value.clone())));
                     slot
                 }

@@ -196,11 +196,11 @@ impl Store {
         };
         store.recover()?;
         let (tx, rx) = std::sync::mpsc::channel();
-        let engine = store.engine();
+        let (db, bodies) = (store.db.clone(), Arc::clone(&store.bodies));
         let progress = Arc::clone(&store.progress);
         let thread = std::thread::Builder::new()
             .name("outrigger-journal-apply".to_owned())
-            .spawn(move || run_applier(&engine, &progress, &rx))
+            .spawn(move || run_applier(&db, &bodies, &progress, &rx))
             .map_err(|e| Error::Storage(format!("cannot start the journal's applier: {e}")))?;
         store.applier = Some((tx, thread));
         Ok(store)
@@ -221,7 +221,7 @@ impl Store {
         // journal of an older format opened by `outrigger journal` must stay
         // readable by its own build (they move to files when next written).
         for writes in &frames {
-            apply_writes(&self.engine(), writes.iter().copied(), true)?;
+            apply_writes(&self.db, &self.bodies, writes.iter().copied(), true)?;
         }
         if whole < bytes.len() {
             tracing::warn!(
@@ -269,14 +269,6 @@ impl Store {
                 .moved
                 .wait(applied)
                 .unwrap_or_else(PoisonError::into_inner);
-        }
-    }
-
-    /// What the applier writes to.
-    fn engine(&self) -> Engine {
-        Engine {
-            db: self.db.clone(),
-            bodies: Arc::clone(&self.bodies),
         }
     }
 
@@ -419,7 +411,8 @@ impl Store {
         {
             let mut held = lock(&self.progress.held);
             if let Err(e) = apply_writes(
-                &self.engine(),
+                &self.db,
+                &self.bodies,
                 held.iter().map(|(k, v)| (k.as_slice(), Some(v.as_slice()))),
                 false,
             ) {
@@ -466,7 +459,7 @@ impl Store {
             None => handoff,
         };
         // No applier (it panicked): apply here rather than leave readers waiting.
-        let _ = land(&self.engine(), &self.progress, handoff);
+        let _ = land(&self.db, &self.bodies, &self.progress, handoff);
     }
 
     /// Makes every applied write durable: already so for `Durability::Process` (the
@@ -512,7 +505,8 @@ impl Logged<'_> {
     pub(crate) fn apply_here(mut self, then: Option<Then>) -> Result<(), String> {
         let handoff = self.handoff(then);
         self.store.wait_applied(handoff.seq - 1);
-        land(&self.store.engine(), &self.store.progress, handoff)
+        let store = self.store;
+        land(&store.db, &store.bodies, &store.progress, handoff)
     }
 
     fn handoff(&mut self, then: Option<Then>) -> Handoff {
@@ -556,11 +550,11 @@ impl Drop for Store {
 
 /// The applier thread: gives sled each logged batch, in order. sled's inserts are
 /// half of the journal writer's time; here they run beside it.
-fn run_applier(engine: &Engine, progress: &Progress, rx: &Receiver<Handoff>) {
+fn run_applier(db: &sled::Db, bodies: &Bodies, progress: &Progress, rx: &Receiver<Handoff>) {
     while let Ok(handoff) = rx.recv() {
         let seq = handoff.seq;
         let settled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _ = land(engine, progress, handoff);
+            let _ = land(db, bodies, progress, handoff);
         }));
         if settled.is_err() {
             // Readers must not wait forever for a batch that will never land.
@@ -578,7 +572,12 @@ fn run_applier(engine: &Engine, progress: &Progress, rx: &Receiver<Handoff>) {
 
 /// Gives sled one batch (unless an earlier one failed), lets readers in, and calls
 /// its `then` with the outcome, which it also returns.
-fn land(engine: &Engine, progress: &Progress, handoff: Handoff) -> Result<(), String> {
+fn land(
+    db: &sled::Db,
+    bodies: &Bodies,
+    progress: &Progress,
+    handoff: Handoff,
+) -> Result<(), String> {
     let Handoff {
         seq,
         writes,
@@ -589,7 +588,8 @@ fn land(engine: &Engine, progress: &Progress, handoff: Handoff) -> Result<(), St
     let outcome = match earlier {
         Some(reason) => Err(reason),
         None => apply_writes(
-            engine,
+            db,
+            bodies,
             writes.iter().map(|(k, v)| (k.as_slice(), v.as_deref())),
             false,
         )
@@ -921,18 +921,18 @@ fn parse(payload: &[u8]) -> Option<Vec<Write<'_>>> {
 /// Record bodies go to their files first (one `write` per file per batch), and sled
 /// gets the pointers to them; with `inline`, sled gets the bodies themselves.
 fn apply_writes<'a>(
-    engine: &Engine,
+    db: &sled::Db,
+    bodies: &Bodies,
     writes: impl IntoIterator<Item = Write<'a>>,
     inline: bool,
 ) -> Result<(), Error> {
-    let db = &engine.db;
     let writes: Vec<Write<'a>> = writes.into_iter().collect();
     let to_files = |key: &[u8]| !inline && Bodies::holds(key);
-    let bodies: Vec<(&[u8], &[u8])> = writes
+    let to_append: Vec<(&[u8], &[u8])> = writes
         .iter()
         .filter_map(|&(key, value)| Some((key, value?)).filter(|_| to_files(key)))
         .collect();
-    let mut pointers = engine.bodies.append_all(&bodies)?.into_iter();
+    let mut pointers = bodies.append_all(&to_append)?.into_iter();
     for (key, value) in writes {
         match value {
             Some(_) if to_files(key) => {
@@ -947,12 +947,6 @@ fn apply_writes<'a>(
         .map_err(storage)?;
     }
     Ok(())
-}
-
-/// Where batches are applied: sled, and the record bodies' files.
-struct Engine {
-    db: sled::Db,
-    bodies: Arc<Bodies>,
 }
 
 fn entry(item: sled::Result<(sled::IVec, sled::IVec)>) -> Result<Entry, Error> {
