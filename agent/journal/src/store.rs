@@ -65,6 +65,37 @@ pub(crate) struct Store {
     applier: Option<(Sender<Handoff>, JoinHandle<()>)>,
     durability: Durability,
     dir: PathBuf,
+    /// Last, so it is dropped after `db`: see [`Released`].
+    _released: Released,
+}
+
+/// Waits, when the store is dropped, until sled has let go of its data file's lock.
+///
+/// sled's I/O threads can hold the file for a few milliseconds after the last
+/// handle on the database is dropped, and opening the journal again in that window
+/// fails with [`Error::Locked`], as if another process held it (a drill, or a test,
+/// that reopens the journal in the same process).
+struct Released {
+    db_file: PathBuf,
+}
+
+/// How long a dropped store waits for sled to release its lock.
+const RELEASE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        let started = std::time::Instant::now();
+        while started.elapsed() < RELEASE_WAIT {
+            match File::open(&self.db_file).map(|f| f.try_lock()) {
+                // Unlocked (the probe's lock goes with `f`), or nothing to wait for.
+                Ok(Ok(())) | Err(_) | Ok(Err(std::fs::TryLockError::Error(_))) => return,
+                Ok(Err(std::fs::TryLockError::WouldBlock)) => {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
+            }
+        }
+        tracing::warn!(file = %self.db_file.display(), "sled still holds the journal's lock after it was closed");
+    }
 }
 
 /// A key and its new value (`None` removes the key).
@@ -193,6 +224,9 @@ impl Store {
             applier: None,
             durability,
             dir: dir.to_owned(),
+            _released: Released {
+                db_file: db_file.clone(),
+            },
         };
         store.recover()?;
         let (tx, rx) = std::sync::mpsc::channel();
