@@ -12,6 +12,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::Error;
 use crate::audit::{Audit, Reader, check_namespace};
 use crate::chain::{Head, LogEntry, VerifyReport};
+use crate::claims::Claims;
 use crate::options::Options;
 use crate::record::{
     Begin, Filter, Intent, Record, Resolution, State, StoredResponse, Ticket, TimelineEntry,
@@ -73,6 +74,8 @@ struct Inner {
     tx: mpsc::Sender<Command>,
     shared: Arc<Shared>,
     reader: Reader,
+    /// The stream keys whose begin is in progress (see [`crate::claims`]).
+    claims: Arc<Claims>,
 }
 
 impl Journal {
@@ -141,6 +144,7 @@ impl Journal {
                 tx,
                 shared,
                 reader: Reader { store },
+                claims: Arc::default(),
             }),
         };
         let writer = Writer {
@@ -397,10 +401,33 @@ impl Journal {
         key: &StreamKey,
         request: StreamRequest,
     ) -> Result<StreamBegin, Error> {
+        let claim = self.inner.claims.claim(key).await;
+        // A key the store has never held starts at attempt 1, whatever the writer is
+        // doing: no other begin of it can come between (the claim, see
+        // [`crate::claims`]), so the start is queued without waiting for the writer.
+        // Like any new start it is not awaited anyway (see the writer's
+        // `StreamBegin`): losing it loses nothing the agent was given. A store that
+        // cannot be read here is asked through the writer.
+        if self.inner.shared.broken_attempts.load(Ordering::Acquire) == 0
+            && matches!(self.inner.reader.stream_absent_now(key), Ok(true))
+        {
+            self.inner
+                .tx
+                .send(Command::StreamBegin {
+                    key: key.clone(),
+                    request: Box::new(request),
+                    claim,
+                    reply: None,
+                })
+                .await
+                .map_err(|_| Error::Unavailable("the journal writer is not running".to_owned()))?;
+            return Ok(StreamBegin::New { attempt: 1 });
+        }
         self.call(|reply| Command::StreamBegin {
             key: key.clone(),
             request: Box::new(request),
-            reply,
+            claim,
+            reply: Some(reply),
         })
         .await
     }

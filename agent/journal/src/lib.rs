@@ -36,6 +36,7 @@
 mod audit;
 mod bodies;
 mod chain;
+mod claims;
 mod error;
 mod journal;
 mod options;

@@ -1,4 +1,4 @@
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 
 use serde::Serialize;
 use tokio::sync::watch;
@@ -92,6 +92,9 @@ pub(crate) struct Shared {
     fault: AtomicU8,
     /// Bumped after every commit, so waiters re-check the keys they wait for.
     pub(crate) commits: watch::Sender<u64>,
+    /// How many stream attempts the writer refuses writes to; while any, every
+    /// stream's start is decided by the writer (see [`crate::claims`]).
+    pub(crate) broken_attempts: AtomicUsize,
 }
 
 impl Shared {
@@ -109,6 +112,7 @@ impl Shared {
             states: states.map(AtomicI64::new),
             fault: AtomicU8::new(0),
             commits: watch::Sender::new(0),
+            broken_attempts: AtomicUsize::new(0),
         }
     }
 

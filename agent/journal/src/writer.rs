@@ -23,6 +23,7 @@ use tokio::time::Instant;
 
 use crate::Error;
 use crate::chain::{self, Head, PURGE};
+use crate::claims::Claim;
 use crate::options::Options;
 use crate::record::{Begin, Record, State};
 use crate::slots;
@@ -61,7 +62,10 @@ pub(crate) enum Command {
     StreamBegin {
         key: StreamKey,
         request: Box<StreamRequest>,
-        reply: Reply<StreamBegin>,
+        /// Held until the batch with the start is logged.
+        claim: Claim,
+        /// `None`: the caller decided attempt 1 itself (the key was not in the store).
+        reply: Option<Reply<StreamBegin>>,
     },
     StreamAppend {
         key: StreamKey,
@@ -141,8 +145,8 @@ pub(crate) struct Batch {
     state_deltas: [i64; 8],
     records_written: u64,
     stream_events: u64,
-    /// Streams whose held events ([`Run`]s) this batch writes out: if it fails, they
-    /// have a hole and take no more events.
+    /// Streams whose held events ([`Run`]s) or start this batch writes out: if it
+    /// fails, they have a hole (or no start) and take no more events.
     runs_written: Vec<(StreamKey, u32)>,
     kv_writes: u64,
     replays: u64,
@@ -152,6 +156,9 @@ pub(crate) struct Batch {
     after_flush: Vec<Pending>,
     /// A waiter was answered before the batch is applied (a new stream's start).
     answered_early: bool,
+    /// The claims of the streams begun in this batch, released when it is dropped
+    /// (after it is logged, or failed).
+    claims: Vec<Claim>,
     commands: usize,
 }
 
@@ -420,6 +427,35 @@ impl Core {
             .transpose()
     }
 
+    /// Checks a start its caller decided (attempt 1 of a key the store did not
+    /// hold, with no attempt broken). Under the key's claim nothing else can have
+    /// begun it, so anything but a new attempt 1 is a bug. A start that is not
+    /// written (or not new) leaves its attempt taking no writes, and a later begin of
+    /// the key takes the next number (see [`Core::stream_begin`]).
+    fn decided_by_caller(&mut self, key: StreamKey, result: Result<StreamBegin, Error>) {
+        match result {
+            Ok(StreamBegin::New { attempt: 1 }) => return,
+            Ok(other) => {
+                tracing::error!(%key, found = ?other, "a stream begun as new was not new; it goes on unjournaled");
+            }
+            Err(e) => {
+                tracing::warn!(%key, error = %e, "could not journal the start of a stream; it goes on unjournaled");
+            }
+        }
+        self.break_attempt(key, 1);
+    }
+
+    /// Refuses more writes to an attempt (see [`Core::check_intact`]).
+    fn break_attempt(&mut self, key: StreamKey, attempt: u32) {
+        if self.broken.len() >= MAX_OPEN_STREAMS {
+            self.broken.clear();
+        }
+        self.broken.insert((key, attempt));
+        self.shared
+            .broken_attempts
+            .store(self.broken.len(), Ordering::Release);
+    }
+
     /// Writes a new version of a record and its log entry.
     pub(crate) fn write_record(
         &mut self,
@@ -513,11 +549,17 @@ impl Core {
             Command::StreamBegin {
                 key,
                 request,
+                claim,
                 reply,
             } => {
+                batch.claims.push(claim);
                 let result = self
                     .write_run(&key, batch)
                     .and_then(|()| self.stream_begin(&key, *request, now, batch));
+                let Some(reply) = reply else {
+                    self.decided_by_caller(key, result);
+                    return;
+                };
                 match result {
                     // A new generation is answered before its start is even applied:
                     // the decision is made (every later command sees it), and the
@@ -683,8 +725,16 @@ impl Core {
                 }
             }
         };
+        let mut meta = meta;
+        // An attempt lost to a failed write may still be generating, unjournaled:
+        // the new one gets a number of its own, so that their events never mix.
+        while !self.broken.is_empty() && self.broken.contains(&(key.clone(), meta.attempt)) {
+            meta.attempt += 1;
+        }
         let attempt = meta.attempt;
         self.write_stream(batch, meta, false)?;
+        // Its caller was told before the batch is written (see `StreamBegin`).
+        batch.runs_written.push((key.clone(), attempt));
         Ok(StreamBegin::New { attempt })
     }
 
@@ -1167,12 +1217,9 @@ impl Core {
 
     /// Marks the streams whose held events a failed batch carried.
     fn lose_runs(&mut self, batch: &mut Batch) {
-        if self.broken.len() >= MAX_OPEN_STREAMS {
-            self.broken.clear();
-        }
-        for (key, attempt) in batch.runs_written.drain(..) {
-            tracing::warn!(%key, attempt, "held stream events were lost to a failed journal write; the attempt takes no more");
-            self.broken.insert((key, attempt));
+        for (key, attempt) in std::mem::take(&mut batch.runs_written) {
+            tracing::warn!(%key, attempt, "a stream's start or held events were lost to a failed journal write; the attempt takes no more");
+            self.break_attempt(key, attempt);
         }
     }
 

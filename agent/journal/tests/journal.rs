@@ -1138,11 +1138,46 @@ async fn a_start_answered_before_its_write_failed_takes_no_events() -> TestResul
     assert!(append.is_err(), "{append:?}");
     assert_eq!(j.stream_meta(&key)?, None);
     assert!(j.stream_events(&key, 1, None)?.is_empty());
-    // The key starts afresh.
+    // The key starts afresh under a number of its own: the lost attempt may still be
+    // generating, and its events must never join the new one's.
     assert!(matches!(
         j.stream_begin(&key, stream_request(1)).await?,
-        StreamBegin::New { attempt: 1 }
+        StreamBegin::New { attempt: 2 }
     ));
+    let late = j.stream_append(&key, 1, 0, vec![event(0)], true).await;
+    assert!(late.is_err(), "{late:?}");
+    j.stream_append(&key, 2, 0, vec![event(7)], true).await?;
+    assert_eq!(j.stream_events(&key, 2, None)?, vec![(0, event(7))]);
+    assert!(j.stream_events(&key, 1, None)?.is_empty());
     run.stop().await?;
     Ok(())
+}
+
+/// A new key's start is decided without the writer; every begin of the key after it
+/// sees that start, whether the writer has written it yet or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_begin_right_after_a_new_start_finds_it() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let j = &run.journal;
+    for i in 0..200 {
+        let key = StreamKey::new(format!("back-to-back-{i}"))?;
+        assert_eq!(
+            j.stream_begin(&key, stream_request(1)).await?,
+            StreamBegin::New { attempt: 1 },
+            "{key}"
+        );
+        match j.stream_begin(&key, stream_request(1)).await? {
+            StreamBegin::Existing { meta } => {
+                assert_eq!((meta.attempt, meta.state), (1, StreamState::Open), "{key}");
+            }
+            other => return Err(format!("{key}: begun twice: {other:?}").into()),
+        }
+        let mismatch = j.stream_begin(&key, stream_request(2)).await?;
+        assert!(
+            matches!(mismatch, StreamBegin::Mismatch { .. }),
+            "{key}: {mismatch:?}"
+        );
+    }
+    run.stop().await
 }
