@@ -119,12 +119,6 @@ impl Reader {
         Ok(self.list(&filter)?.iter().map(TimelineEntry::of).collect())
     }
 
-    /// `true` when the store surely holds no stream under `key` (told without
-    /// waiting for sled; `false` when it cannot be told at once).
-    pub(crate) fn stream_absent_now(&self, key: &StreamKey) -> Result<bool, Error> {
-        Ok(self.store.contains_now(&keys::stream(key.as_str()))? == Some(false))
-    }
-
     pub(crate) fn stream_meta(&self, key: &StreamKey) -> Result<Option<StreamMeta>, Error> {
         let Some(bytes) = self.store.get(&keys::stream(key.as_str()))? else {
             return Ok(None);

@@ -23,7 +23,9 @@ use crate::stats::{Shared, Stats, WriteFault};
 use crate::store::{Store, keys};
 use crate::stream::{StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest, StreamState};
 use crate::time::Timestamp;
-use crate::writer::{Command, Core, Known, ReapReport, Writer, decode_record, decode_stream};
+use crate::writer::{
+    Command, Core, Known, KnownKeys, ReapReport, Writer, decode_record, decode_stream,
+};
 
 /// The on-disk format this build writes: records in slots, found through an index
 /// in generations ([`crate::slots`]), their bytes in files of their own
@@ -76,6 +78,8 @@ struct Inner {
     reader: Reader,
     /// The stream keys whose begin is in progress (see [`crate::claims`]).
     claims: Arc<Claims>,
+    /// The keys that may be in the store (the writer's filter).
+    known: Arc<KnownKeys>,
 }
 
 impl Journal {
@@ -145,6 +149,7 @@ impl Journal {
                 shared,
                 reader: Reader { store },
                 claims: Arc::default(),
+                known: core.known(),
             }),
         };
         let writer = Writer {
@@ -402,14 +407,15 @@ impl Journal {
         request: StreamRequest,
     ) -> Result<StreamBegin, Error> {
         let claim = self.inner.claims.claim(key).await;
-        // A key the store has never held starts at attempt 1, whatever the writer is
-        // doing: no other begin of it can come between (the claim, see
+        // A key the writer has never written starts at attempt 1, whatever the
+        // writer is doing: no other begin of it can come between (the claim, see
         // [`crate::claims`]), so the start is queued without waiting for the writer.
         // Like any new start it is not awaited anyway (see the writer's
-        // `StreamBegin`): losing it loses nothing the agent was given. A store that
-        // cannot be read here is asked through the writer.
+        // `StreamBegin`): losing it loses nothing the agent was given. A key the
+        // filter may hold (about 1 % of new ones, falsely) is asked through the
+        // writer, which reads the store; so is every key once an attempt was lost.
         if self.inner.shared.broken_attempts.load(Ordering::Acquire) == 0
-            && matches!(self.inner.reader.stream_absent_now(key), Ok(true))
+            && !self.inner.known.may_exist(Known::Stream, key.as_str())
         {
             self.inner
                 .tx

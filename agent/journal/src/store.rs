@@ -317,19 +317,6 @@ impl Store {
         }
     }
 
-    /// Whether `key` has a value, if that can be told without waiting: `None` while
-    /// a logged batch is still on its way to sled.
-    pub(crate) fn contains_now(&self, key: &[u8]) -> Result<Option<bool>, Error> {
-        let logged = self.progress.logged.load(Ordering::SeqCst);
-        if *lock(&self.progress.applied) < logged {
-            return Ok(None);
-        }
-        if lock(&self.progress.held).contains_key(key) {
-            return Ok(Some(true));
-        }
-        self.db.contains_key(key).map(Some).map_err(storage)
-    }
-
     /// sled's entries, each body read from its file.
     fn stored<I>(
         &self,

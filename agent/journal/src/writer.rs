@@ -11,8 +11,8 @@
 //! durable, and every waiter gets `Error::Unavailable` (fail closed).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use bytes::Bytes;
@@ -274,8 +274,36 @@ pub(crate) struct Core {
     /// on each write, never taken from). A key it does not hold is certainly absent,
     /// so a new call or stream costs no read of the store: with random keys, that
     /// read often missed sled's cache and went to disk. A false positive (about 1 %)
-    /// costs only that read.
-    known: GrowableBloom,
+    /// costs only that read. Shared with the journal's handles, which ask it whether
+    /// a stream key is new (see [`crate::claims`]).
+    known: Arc<KnownKeys>,
+}
+
+/// The filter of [`Core::known`]: written by the writer, read by any thread.
+pub(crate) struct KnownKeys(Mutex<GrowableBloom>);
+
+impl KnownKeys {
+    fn new() -> Self {
+        Self(Mutex::new(GrowableBloom::new(
+            KNOWN_FALSE_POSITIVES,
+            KNOWN_INITIAL,
+        )))
+    }
+
+    fn insert(&self, kind: Known, key: &str) {
+        self.lock().insert((kind, key));
+    }
+
+    /// `false`: the key has certainly never been written.
+    pub(crate) fn may_exist(&self, kind: Known, key: &str) -> bool {
+        self.lock().contains((kind, key))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, GrowableBloom> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 /// What a key in [`Core::known`] names.
@@ -345,13 +373,18 @@ impl Core {
             expiry_ids: 0,
             next_slot,
             next_events_slot,
-            known: GrowableBloom::new(KNOWN_FALSE_POSITIVES, KNOWN_INITIAL),
+            known: Arc::new(KnownKeys::new()),
         })
     }
 
     /// Notes that a record or stream key is in the store (recovery, and every write).
     pub(crate) fn remember(&mut self, kind: Known, key: &str) {
-        self.known.insert((kind, key));
+        self.known.insert(kind, key);
+    }
+
+    /// The filter of the keys that may be in the store, for the journal's handles.
+    pub(crate) fn known(&self) -> Arc<KnownKeys> {
+        Arc::clone(&self.known)
     }
 
     /// Notes a stream's events slot seen at open, so that no new stream gets it: a
@@ -363,7 +396,7 @@ impl Core {
     }
 
     fn may_exist(&self, kind: Known, key: &str) -> bool {
-        self.known.contains((kind, key))
+        self.known.may_exist(kind, key)
     }
 
     pub(crate) fn new_batch(&self) -> Batch {
