@@ -3,9 +3,10 @@
 //! A stream the journal has never seen is decided by its caller (attempt 1) without
 //! waiting for the writer, so that the upstream request is not held back by a round
 //! trip to the writer's thread. That is safe only if no other begin of the same key
-//! can be decided in between: each begin holds its key's claim from before it reads
-//! the store until the writer has logged the batch that holds its start (from then
-//! on, every reader sees it). A second begin of the same key waits for the claim.
+//! can be decided in between: each begin holds its key's claim from before it asks
+//! the writer's key filter until the writer has logged the batch that holds its
+//! start (from then on, every reader sees it). A second begin of the same key waits
+//! for the claim.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, PoisonError};

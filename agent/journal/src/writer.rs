@@ -64,7 +64,8 @@ pub(crate) enum Command {
         request: Box<StreamRequest>,
         /// Held until the batch with the start is logged.
         claim: Claim,
-        /// `None`: the caller decided attempt 1 itself (the key was not in the store).
+        /// `None`: the caller decided attempt 1 itself (the key filter had never seen
+        /// the key).
         reply: Option<Reply<StreamBegin>>,
     },
     StreamAppend {
@@ -460,8 +461,8 @@ impl Core {
             .transpose()
     }
 
-    /// Checks a start its caller decided (attempt 1 of a key the store did not
-    /// hold, with no attempt broken). Under the key's claim nothing else can have
+    /// Checks a start its caller decided (attempt 1 of a key the filter had never
+    /// seen, with no attempt broken). Under the key's claim nothing else can have
     /// begun it, so anything but a new attempt 1 is a bug. A start that is not
     /// written (or not new) leaves its attempt taking no writes, and a later begin of
     /// the key takes the next number (see [`Core::stream_begin`]).
@@ -720,7 +721,7 @@ impl Core {
     ) -> Result<StreamBegin, Error> {
         let now = Timestamp::from_system(now);
         let current = self.stream(batch, key)?;
-        let meta = match current {
+        let mut meta = match current {
             Some(meta) if meta.request.fingerprint != request.fingerprint => {
                 return Ok(StreamBegin::Mismatch { meta });
             }
@@ -758,7 +759,6 @@ impl Core {
                 }
             }
         };
-        let mut meta = meta;
         // An attempt lost to a failed write may still be generating, unjournaled:
         // the new one gets a number of its own, so that their events never mix.
         while !self.broken.is_empty() && self.broken.contains(&(key.clone(), meta.attempt)) {
@@ -1248,7 +1248,7 @@ impl Core {
         }
     }
 
-    /// Marks the streams whose held events a failed batch carried.
+    /// Marks the streams whose start or held events a failed batch carried.
     fn lose_runs(&mut self, batch: &mut Batch) {
         for (key, attempt) in std::mem::take(&mut batch.runs_written) {
             tracing::warn!(%key, attempt, "a stream's start or held events were lost to a failed journal write; the attempt takes no more");
