@@ -54,6 +54,9 @@ pub struct Stats {
     pub kv_writes: u64,
     /// Group commits applied.
     pub batches: u64,
+    /// Of `batches`, those whose sled inserts were handed to the applier thread (the
+    /// writer had other commands at hand); the rest were applied on the writer's own.
+    pub handoffs: u64,
     /// Flushes the writer performed (sled's own 500 ms background flush not counted).
     pub flushes: u64,
     pub flush_errors: u64,
@@ -83,6 +86,7 @@ pub(crate) struct Shared {
     pub(crate) stream_events: AtomicU64,
     pub(crate) kv_writes: AtomicU64,
     pub(crate) batches: AtomicU64,
+    pub(crate) handoffs: AtomicU64,
     pub(crate) flushes: AtomicU64,
     pub(crate) flush_errors: AtomicU64,
     /// Set by a failed commit or flush, cleared by the next successful flush.
@@ -105,6 +109,7 @@ impl Shared {
             stream_events: AtomicU64::new(0),
             kv_writes: AtomicU64::new(0),
             batches: AtomicU64::new(0),
+            handoffs: AtomicU64::new(0),
             flushes: AtomicU64::new(0),
             flush_errors: AtomicU64::new(0),
             failing: AtomicBool::new(false),
@@ -143,6 +148,7 @@ impl Shared {
             stream_events: load(&self.stream_events),
             kv_writes: load(&self.kv_writes),
             batches: load(&self.batches),
+            handoffs: load(&self.handoffs),
             flushes: load(&self.flushes),
             flush_errors: load(&self.flush_errors),
             failing: self.failing.load(Ordering::Relaxed),

@@ -161,6 +161,8 @@ pub(crate) struct Batch {
     /// (after it is logged, or failed).
     claims: Vec<Claim>,
     commands: usize,
+    /// Of `commands`, the queued text deltas only held in memory (see `Core::hold`).
+    held_appends: usize,
 }
 
 impl Batch {
@@ -621,6 +623,7 @@ impl Core {
                 reply,
             } => {
                 let result = if buffered && !durable {
+                    batch.held_appends += 1;
                     self.hold(key, attempt, seq, events, batch)
                 } else {
                     self.write_run(&key, batch).and_then(|()| {
@@ -1237,6 +1240,7 @@ impl Core {
         // Under load, sled's inserts run on the applier thread while the next batch
         // is made; otherwise here (waking no other thread).
         if busy {
+            self.shared.handoffs.fetch_add(1, Ordering::Relaxed);
             logged.apply(Some(then));
         } else {
             // `then` has the outcome too.
@@ -1397,7 +1401,10 @@ impl Writer {
             }
             // A batch of several commands means others are asking too: more will
             // come while this one is applied, so sled's inserts go to the applier.
-            let busy = batch.commands > 1;
+            // Queued text deltas do not count: a lone stream sends its held deltas
+            // just before its end, and waking the applier for that one stream costs
+            // more than the inserts it would take off this thread.
+            let busy = batch.commands - batch.held_appends > 1;
             self.core.commit(batch, busy).await;
         }
         if self.core.dirty_since.is_some() {

@@ -682,6 +682,60 @@ async fn queued_events_are_written_together_by_the_next_durable_append_or_the_de
     Ok(())
 }
 
+/// On one thread the writer runs only when this test waits, so what it finds queued
+/// is exactly what was sent since: a lone stream's held deltas and its end are one
+/// commit that wakes no applier, and two streams' ends at once are handed over.
+#[tokio::test]
+async fn a_lone_streams_end_with_its_held_deltas_is_applied_on_the_writers_thread() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let j = &run.journal;
+    let done = || StreamEnd::Completed {
+        usage: serde_json::json!({}),
+    };
+    for n in 0..20 {
+        let key = StreamKey::new(format!("chat-lone-{n}"))?;
+        j.stream_begin(&key, stream_request(1)).await?;
+        j.stream_append(&key, 1, 0, vec![event(0)], true).await?;
+        let before = j.stats().handoffs;
+        for seq in 1..4 {
+            j.stream_append_nowait(&key, 1, seq, vec![event(seq)])
+                .await?;
+        }
+        j.stream_end(&key, 1, done()).await?;
+        assert_eq!(
+            j.stats().handoffs,
+            before,
+            "stream {n}'s end woke the applier"
+        );
+        let all = j.stream_events(&key, 1, None)?;
+        assert_eq!(all, (0..4).map(|s| (s, event(s))).collect::<Vec<_>>());
+    }
+
+    let (a, b) = (
+        StreamKey::new("chat-pair-a")?,
+        StreamKey::new("chat-pair-b")?,
+    );
+    for key in [&a, &b] {
+        j.stream_begin(key, stream_request(1)).await?;
+        j.stream_append(key, 1, 0, vec![event(0)], true).await?;
+    }
+    let before = j.stats().handoffs;
+    let (ended_a, ended_b) = tokio::join!(j.stream_end(&a, 1, done()), j.stream_end(&b, 1, done()));
+    ended_a?;
+    ended_b?;
+    assert_eq!(
+        j.stats().handoffs,
+        before + 1,
+        "two ends at once are one commit, handed over"
+    );
+    for key in [&a, &b] {
+        assert_eq!(j.stream_meta(key)?.and_then(|m| m.last_seq), Some(0));
+    }
+    run.stop().await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_events_lost_to_a_failed_write_end_the_attempt_instead_of_leaving_a_hole() -> TestResult
 {
