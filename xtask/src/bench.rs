@@ -233,6 +233,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         }),
     };
     let scenarios = scenarios(&opts.suites, &targets)?;
+    let machine = machine();
+    println!("machine: {machine}");
     let mut report = Vec::new();
     for sc in &scenarios {
         println!(
@@ -359,8 +361,8 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             "ratios": ratios,
         }));
     }
-    let doc =
-        json!({"duration_s": opts.duration.as_secs(), "rounds": opts.rounds, "scenarios": report});
+    let doc = json!({"duration_s": opts.duration.as_secs(), "rounds": opts.rounds,
+                     "machine": machine, "scenarios": report});
     let out = opts
         .out
         .unwrap_or_else(|| procs::root().join("bench-results").join("bench.json"));
@@ -771,6 +773,35 @@ fn journal_stats(
         .ok()?;
     let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
     Some((v["records_written"].as_u64()?, v["flushes"].as_u64()?))
+}
+
+/// What the figures were measured on: they depend on it as much as on the code. A
+/// virtual machine whose idle CPUs halt at once (`guest_halt_poll_ns` 0) makes every
+/// wake-up of an idle CPU an exit to the hypervisor, which is most of what a proxy
+/// adds to a first byte at concurrency 1 (see docs/benchmarks.md).
+fn machine() -> serde_json::Value {
+    let read = |path: &str| {
+        std::fs::read_to_string(path)
+            .ok()
+            .map(|s| s.trim().to_owned())
+    };
+    let cpuinfo = read("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        cpuinfo
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_owned())
+    };
+    json!({
+        "cpus": std::thread::available_parallelism().map(|n| n.get()).ok(),
+        "cpu_model": field("model name"),
+        "virtual": field("flags").map(|f| f.split_whitespace().any(|x| x == "hypervisor")),
+        "kernel": read("/proc/sys/kernel/osrelease"),
+        "cpuidle_driver": read("/sys/devices/system/cpu/cpuidle/current_driver"),
+        "guest_halt_poll_ns": read("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+            .and_then(|v| v.parse::<u64>().ok()),
+    })
 }
 
 fn cpu_ticks(pids: &[u32]) -> u64 {
