@@ -24,10 +24,10 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::Error;
-use crate::store::keys;
+use crate::store::{keys, lock};
 
 /// The directory of body files, in the journal directory.
 const DIR: &str = "records";
@@ -183,13 +183,7 @@ impl Bodies {
         generations.sort_unstable();
         generations.pop();
         let now: HashSet<u32> = generations.into_iter().filter(|&g| empty(g)).collect();
-        let before = std::mem::replace(
-            &mut *self
-                .empty_before
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner),
-            now.clone(),
-        );
+        let before = std::mem::replace(&mut *lock(&self.empty_before), now.clone());
         let mut files = self.files();
         for generation in now.into_iter().filter(|g| before.contains(g)) {
             files.remove(&generation);
@@ -260,7 +254,7 @@ impl Bodies {
     }
 
     fn files(&self) -> MutexGuard<'_, HashMap<u32, Segment>> {
-        self.files.lock().unwrap_or_else(PoisonError::into_inner)
+        lock(&self.files)
     }
 }
 

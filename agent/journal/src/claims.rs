@@ -9,7 +9,7 @@
 //! for the claim.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
@@ -46,7 +46,7 @@ impl Claims {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<StreamKey>> {
-        self.keys.lock().unwrap_or_else(PoisonError::into_inner)
+        crate::store::lock(&self.keys)
     }
 }
 

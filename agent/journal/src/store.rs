@@ -772,7 +772,8 @@ pub(crate) fn open_read_write(path: &Path) -> Result<File, Error> {
         .map_err(|e| Error::Storage(format!("cannot open {}: {e}", path.display())))
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+/// Locks `m`, taking a poisoned lock as it is (the journal's locks all do).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 

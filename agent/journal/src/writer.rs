@@ -303,9 +303,7 @@ impl KnownKeys {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, GrowableBloom> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        crate::store::lock(&self.0)
     }
 }
 
