@@ -110,9 +110,13 @@ impl Bodies {
             buffer.extend_from_slice(value);
         }
         for (generation, bytes) in staged {
-            let Some(segment) = files.get_mut(&generation) else {
-                continue;
-            };
+            // Opened above, under the same lock.
+            let segment = files.get_mut(&generation).ok_or_else(|| {
+                Error::Storage(format!(
+                    "the record file {} was not open",
+                    self.path(generation).display()
+                ))
+            })?;
             segment
                 .file
                 .write_all_at(&bytes, segment.len)
