@@ -69,6 +69,8 @@ pub struct Keyed {
     pub key: StreamKey,
     /// Whether an existing completed stream under the key may answer this call.
     pub replayable: bool,
+    /// The request's [`fingerprint`], computed once for the key and the journal.
+    pub fingerprint: outrigger_types::Fingerprint,
 }
 
 /// The stream key of a model call, if it has one (see the module docs).
@@ -93,12 +95,14 @@ pub fn key_for(
         return Ok(Some(Keyed {
             key: stream_key(format!("m/{dialect}/{key}"))?,
             replayable: true,
+            fingerprint: fingerprint(request),
         }));
     }
     let Some(task) = &ctx.task_id else {
         return Ok(None);
     };
-    let fp = fingerprint(request).to_hex();
+    let fingerprint = fingerprint(request);
+    let fp = fingerprint.to_hex();
     let fresh = no_cache(h) || !options.replay_in_task;
     let key = if fresh {
         format!("t/{task}/{dialect}/{}/{}", &fp[..32], ctx.request_id)
@@ -108,6 +112,7 @@ pub fn key_for(
     Ok(Some(Keyed {
         key: stream_key(key)?,
         replayable: !fresh,
+        fingerprint,
     }))
 }
 

@@ -130,7 +130,7 @@ async fn call_inner(
     let begun = match (keyed, shared.journal.clone()) {
         (Some(keyed), Some(journal)) => {
             let stream_request = StreamRequest {
-                fingerprint: streams::fingerprint(&request),
+                fingerprint: keyed.fingerprint,
                 task_id: ctx.task_id.clone(),
                 request_id: ctx.request_id.clone(),
                 provider: primary.name.clone(),
