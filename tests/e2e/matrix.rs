@@ -401,7 +401,10 @@ async fn serve(stream: TcpStream, script: Script, conn: Arc<Conn>) {
             Script::Oversized { size } => {
                 send_counted(&mut wr, &conn, SSE_HEAD).await?;
                 send_counted(&mut wr, &conn, &text_event(0, 200)).await?;
-                let mut big = b"data: ".to_vec();
+                // A whole event and the start of the oversized one in one write: the
+                // whole one still goes out.
+                let mut big = text_event(1, 200);
+                big.extend_from_slice(b"data: ");
                 big.resize(size, b'y');
                 big.extend_from_slice(b"\n\n");
                 send_counted(&mut wr, &conn, &big).await?;
@@ -971,18 +974,24 @@ async fn l7_upstream_bytes_sliced_into_tiny_writes_relay_byte_identical_and_a_hu
         let sent = mock.exchanges().last().unwrap().response_bytes();
         assert_eq!(r.body.as_ref(), sent.as_slice(), "{path}");
     }
-    let r = post_json(
-        &sidecar.url("/v1/chat/completions"),
-        &[],
-        &chat("big", true),
-    )
-    .await;
-    assert_eq!(r.status, StatusCode::OK);
-    let last = events(&r.body).last().cloned().unwrap_or_default();
-    assert!(
-        last.contains("stream_interrupted") && last.contains("exceeded 65536 bytes"),
-        "{last}"
-    );
+    // Relayed, then journaled (with a key).
+    for headers in [&[][..], &[("idempotency-key", "oversized")][..]] {
+        let r = post_json(
+            &sidecar.url("/v1/chat/completions"),
+            headers,
+            &chat("big", true),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::OK);
+        let evs = events(&r.body);
+        assert_eq!(evs.len(), 3, "two whole events and the error: {evs:?}");
+        assert!(evs[1].contains("\"content\":\"1 "), "{}", evs[1]);
+        let last = evs.last().cloned().unwrap_or_default();
+        assert!(
+            last.contains("stream_interrupted") && last.contains("exceeded 65536 bytes"),
+            "{last}"
+        );
+    }
     assert_eq!(
         get(&sidecar.admin_url("/healthz")).await.status,
         StatusCode::OK

@@ -435,10 +435,29 @@ async fn a_sidecar_killed_mid_stream_gives_a_fresh_generation_on_retry() {
         ..Behaviour::default()
     })
     .await;
-    let (_key, prefix) = read_events(post(&sidecar, D::OpenAi, Some("killed"), &[]), 5).await;
+    let (key, prefix) = read_events(post(&sidecar, D::OpenAi, Some("killed"), &[]), 5).await;
     assert_eq!(events(&prefix).len(), 5);
     sidecar.kill();
     sidecar.spawn().await;
+    // Resumed by key after the restart, the abandoned attempt ends with a typed error
+    // numbered after its last journaled event, not with a silent end.
+    let journaled = send(request(
+        Method::GET,
+        &sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F"))),
+        &[],
+        Bytes::new(),
+    ))
+    .await;
+    assert_eq!(journaled.status, StatusCode::OK, "{}", journaled.text());
+    let whole = events(&journaled.body);
+    let last = whole.last().cloned().unwrap_or_default();
+    assert!(
+        last.starts_with(&format!("id: 1:{}\n", whole.len() - 1))
+            && last.contains("stream_interrupted")
+            && last.contains("restart"),
+        "{last}"
+    );
+    assert!(!journaled.body.windows(6).any(|w| w == b"[DONE]"));
     // The open attempt was abandoned at start-up; the same request generates afresh.
     let r = send(post(&sidecar, D::OpenAi, Some("killed"), &[])).await;
     assert_eq!(r.status, StatusCode::OK);
@@ -450,4 +469,51 @@ async fn a_sidecar_killed_mid_stream_gives_a_fresh_generation_on_retry() {
     // From now on it replays.
     let again = send(post(&sidecar, D::OpenAi, Some("killed"), &[])).await;
     assert_eq!(again.body, r.body);
+}
+
+#[tokio::test]
+async fn a_call_before_its_first_byte_is_joined_by_a_repeat_and_freed_when_dropped() {
+    let (mock, sidecar) = setup(Behaviour {
+        chunks: 5,
+        first_byte_delay: Duration::from_millis(700),
+        ..Behaviour::default()
+    })
+    .await;
+    // A repeat while the first waits for its first byte joins it.
+    let first = tokio::spawn(send(post(&sidecar, D::OpenAi, Some("slow"), &[])));
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let repeat = send(post(&sidecar, D::OpenAi, Some("slow"), &[])).await;
+    let first = first.await.expect("first call");
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    assert_eq!(repeat.status, StatusCode::OK, "{}", repeat.text());
+    assert_eq!(repeat.header("outrigger-replayed"), Some("true"));
+    assert_eq!(repeat.body, first.body);
+    assert_eq!(mock.generation_count(), 1);
+
+    // A call whose agent goes away before the first byte does not hold its key: the
+    // same request then generates afresh instead of being told it is in progress.
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(250),
+        send(post(&sidecar, D::OpenAi, Some("dropped"), &[])),
+    )
+    .await;
+    assert!(dropped.is_err(), "the call should still have been waiting");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let again = send(post(&sidecar, D::OpenAi, Some("dropped"), &[])).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text());
+    assert_eq!(again.header("outrigger-replayed"), None);
+    let evs = events(&again.body);
+    assert!(evs[0].starts_with("id: 2:0\n"), "attempt 2: {}", evs[0]);
+    assert!(evs.last().unwrap().contains("[DONE]"));
+
+    // A resume point that is not ours is refused, not answered with the whole stream.
+    let bad = send(post(
+        &sidecar,
+        D::OpenAi,
+        Some("slow"),
+        &[("last-event-id", "chatcmpl-7")],
+    ))
+    .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{}", bad.text());
+    assert!(bad.text().contains("Last-Event-ID"), "{}", bad.text());
 }

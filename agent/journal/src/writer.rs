@@ -955,7 +955,11 @@ impl Core {
         now: SystemTime,
         batch: &mut Batch,
     ) -> Result<(), Error> {
-        self.check_intact(key, attempt)?;
+        // An attempt that lost events may still end as failed or abandoned (so that
+        // the key's next begin starts afresh), never as completed.
+        if matches!(end, StreamEnd::Completed { .. }) {
+            self.check_intact(key, attempt)?;
+        }
         let mut meta = self.open_stream(batch, key, attempt)?;
         if meta.state != StreamState::Open {
             if meta.end.as_ref() == Some(&end) {

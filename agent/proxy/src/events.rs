@@ -3,8 +3,10 @@
 //!
 //! A tool call is complete only when the provider says so: Anthropic closes a
 //! `tool_use` block with `content_block_stop`; OpenAI chat completions close all
-//! tool calls of a choice with `finish_reason: "tool_calls"`. A stream that stops
-//! before that holds only partial tool calls, which must never reach the agent.
+//! tool calls of a choice with its `finish_reason` (`tool_calls`, or `stop` for a
+//! call the request forced), unless the reason says the choice was cut short
+//! (`length`, `content_filter`). A stream that stops before that holds only partial
+//! tool calls, which must never reach the agent.
 
 use std::collections::BTreeMap;
 use std::sync::LazyLock;
@@ -25,6 +27,7 @@ struct Markers {
     error: memmem::Finder<'static>,
     finish_reason_null: memmem::Finder<'static>,
     text_delta: memmem::Finder<'static>,
+    function_call: memmem::Finder<'static>,
 }
 
 static MARKERS: LazyLock<Markers> = LazyLock::new(|| Markers {
@@ -34,7 +37,12 @@ static MARKERS: LazyLock<Markers> = LazyLock::new(|| Markers {
     error: memmem::Finder::new(b"\"error\""),
     finish_reason_null: memmem::Finder::new(b"\"finish_reason\":null"),
     text_delta: memmem::Finder::new(b"\"text_delta\""),
+    function_call: memmem::Finder::new(b"function_call"),
 });
+
+/// The block a choice's legacy `function_call` delta grows (OpenAI's `functions`
+/// API): one per choice, after any tool-call index a choice can have.
+const LEGACY_CALL: u64 = 999;
 
 /// What one event does to the turn.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -81,8 +89,9 @@ pub struct Turn {
     pub response_id: Option<String>,
     pub terminal: bool,
     pub errored: bool,
-    /// The provider ended a choice (`finish_reason` other than `tool_calls`, e.g.
-    /// `length`) while one of its tool calls was still open.
+    /// The provider cut a choice short (`finish_reason` `length` or
+    /// `content_filter`, or another reason with a call's arguments unfinished) while
+    /// one of its tool calls was still open.
     pub truncated_tool_call: Option<String>,
 }
 
@@ -127,6 +136,7 @@ impl Turn {
                 let plain_text = raw.starts_with(b"data: {")
                     && has(&m.content)
                     && !has(&m.tool_calls)
+                    && !has(&m.function_call)
                     && !has(&m.usage)
                     && !has(&m.error)
                     && has(&m.finish_reason_null);
@@ -192,6 +202,15 @@ impl Turn {
                     }
                 }
                 kind = Kind::ToolPart;
+            } else if let Some(call) = delta.get("function_call").filter(|c| c.is_object()) {
+                let b = self.blocks.entry(c * 1_000 + LEGACY_CALL).or_default();
+                if let Some(name) = call["name"].as_str() {
+                    b.name.push_str(name);
+                }
+                if let Some(a) = call["arguments"].as_str() {
+                    b.arguments.push_str(a);
+                }
+                kind = Kind::ToolPart;
             } else if (delta["content"].is_string() || delta["refusal"].is_string())
                 && kind == Kind::Other
             {
@@ -199,19 +218,31 @@ impl Turn {
             }
             if let Some(reason) = choice["finish_reason"].as_str() {
                 self.finish_reason = Some(reason.to_string());
+                let open = |(i, b): &(&u64, &Partial)| **i / 1_000 == c && !b.complete;
+                let cut = match reason {
+                    "tool_calls" | "function_call" => false,
+                    "length" | "content_filter" => true,
+                    // `stop` ends a call the request forced (`tool_choice` naming a
+                    // function), and compatible servers use their own reasons: the
+                    // calls are whole if their arguments are.
+                    _ => self.blocks.iter().filter(open).any(|(_, b)| {
+                        !b.arguments.trim().is_empty()
+                            && serde_json::from_str::<serde::de::IgnoredAny>(&b.arguments).is_err()
+                    }),
+                };
                 let closed: Vec<u64> = self
                     .blocks
                     .iter_mut()
                     .filter(|(i, b)| **i / 1_000 == c && !b.complete)
                     .map(|(i, b)| {
-                        b.complete = reason == "tool_calls";
+                        b.complete = !cut;
                         *i
                     })
                     .collect();
-                if reason == "tool_calls" && !closed.is_empty() {
-                    kind = Kind::ToolComplete(closed);
-                } else if !closed.is_empty() {
+                if cut && !closed.is_empty() {
                     self.truncated_tool_call = Some(reason.to_string());
+                } else if !closed.is_empty() {
+                    kind = Kind::ToolComplete(closed);
                 }
             }
         }
@@ -376,13 +407,22 @@ impl Gate {
             let detail = format!(
                 "the provider ended its turn (finish_reason {reason:?}) inside a tool call"
             );
-            self.closed = true;
-            self.held.clear();
-            self.turn.errored = true;
-            return Release {
-                events: vec![interruption_event(self.turn.dialect, &detail)],
-                durable: true,
-            };
+            return self.cut(interruption_event(self.turn.dialect, &detail));
+        }
+        let open = !self.held.is_empty() || self.turn.inside_tool_call();
+        match kind {
+            // The provider's own typed error ends the turn; the parts of a block it
+            // left open never go out.
+            Kind::Error => return self.cut(raw),
+            // A turn must not end as complete with a block still open (`[DONE]`
+            // without the finish reason that closes the calls, or `message_stop`
+            // before `content_block_stop`).
+            Kind::Terminal if open => {
+                self.turn.terminal = false;
+                let detail = "the provider ended its turn inside a tool call";
+                return self.cut(interruption_event(self.turn.dialect, detail));
+            }
+            _ => {}
         }
         let durable = matches!(kind, Kind::ToolComplete(_) | Kind::Terminal | Kind::Error);
         if self.held.is_empty() && kind != Kind::ToolPart {
@@ -399,6 +439,24 @@ impl Gate {
             events: std::mem::take(&mut self.held),
             durable: true,
         }
+    }
+
+    /// Ends the turn with `error` (a typed error event): what is held is dropped,
+    /// and nothing more goes out.
+    fn cut(&mut self, error: bytes::Bytes) -> Release {
+        self.closed = true;
+        self.held.clear();
+        self.turn.errored = true;
+        Release {
+            events: vec![error],
+            durable: true,
+        }
+    }
+
+    /// Whether the turn was ended with an error event (the provider's or ours): a
+    /// stream that breaks after that needs no second one.
+    pub fn closed(&self) -> bool {
+        self.closed
     }
 
     /// Events held back (parts of an unfinished block), which an interruption drops.
@@ -469,6 +527,124 @@ mod tests {
                 .is_empty()
         );
         assert!(!g.turn.terminal);
+    }
+
+    fn call_part(args: &str) -> bytes::Bytes {
+        ev(&json!({"choices": [{"index": 0, "delta": {"tool_calls": [
+            {"index": 0, "id": "call_1", "function": {"name": "pay", "arguments": args}}]}}]}))
+        .into()
+    }
+
+    fn finish(reason: &str) -> bytes::Bytes {
+        ev(&json!({"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]})).into()
+    }
+
+    #[test]
+    fn a_call_the_request_forced_completes_at_finish_reason_stop() {
+        let mut g = Gate::new(Dialect::OpenAi);
+        assert!(g.push(call_part("{\"a\":")).events.is_empty());
+        assert!(g.push(call_part("1}")).events.is_empty());
+        let end = g.push(finish("stop"));
+        assert_eq!(
+            end.events.len(),
+            3,
+            "the two parts and the finish, together"
+        );
+        assert!(end.durable);
+        assert!(!g.turn.errored);
+        assert_eq!(g.turn.completed_calls()[0].id, "call_1");
+    }
+
+    #[test]
+    fn a_stop_with_unfinished_arguments_is_a_cut_call() {
+        let mut g = Gate::new(Dialect::OpenAi);
+        assert!(g.push(call_part("{\"a\":")).events.is_empty());
+        let end = g.push(finish("stop"));
+        assert_eq!(end.events.len(), 1);
+        let text = String::from_utf8_lossy(&end.events[0]);
+        assert!(
+            text.contains("stream_interrupted") && !text.contains("pay"),
+            "{text}"
+        );
+        assert!(g.turn.errored && g.closed());
+    }
+
+    #[test]
+    fn a_provider_error_inside_a_tool_call_goes_out_and_drops_the_parts() {
+        let mut g = Gate::new(Dialect::Anthropic);
+        let start = named(
+            "content_block_start",
+            &json!({"type": "content_block_start", "index": 0,
+            "content_block": {"type": "tool_use", "id": "toolu_1", "name": "mail", "input": {}}}),
+        );
+        assert!(g.push(start.into()).events.is_empty());
+        let error = named(
+            "error",
+            &json!({"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}),
+        );
+        let out = g.push(error.clone().into());
+        assert_eq!(out.events, vec![bytes::Bytes::from(error)]);
+        assert!(out.durable);
+        assert!(g.closed() && g.turn.errored && g.held() == 0);
+        let stop = named("message_stop", &json!({"type": "message_stop"}));
+        assert!(
+            g.push(stop.into()).events.is_empty(),
+            "nothing after the error"
+        );
+        assert!(!g.turn.terminal);
+    }
+
+    #[test]
+    fn a_turn_that_ends_with_a_call_open_ends_with_a_typed_error_not_its_terminal() {
+        // OpenAI: `[DONE]` without the finish reason that closes the call.
+        let mut g = Gate::new(Dialect::OpenAi);
+        assert!(g.push(call_part("{}")).events.is_empty());
+        let end = g.push(bytes::Bytes::from_static(b"data: [DONE]\n\n"));
+        assert_eq!(end.events.len(), 1);
+        let text = String::from_utf8_lossy(&end.events[0]);
+        assert!(
+            text.contains("stream_interrupted") && !text.contains("[DONE]"),
+            "{text}"
+        );
+        assert!(!g.turn.terminal && g.turn.errored);
+        // Anthropic: `message_stop` before `content_block_stop`.
+        let mut g = Gate::new(Dialect::Anthropic);
+        let start = named(
+            "content_block_start",
+            &json!({"type": "content_block_start", "index": 0,
+            "content_block": {"type": "tool_use", "id": "toolu_1", "name": "mail", "input": {}}}),
+        );
+        assert!(g.push(start.into()).events.is_empty());
+        let end = g.push(named("message_stop", &json!({"type": "message_stop"})).into());
+        assert_eq!(end.events.len(), 1);
+        let text = String::from_utf8_lossy(&end.events[0]);
+        assert!(
+            text.starts_with("event: error\n") && !text.contains("mail"),
+            "{text}"
+        );
+        assert!(!g.turn.terminal);
+    }
+
+    #[test]
+    fn a_legacy_function_call_is_held_until_its_finish_reason() {
+        let mut g = Gate::new(Dialect::OpenAi);
+        let part = |args: &str| -> bytes::Bytes {
+            ev(
+                &json!({"id": "c1", "choices": [{"index": 0, "delta": {"content": null,
+                "function_call": {"name": "pay", "arguments": args}}, "finish_reason": null}]}),
+            )
+            .into()
+        };
+        assert!(g.push(part("{\"a\":")).events.is_empty());
+        assert!(g.push(part("1}")).events.is_empty());
+        let end = g.push(finish("function_call"));
+        assert_eq!(end.events.len(), 3);
+        assert!(!g.turn.errored);
+        // Cut short, it never goes out.
+        let mut g = Gate::new(Dialect::OpenAi);
+        assert!(g.push(part("{\"a\":")).events.is_empty());
+        let end = g.push(finish("length"));
+        assert!(String::from_utf8_lossy(&end.events[0]).contains("stream_interrupted"));
     }
 
     #[test]

@@ -103,7 +103,8 @@ impl<B, O> SseRelay<B, O> {
         self.observer
             .on_end(Err(detail), self.gate.as_ref().map(|g| &g.turn));
         match &self.gate {
-            Some(gate) if !gate.turn.terminal => {
+            // A turn already ended by an error event needs no second one.
+            Some(gate) if !gate.turn.terminal && !gate.closed() => {
                 self.ready
                     .push_back(interruption_event(gate.turn.dialect(), detail));
                 None
@@ -164,6 +165,9 @@ where
                         continue; // trailers: nothing to relay
                     };
                     if let Err(e) = this.framer.push(&data, &mut this.scratch) {
+                        // The events framed before the one too large are whole.
+                        let events: Vec<Bytes> = this.scratch.drain(..).collect();
+                        this.release(events, Instant::now());
                         let detail = e.to_string();
                         if let Some(e) = this.interrupt(&detail, Box::new(e)) {
                             return Poll::Ready(Some(Err(e)));

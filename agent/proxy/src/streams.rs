@@ -181,6 +181,66 @@ pub fn parse_event_id(v: &str) -> Option<(u32, u64)> {
     Some((a.parse().ok()?, s.parse().ok()?))
 }
 
+/// The request's `Last-Event-ID`: `None` when absent or empty, an error when it is
+/// not one of ours (answering it as absent would send the whole stream again).
+pub fn last_event_id(h: &HeaderMap) -> Result<Option<(u32, u64)>, crate::Error> {
+    let Some(v) = h.get("last-event-id") else {
+        return Ok(None);
+    };
+    let v = v.to_str().unwrap_or("\u{fffd}");
+    if v.trim().is_empty() {
+        return Ok(None);
+    }
+    parse_event_id(v).map(Some).ok_or_else(|| crate::Error::BadHeader {
+        header: "Last-Event-ID",
+        detail: format!(
+            "{v:?} is not an event id this sidecar sent; send the `id:` of the last event received (`<attempt>:<seq>`), or no header for the whole stream"
+        ),
+    })
+}
+
+/// Where in a live hub a client that last received `seq` goes on.
+pub(crate) fn next_index(seq: u64) -> usize {
+    seq.checked_add(1)
+        .and_then(|n| usize::try_from(n).ok())
+        .unwrap_or(usize::MAX)
+}
+
+/// `raw` without the upstream's own `id` lines: ours go in front of every event,
+/// and an `id` later in the event would win over it, leaving the client a
+/// `Last-Event-ID` it cannot resume with. The data lines of JSON events hold no
+/// raw line breaks, so a field name can only follow one.
+fn without_upstream_ids(raw: Bytes) -> Bytes {
+    let is_id = |line: &[u8]| line == b"id" || line.starts_with(b"id:");
+    let has = raw.starts_with(b"id")
+        || memchr::memmem::find_iter(&raw, b"id")
+            .any(|i| i > 0 && matches!(raw[i - 1], b'\n' | b'\r'));
+    if !has {
+        return raw;
+    }
+    let mut out = BytesMut::with_capacity(raw.len());
+    let mut rest = &raw[..];
+    while !rest.is_empty() {
+        // One line with its terminator (LF, CRLF or CR).
+        let end = rest
+            .iter()
+            .position(|&b| b == b'\n' || b == b'\r')
+            .map_or(rest.len(), |i| {
+                if rest[i] == b'\r' && rest.get(i + 1) == Some(&b'\n') {
+                    i + 2
+                } else {
+                    i + 1
+                }
+            });
+        let line = rest[..end].trim_ascii_end();
+        if !is_id(line) {
+            out.extend_from_slice(&rest[..end]);
+        }
+        rest = &rest[end..];
+    }
+    out.freeze()
+}
+
 // === Live ===
 
 /// The in-memory fan-out of one generation: every forwarded event (with its id), and
@@ -358,6 +418,130 @@ impl Registry {
     }
 }
 
+// === A generation's start ===
+
+/// A journaled generation from its start (the journal's `New`) until it has a
+/// stream. A streamed call's hub is registered at once, so that a repeat of the
+/// request or a resume by key waits for its first events instead of being told it
+/// is in progress. If it never gets a stream (the upstream failed, the sidecar
+/// refused it, or the agent went away and the call was dropped), its end is recorded
+/// and the hub's clients get a typed error: the key's next request generates afresh
+/// instead of waiting on an attempt that never ends.
+pub(crate) struct Starting {
+    shared: Arc<Shared>,
+    journal: Journal,
+    key: StreamKey,
+    attempt: u32,
+    live: Option<Arc<Live>>,
+    dialect: Dialect,
+    armed: bool,
+}
+
+impl Starting {
+    pub(crate) fn new(
+        shared: &Arc<Shared>,
+        journal: Journal,
+        key: StreamKey,
+        attempt: u32,
+        request: &ModelRequest,
+    ) -> Self {
+        let live = request.stream.then(|| {
+            let live = Live::new_for(&key, attempt, request.dialect, &shared.options.streams);
+            shared.streams.insert(live.clone());
+            live
+        });
+        Self {
+            shared: shared.clone(),
+            journal,
+            key,
+            attempt,
+            live,
+            dialect: request.dialect,
+            armed: true,
+        }
+    }
+
+    pub(crate) fn journal(&self) -> &Journal {
+        &self.journal
+    }
+
+    pub(crate) fn key(&self) -> &StreamKey {
+        &self.key
+    }
+
+    pub(crate) fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// A plain answer was journaled whole: the attempt is over, and a hub (the call
+    /// asked for a stream but got a plain answer) closes with nothing in it.
+    pub(crate) fn answered(mut self) {
+        self.armed = false;
+        if let Some(live) = self.live.take() {
+            live.finish();
+            self.shared.streams.remove(&live);
+        }
+    }
+
+    /// The journal, key, attempt and hub (if the call asked for a stream), for the
+    /// producer: the generation has its stream.
+    pub(crate) fn started(mut self) -> (Journal, StreamKey, u32, Option<Arc<Live>>) {
+        self.armed = false;
+        (
+            self.journal.clone(),
+            self.key.clone(),
+            self.attempt,
+            self.live.take(),
+        )
+    }
+
+    /// Ends the attempt without a stream: recorded as failed (so the key's next
+    /// request starts afresh), and the hub's clients told why.
+    pub(crate) async fn failed(mut self, reason: &str) {
+        self.armed = false;
+        self.close(reason);
+        let end = StreamEnd::Failed {
+            reason: reason.to_string(),
+        };
+        if let Err(e) = self.journal.stream_end(&self.key, self.attempt, end).await {
+            tracing::warn!(key = %self.key, error = %e, "could not record a failed model call");
+        }
+    }
+
+    fn close(&mut self, reason: &str) {
+        if let Some(live) = self.live.take() {
+            let ev = interruption_event(self.dialect, reason);
+            live.push(with_ids(self.attempt, 0, std::slice::from_ref(&ev)));
+            live.finish();
+            self.shared.streams.remove(&live);
+        }
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let reason = "the call ended before the model answered (the agent went away)";
+        self.close(reason);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // No runtime: the process is stopping, and the next start's recovery
+            // ends the attempt.
+            return;
+        };
+        let (journal, key, attempt) = (self.journal.clone(), self.key.clone(), self.attempt);
+        runtime.spawn(async move {
+            let end = StreamEnd::Abandoned {
+                reason: reason.to_string(),
+            };
+            if let Err(e) = journal.stream_end(&key, attempt, end).await {
+                tracing::debug!(%key, error = %e, "could not record a dropped model call");
+            }
+        });
+    }
+}
+
 // === The producer ===
 
 /// What the producer needs besides the upstream body.
@@ -488,7 +672,7 @@ impl Producer {
         let mut durable = false;
         for raw in self.scratch.drain(..) {
             self.bytes += raw.len();
-            let release = self.gate.push(raw);
+            let release = self.gate.push(without_upstream_ids(raw));
             durable |= release.durable && !release.events.is_empty();
             events.extend(release.events);
         }
@@ -667,7 +851,7 @@ impl Producer {
                     if let Ok(data) = f.into_data()
                         && let Err(e) = self.framer.push(&data, &mut self.scratch)
                     {
-                        break 'relay Ended::Abandoned(e.to_string());
+                        break 'relay self.framing_failed(e).await;
                     }
                     // Take in whatever else has already arrived, so that a burst is
                     // journaled and forwarded as one batch rather than event by event
@@ -680,7 +864,7 @@ impl Producer {
                                 if let Ok(data) = f.into_data()
                                     && let Err(e) = self.framer.push(&data, &mut self.scratch)
                                 {
-                                    break 'relay Ended::Abandoned(e.to_string());
+                                    break 'relay self.framing_failed(e).await;
                                 }
                             }
                             Some(other) => {
@@ -713,16 +897,33 @@ impl Producer {
         self.finish(ended).await;
     }
 
+    /// An event passed the size limit: the events framed before it still go out
+    /// (they are whole), then the generation is abandoned.
+    async fn framing_failed(&mut self, e: crate::sse::EventTooLarge) -> Ended {
+        let batch = self.take_in();
+        if self.settle(batch).await {
+            return Ended::Completed;
+        }
+        Ended::Abandoned(e.to_string())
+    }
+
     /// Ends the generation: the typed error event of an interruption, the end
     /// record, and the hub's end.
-    async fn finish(mut self, ended: Ended) {
+    async fn finish(mut self, mut ended: Ended) {
         // Held deltas go before whatever ends the attempt.
         self.release_held().await;
         let live = self.live.clone();
+        if self.gate.closed() && matches!(ended, Ended::Abandoned(_)) {
+            // The turn already ended with an error event; what broke off after it
+            // (the upstream, a cancel) needs no second one.
+            ended = Ended::Failed;
+        }
         let end = match &ended {
             Ended::Completed => completed(&self.gate),
             Ended::Failed => StreamEnd::Failed {
-                reason: "the provider reported an error in the stream".into(),
+                reason:
+                    "the turn ended with an error event (the provider's, or a tool call cut short)"
+                        .into(),
             },
             Ended::Abandoned(reason) => {
                 if self.gate.held() > 0 || self.gate.turn.inside_tool_call() {
@@ -741,8 +942,17 @@ impl Producer {
                 }
             }
         };
-        if self.journal_ok
-            && !self.end_recorded
+        // An attempt whose events the journal lost cannot be replayed: it ends as
+        // abandoned whatever the agent got, so that the key's next request generates
+        // afresh instead of waiting on an attempt that never completes.
+        let end = if self.journal_ok {
+            end
+        } else {
+            StreamEnd::Abandoned {
+                reason: "the journal lost events of this attempt".into(),
+            }
+        };
+        if !self.end_recorded
             && let Err(e) = self.journal.stream_end(&live.key, live.attempt, end).await
         {
             tracing::warn!(key = %live.key, error = %e, "could not record the end of a stream");
@@ -910,18 +1120,14 @@ pub(crate) async fn endpoint(
             allowed: "GET",
         });
     }
-    let last = req
-        .headers()
-        .get("last-event-id")
-        .and_then(|v| v.to_str().ok())
-        .and_then(parse_event_id);
+    let last = last_event_id(req.headers())?;
     // A generation in the hub is the stream's latest attempt. It is served from the
     // hub before the journal is asked: its start may be answered (and its first
     // events relayed) a moment before the writer has applied it.
     if let Some(live) = shared.streams.get(&key)
         && last.is_none_or(|(attempt, _)| attempt == live.attempt)
     {
-        let from = last.map_or(0, |(_, s)| usize::try_from(s + 1).unwrap_or(usize::MAX));
+        let from = last.map_or(0, |(_, s)| next_index(s));
         return Ok(with_key(live_response(&live, from, true), &key));
     }
     let meta = journal
@@ -934,13 +1140,63 @@ pub(crate) async fn endpoint(
         Some((a, s)) => (a, Some(s)),
         None => (meta.attempt, None),
     };
-    let events = journal
+    let mut events = journal
         .stream_events(&key, attempt, after)
         .map_err(crate::Error::Journal)?;
+    if attempt == meta.attempt {
+        events.extend(ended_short(shared, journal, &meta)?);
+    }
     if events.is_empty() {
         return Ok(nothing_more());
     }
     Ok(with_key(journal_response(events, attempt), &key))
+}
+
+/// The typed error event that ends the replay of an attempt which failed or broke
+/// off without one in the journal (the sidecar stopped while generating it, the
+/// journal lost its tail, or it failed before its first event), numbered after its
+/// last event: a resumed client then sees the stream end as interrupted, not as a
+/// silent end it could take for a whole answer. It is not journaled.
+fn ended_short(
+    shared: &Shared,
+    journal: &Journal,
+    meta: &outrigger_journal::StreamMeta,
+) -> Result<Option<(u64, Bytes)>, crate::Error> {
+    let reason = match &meta.end {
+        Some(StreamEnd::Failed { reason } | StreamEnd::Abandoned { reason }) => reason,
+        Some(StreamEnd::Completed { .. }) | None => return Ok(None),
+    };
+    let last = match meta.last_seq {
+        Some(seq) => journal
+            .stream_events(&meta.key, meta.attempt, seq.checked_sub(1))
+            .map_err(crate::Error::Journal)?
+            .pop(),
+        None => None,
+    };
+    // The provider's dialect; the events say it when the provider has left the
+    // configuration (Anthropic's all name their type).
+    let dialect = shared
+        .options
+        .providers
+        .iter()
+        .find(|p| p.name == meta.request.provider)
+        .map(|p| p.dialect)
+        .or_else(|| {
+            let (_, raw) = last.as_ref()?;
+            Some(if raw.starts_with(b"event:") {
+                Dialect::Anthropic
+            } else {
+                Dialect::OpenAi
+            })
+        })
+        .unwrap_or(Dialect::OpenAi);
+    if let Some((_, raw)) = &last
+        && crate::events::Turn::new(dialect).observe(raw) == crate::events::Kind::Error
+    {
+        return Ok(None);
+    }
+    let seq = last.map_or(0, |(seq, _)| seq + 1);
+    Ok(Some((seq, interruption_event(dialect, reason))))
 }
 
 fn json_response(status: StatusCode, v: &serde_json::Value) -> Response<Body> {
@@ -972,4 +1228,47 @@ fn percent_decode(s: &str) -> String {
         i += 1;
     }
     String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_upstreams_own_ids_are_dropped_and_nothing_else() {
+        let plain = Bytes::from_static(b"data: {\"id\":\"chatcmpl-1\"}\n\n");
+        assert_eq!(without_upstream_ids(plain.clone()), plain);
+        let named = Bytes::from_static(b"event: ping\nid: 7\ndata: {}\n\n");
+        assert_eq!(
+            without_upstream_ids(named),
+            Bytes::from_static(b"event: ping\ndata: {}\n\n")
+        );
+        let first = Bytes::from_static(b"id\r\ndata: x\r\n\r\n");
+        assert_eq!(
+            without_upstream_ids(first),
+            Bytes::from_static(b"data: x\r\n\r\n")
+        );
+        // A field that only starts with the letters is not an id.
+        let other = Bytes::from_static(b"idle: 1\ndata: x\n\n");
+        assert_eq!(without_upstream_ids(other.clone()), other);
+    }
+
+    #[test]
+    fn a_last_event_id_that_is_not_ours_is_refused_not_taken_for_none() {
+        let mut h = HeaderMap::new();
+        assert!(matches!(last_event_id(&h), Ok(None)));
+        h.insert("last-event-id", HeaderValue::from_static(" "));
+        assert!(matches!(last_event_id(&h), Ok(None)));
+        h.insert("last-event-id", HeaderValue::from_static("2:17"));
+        assert!(matches!(last_event_id(&h), Ok(Some((2, 17)))));
+        h.insert("last-event-id", HeaderValue::from_static("chatcmpl-9"));
+        let e = last_event_id(&h).expect_err("not ours");
+        assert!(e.to_string().contains("Last-Event-ID"), "{e}");
+    }
+
+    #[test]
+    fn the_last_possible_event_id_resumes_past_the_end() {
+        assert_eq!(next_index(4), 5);
+        assert_eq!(next_index(u64::MAX), usize::MAX);
+    }
 }

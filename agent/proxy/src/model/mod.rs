@@ -25,9 +25,7 @@ use outrigger_types::{
 
 pub use list::list;
 
-use outrigger_journal::{
-    Journal, StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest, StreamState,
-};
+use outrigger_journal::{Journal, StreamBegin, StreamEnd, StreamMeta, StreamRequest, StreamState};
 
 use self::answer::Answer;
 use self::attempts::{Ended, Mechanics, Plan, Success, Trail};
@@ -121,6 +119,9 @@ async fn call_inner(
     routed: &mut Option<Routed>,
     rec: &mut Option<ModelCall>,
 ) -> Result<Response<Body>, Error> {
+    // Checked before anything is journaled: a resume point that is not ours is the
+    // client's mistake, not a reason to send the whole stream again.
+    let last_event_id = streams::last_event_id(&parts.headers)?;
     let keyed = match &shared.journal {
         Some(_) => streams::key_for(&parts.headers, ctx, &request, &shared.options.streams)?,
         None => None,
@@ -161,11 +162,6 @@ async fn call_inner(
         )
         .await;
     };
-    let last_event_id = parts
-        .headers
-        .get("last-event-id")
-        .and_then(|v| v.to_str().ok())
-        .and_then(streams::parse_event_id);
     let attempt = match begin {
         StreamBegin::Mismatch { meta } => {
             return Err(Error::StreamKeyReused {
@@ -181,6 +177,7 @@ async fn call_inner(
         }
         StreamBegin::New { attempt } => attempt,
     };
+    let starting = streams::Starting::new(shared, journal, keyed.key.clone(), attempt, &request);
     let resp = generate(
         shared,
         request,
@@ -188,7 +185,7 @@ async fn call_inner(
         parts.headers,
         ctx,
         routed,
-        Some((journal, keyed.key.clone(), attempt)),
+        Some(starting),
         rec,
     )
     .await?;
@@ -256,9 +253,7 @@ async fn replay(
                         });
                     }
                     let from = match last_event_id {
-                        Some((a, s)) if a == live.attempt => {
-                            usize::try_from(s + 1).unwrap_or(usize::MAX)
-                        }
+                        Some((a, s)) if a == live.attempt => streams::next_index(s),
                         Some(_) => return Ok(streams::nothing_more()),
                         None => 0,
                     };
@@ -296,7 +291,7 @@ async fn generate(
     agent_headers: http::HeaderMap,
     ctx: &RequestContext,
     routed: &mut Option<Routed>,
-    journaled: Option<(Journal, StreamKey, u32)>,
+    journaled: Option<streams::Starting>,
     rec: &mut Option<ModelCall>,
 ) -> Result<Response<Body>, Error> {
     let dialect = request.dialect;
@@ -310,7 +305,7 @@ async fn generate(
                     if let Error::BudgetExceeded { reason } = &e {
                         shared.metrics.budget_rejection(reason);
                     }
-                    end_failed(&journaled, &e.to_string()).await;
+                    end_failed(journaled, &e.to_string()).await;
                     return Err(e);
                 }
             };
@@ -388,15 +383,13 @@ async fn generate(
             }
             let rec = rec.take();
             let resp = match journaled {
-                Some((journal, key, attempt)) => {
+                Some(starting) => {
                     produce(
                         shared,
                         success,
                         ctx.task_id.as_ref(),
                         reservation,
-                        journal,
-                        key,
-                        attempt,
+                        starting,
                         rec,
                     )
                     .await
@@ -431,7 +424,7 @@ async fn generate(
                     ..ModelEnd::default()
                 });
             }
-            end_failed(&journaled, &format!("upstream answered {}", parts.status)).await;
+            end_failed(journaled, &format!("upstream answered {}", parts.status)).await;
             // A faithful pass-through of the last answer, scrubbed of the key.
             headers::strip_hop_by_hop(&mut parts.headers);
             parts.headers.remove(header::CONTENT_LENGTH);
@@ -462,42 +455,26 @@ async fn generate(
                     ..ModelEnd::default()
                 });
             }
-            end_failed(&journaled, &error.to_string()).await;
+            end_failed(journaled, &error.to_string()).await;
             Err(error)
         }
     }
 }
 
 /// Records that a journaled call produced no stream (so a retry starts afresh).
-async fn end_failed(journaled: &Option<(Journal, StreamKey, u32)>, reason: &str) {
-    if let Some((journal, key, attempt)) = journaled
-        && let Err(e) = journal
-            .stream_end(
-                key,
-                *attempt,
-                StreamEnd::Failed {
-                    reason: reason.to_string(),
-                },
-            )
-            .await
-    {
-        tracing::warn!(%key, error = %e, "could not record a failed model call");
+async fn end_failed(journaled: Option<streams::Starting>, reason: &str) {
+    if let Some(starting) = journaled {
+        starting.failed(reason).await;
     }
 }
 
 /// Journals a successful attempt: a stream through the producer, a plain body whole.
-#[expect(
-    clippy::too_many_arguments,
-    reason = "the pieces of one call, passed once"
-)]
 async fn produce(
     shared: &Arc<Shared>,
     success: Success<'_, Incoming>,
     task: Option<&TaskId>,
     reservation: Option<Reservation>,
-    journal: Journal,
-    key: StreamKey,
-    attempt: u32,
+    starting: streams::Starting,
     rec: Option<ModelCall>,
 ) -> Result<Response<Body>, Error> {
     let Success {
@@ -521,7 +498,7 @@ async fn produce(
                     detail: e.to_string(),
                 };
                 // The key must not stay "in progress": the next request runs afresh.
-                end_failed(&Some((journal, key, attempt)), &e.to_string()).await;
+                starting.failed(&e.to_string()).await;
                 return Err(e);
             }
         };
@@ -533,7 +510,7 @@ async fn produce(
         if let Some(task) = task {
             shared.correlator.record(task, answer.calls);
         }
-        settle(reservation, price, answer.usage);
+        settle(reservation, price, answer.usage, true);
         if let Some(rec) = rec {
             rec.finish(ModelEnd {
                 tokens: answer.usage,
@@ -543,13 +520,14 @@ async fn produce(
             });
         }
         // The answer and the end record are made durable by one flush (the end's).
+        let (journal, key, attempt) = (starting.journal(), starting.key(), starting.attempt());
         let journaled = async {
             journal
-                .stream_append(&key, attempt, 0, vec![bytes.clone()], false)
+                .stream_append(key, attempt, 0, vec![bytes.clone()], false)
                 .await?;
             journal
                 .stream_end(
-                    &key,
+                    key,
                     attempt,
                     StreamEnd::Completed {
                         usage: v["usage"].clone(),
@@ -558,22 +536,25 @@ async fn produce(
                 .await
         };
         match journaled.await {
-            Ok(()) => {}
+            Ok(()) => starting.answered(),
             // A model answer has no side effect to protect: when the journal cannot
             // write, the agent still gets it, unjournaled.
             Err(e) if e.is_write_failure() => {
-                tracing::warn!(key = %key, error = %e, "the journal cannot take this answer; releasing it unjournaled");
-                end_failed(&Some((journal, key, attempt)), &e.to_string()).await;
+                tracing::warn!(key = %starting.key(), error = %e, "the journal cannot take this answer; releasing it unjournaled");
+                starting.failed(&e.to_string()).await;
             }
             Err(e) => {
-                end_failed(&Some((journal, key, attempt)), &e.to_string()).await;
+                starting.failed(&e.to_string()).await;
                 return Err(Error::Journal(e));
             }
         }
         parts.headers.remove(header::CONTENT_LENGTH);
         return Ok(Response::from_parts(parts, body::full(bytes)));
     };
-    let live = streams::Live::new_for(&key, attempt, provider.dialect, &shared.options.streams);
+    let (journal, key, attempt, live) = starting.started();
+    let live = live.unwrap_or_else(|| {
+        streams::Live::new_for(&key, attempt, provider.dialect, &shared.options.streams)
+    });
     let observer = Box::new(Observed {
         rec,
         task: task.cloned(),
@@ -849,9 +830,17 @@ fn with_attempts(mut resp: Response<Body>, attempts: u32) -> Response<Body> {
 
 /// Charges a finished call: what the provider reported, else the estimate (a budget
 /// errs on the side of what may have been spent).
-fn settle(reservation: Option<Reservation>, price: (u64, u64), usage: Option<(u64, u64)>) {
+/// Settles a budget reservation on the reported usage; a call that did not complete
+/// costs at least its estimate (see [`Reservation::settle_at_least`]).
+fn settle(
+    reservation: Option<Reservation>,
+    price: (u64, u64),
+    usage: Option<(u64, u64)>,
+    complete: bool,
+) {
     match (reservation, usage) {
-        (Some(r), Some((i, o))) => r.settle(&actual(price, i, o)),
+        (Some(r), Some((i, o))) if complete => r.settle(&actual(price, i, o)),
+        (Some(r), Some((i, o))) => r.settle_at_least(&actual(price, i, o)),
         (Some(r), None) => r.settle_estimate(),
         (None, _) => {}
     }
@@ -896,10 +885,12 @@ impl Observed {
             self.shared.correlator.record(task, turn.completed_calls());
         }
         let usage = turn.and_then(|t| t.usage);
+        let complete = outcome.is_ok() && !turn.is_some_and(|t| t.errored);
         settle(
             self.reservation.take(),
             self.price,
             usage.map(|u| (u.input, u.output)),
+            complete,
         );
         if let Some(rec) = self.rec.take() {
             rec.finish(ModelEnd {
@@ -919,7 +910,7 @@ impl Observed {
     }
 
     fn finish_plain(&mut self, answer: Answer) {
-        settle(self.reservation.take(), self.price, answer.usage);
+        settle(self.reservation.take(), self.price, answer.usage, true);
         if let Some(rec) = self.rec.take() {
             rec.finish(ModelEnd {
                 tokens: answer.usage,

@@ -125,6 +125,21 @@ impl Reservation {
         self.settle(&estimate);
     }
 
+    /// Settles a call that did not complete: the provider bills what it generated,
+    /// which an interrupted stream's reported usage (Anthropic's running count, or
+    /// none at all) falls short of, so it costs at least the estimate.
+    pub fn settle_at_least(self, reported: &Usage) {
+        let e = self.estimate;
+        let charged = Usage {
+            tokens_in: reported.tokens_in.max(e.tokens_in),
+            tokens_out: reported.tokens_out.max(e.tokens_out),
+            cost_micros: reported.cost_micros.max(e.cost_micros),
+            calls: reported.calls.max(e.calls),
+            ..*reported
+        };
+        self.settle(&charged);
+    }
+
     /// Replaces the estimate with what the call really used.
     pub fn settle(mut self, actual: &Usage) {
         self.settled = true;
@@ -190,6 +205,54 @@ mod tests {
         }
         assert_eq!(ledger.usage("t").tokens_total(), 600);
         assert_eq!(ledger.committed("t").calls, 4);
+    }
+
+    #[test]
+    fn an_incomplete_call_costs_at_least_its_estimate() {
+        let ledger = Arc::new(Ledger::default());
+        let estimate = Usage {
+            tokens_in: 100,
+            tokens_out: 400,
+            cost_micros: 50,
+            calls: 1,
+            ..Usage::default()
+        };
+        let reserve = || ledger.reserve_if("t", estimate, |_| (true, ())).0.unwrap();
+        // A placeholder count (Anthropic's `message_start`) charges the estimate.
+        reserve().settle_at_least(&Usage {
+            tokens_in: 120,
+            tokens_out: 1,
+            cost_micros: 10,
+            calls: 1,
+            ..Usage::default()
+        });
+        let after_one = ledger.committed("t");
+        assert_eq!(
+            (
+                after_one.tokens_in,
+                after_one.tokens_out,
+                after_one.cost_micros
+            ),
+            (120, 400, 50)
+        );
+        // A count past the estimate is charged as reported.
+        reserve().settle_at_least(&Usage {
+            tokens_in: 100,
+            tokens_out: 900,
+            cost_micros: 90,
+            calls: 1,
+            ..Usage::default()
+        });
+        let after_two = ledger.committed("t");
+        assert_eq!(
+            (after_two.tokens_out, after_two.cost_micros, after_two.calls),
+            (1_300, 140, 2)
+        );
+        assert_eq!(
+            ledger.usage("t"),
+            ledger.committed("t"),
+            "nothing left reserved"
+        );
     }
 
     #[test]
