@@ -517,3 +517,82 @@ async fn a_call_before_its_first_byte_is_joined_by_a_repeat_and_freed_when_dropp
     assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{}", bad.text());
     assert!(bad.text().contains("Last-Event-ID"), "{}", bad.text());
 }
+
+#[tokio::test]
+async fn an_attempt_whose_events_the_journal_lost_ends_abandoned_and_its_key_generates_afresh() {
+    let (mock, sidecar) = setup(Behaviour {
+        chunks: 30,
+        chunk_delay: Duration::from_millis(20),
+        ..Behaviour::default()
+    })
+    .await;
+    let faults = |v: serde_json::Value| {
+        let url = sidecar.admin_url("/v1/faults");
+        async move { post_json(&url, &[], &v).await }
+    };
+    let resp = open(post(&sidecar, D::OpenAi, Some("holed"), &[])).await;
+    let key = resp.headers()["outrigger-stream-key"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let mut body = resp.into_body();
+    let mut got = Vec::new();
+    while events(&got).len() < 3 {
+        got.extend_from_slice(&next_chunk(&mut body).await.expect("a chunk").expect("data"));
+    }
+    // The journal fails long enough for the held text deltas' write to fail.
+    assert_eq!(
+        faults(json!({"journal": "fail_flush"})).await.status,
+        StatusCode::OK
+    );
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    assert_eq!(
+        faults(json!({"journal": null})).await.status,
+        StatusCode::OK
+    );
+    // The agent still gets the whole stream, unjournaled from the failure on.
+    while let Some(chunk) = next_chunk(&mut body).await {
+        got.extend_from_slice(&chunk.expect("data"));
+    }
+    assert!(events(&got).last().unwrap().contains("[DONE]"));
+    let resume = |last: &'static str| {
+        let url = sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F")));
+        async move {
+            let r = send(request(
+                Method::GET,
+                &url,
+                &[("last-event-id", last)],
+                Bytes::new(),
+            ))
+            .await;
+            assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+            events(&r.body).last().cloned().unwrap_or_default()
+        }
+    };
+    // Resumed from the journal, the attempt ends with a typed error, not a silent end.
+    let last = resume("1:1").await;
+    assert!(
+        last.contains("stream_interrupted") && last.contains("journal lost events"),
+        "{last}"
+    );
+    // It is not left open (and never completed with a hole): the same request
+    // generates afresh.
+    let again = send(post(&sidecar, D::OpenAi, Some("holed"), &[])).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text());
+    assert_eq!(again.header("outrigger-replayed"), None);
+    assert!(events(&again.body)[0].starts_with("id: 2:0\n"));
+    assert_eq!(mock.generation_count(), 2);
+    // Attempt 1 still ends the same way, now that attempt 2 has replaced it, by key
+    // and by the repeated request.
+    let last = resume("1:1").await;
+    assert!(last.contains("did not complete"), "{last}");
+    let repeated = send(post(
+        &sidecar,
+        D::OpenAi,
+        Some("holed"),
+        &[("last-event-id", "1:1")],
+    ))
+    .await;
+    let last = events(&repeated.body).last().cloned().unwrap_or_default();
+    assert!(last.contains("did not complete"), "{last}");
+}

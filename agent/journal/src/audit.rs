@@ -32,14 +32,21 @@ impl Reader {
             .transpose()
     }
 
-    /// Matching records, oldest first. Undecodable records are skipped with a warning
-    /// (`verify` names them), so that one damaged record cannot hide all the others.
+    /// Matching records, oldest first. Undecodable records (and those whose record
+    /// file is damaged) are skipped with a warning (`verify` names them), so that one
+    /// damaged record cannot hide all the others.
     pub(crate) fn list(&self, filter: &Filter) -> Result<Vec<Record>, Error> {
         let mut out = Vec::new();
-        let mut keep = |key: &str, bytes: &[u8]| match decode_record(key, bytes) {
-            Ok(rec) if filter.matches(&rec) => out.push(rec),
-            Ok(_) => {}
-            Err(e) => tracing::warn!(error = %e, "skipping an undecodable journal record"),
+        let mut keep = |key: &str, bytes: Result<Vec<u8>, Error>| {
+            match bytes.and_then(|bytes| decode_record(key, &bytes)) {
+                Ok(rec) if filter.matches(&rec) => out.push(rec),
+                Ok(_) => {}
+                Err(e @ Error::Decode { .. }) => {
+                    tracing::warn!(error = %e, "skipping an undecodable journal record");
+                }
+                Err(e) => return Err(e),
+            }
+            Ok(())
         };
         if let Some(task) = &filter.task {
             let prefix = keys::task_prefix(task.as_str());
@@ -49,14 +56,14 @@ impl Reader {
                     continue;
                 };
                 let key = String::from_utf8_lossy(key);
-                if let Some(bytes) = slots::read(&self.store, &key)? {
-                    keep(&key, &bytes);
+                if let Some(bytes) = slots::read(&self.store, &key).transpose() {
+                    keep(&key, bytes)?;
                 }
             }
         } else {
             for entry in slots::scan(&self.store)? {
                 let (key, bytes) = entry?;
-                keep(&key, &bytes);
+                keep(&key, bytes)?;
             }
         }
         out.sort_by(|a, b| (a.created_at, &a.key).cmp(&(b.created_at, &b.key)));
@@ -91,7 +98,16 @@ impl Reader {
             })?;
             Ok((seq, bytes))
         });
-        chain::verify(log, slots::scan(&self.store)?, head)
+        // A record whose bytes cannot be read is reported as missing.
+        let records = slots::scan(&self.store)?.filter_map(|entry| match entry {
+            Ok((key, Ok(bytes))) => Some(Ok((key, bytes))),
+            Ok((key, Err(e @ Error::Decode { .. }))) => {
+                tracing::warn!(%key, error = %e, "a journal record cannot be read");
+                None
+            }
+            Ok((_, Err(e))) | Err(e) => Some(Err(e)),
+        });
+        chain::verify(log, records, head)
     }
 
     /// Log entries from `from_seq` on, at most `limit` (for archiving the chain or

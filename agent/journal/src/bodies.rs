@@ -132,24 +132,42 @@ impl Bodies {
         Ok(pointers)
     }
 
-    /// The value a stored one stands for: the body a pointer names, or the value
-    /// itself (stored inline).
-    pub(crate) fn resolve(&self, value: Vec<u8>) -> Result<Vec<u8>, Error> {
+    /// The value stored under `key` stands for: for a record body ([`Bodies::holds`]),
+    /// the body a pointer names; otherwise, or for a body stored inline, the value
+    /// itself. Only record bodies are looked at: any other value (a stream event, a
+    /// kv value) may hold any bytes, a pointer's among them.
+    pub(crate) fn resolve(&self, key: &[u8], value: Vec<u8>) -> Result<Vec<u8>, Error> {
+        if !Self::holds(key) {
+            return Ok(value);
+        }
         let Some((generation, offset, len)) = parse(&value) else {
             return Ok(value);
         };
-        let file = {
+        let (file, size) = {
             let mut files = self.files();
             match files.get(&generation) {
-                Some(segment) => Arc::clone(&segment.file),
+                Some(segment) => (Arc::clone(&segment.file), segment.len),
                 None => {
                     let segment = self.open_segment(generation, false)?;
-                    let file = Arc::clone(&segment.file);
+                    let found = (Arc::clone(&segment.file), segment.len);
                     files.insert(generation, segment);
-                    file
+                    found
                 }
             }
         };
+        // Within the file (whose every append goes through `files`), or damaged: read
+        // nothing, and allocate nothing a damaged length asks for.
+        if offset
+            .checked_add(u64::from(len))
+            .is_none_or(|end| end > size)
+        {
+            return Err(Error::Decode {
+                what: format!("a record in {}", self.path(generation).display()),
+                detail: format!(
+                    "{len} bytes at {offset} run past the end of the file ({size} bytes)"
+                ),
+            });
+        }
         let mut body = vec![0; len as usize];
         file.read_exact_at(&mut body, offset)
             .map_err(|e| Error::Decode {
@@ -162,14 +180,18 @@ impl Bodies {
     /// `fdatasync`s every file appended to since the last call (and the directory,
     /// if a file was created).
     pub(crate) fn sync(&self) -> Result<(), Error> {
-        if self.created.swap(false, Ordering::AcqRel) {
-            File::open(&self.dir)
-                .and_then(|d| d.sync_all())
-                .map_err(|e| Error::Storage(format!("cannot sync {}: {e}", self.dir.display())))?;
+        if self.created.swap(false, Ordering::AcqRel)
+            && let Err(e) = File::open(&self.dir).and_then(|d| d.sync_all())
+        {
+            self.created.store(true, Ordering::Release);
+            return Err(Error::Storage(format!(
+                "cannot sync {}: {e}",
+                self.dir.display()
+            )));
         }
         let mut files = self.files();
         for (generation, segment) in files.iter_mut().filter(|(_, s)| s.dirty) {
-            segment.file.sync_data().map_err(|e| {
+            crate::store::sync_data(&segment.file).map_err(|e| {
                 Error::Storage(format!(
                     "fdatasync of {} failed: {e}",
                     self.path(*generation).display()

@@ -61,7 +61,9 @@ pub struct Recovery {
     pub needs_operator: Vec<IdempotencyKey>,
     /// Model streams that were open: their attempts are abandoned.
     pub abandoned_streams: Vec<StreamKey>,
-    /// Records that could not be decoded (left untouched; `verify` names them).
+    /// Records that could not be decoded, or whose bytes could not be read from their
+    /// record file (left untouched; `verify` names them). A request for such a key is
+    /// refused with an error, never executed.
     pub undecodable: Vec<String>,
 }
 
@@ -594,14 +596,19 @@ fn recover(store: &Store, core: &mut Core, epoch: u64) -> Result<(Recovery, [i64
     for entry in slots::scan(store)? {
         let (key, bytes) = entry?;
         recovery.records += 1;
+        // Remembered even if unreadable: a later request for the key must read it,
+        // fail and be refused, not find the key new and execute it.
         core.remember(Known::Record, &key);
-        let rec = match decode_record(&key, &bytes) {
+        let rec = match bytes.and_then(|bytes| decode_record(&key, &bytes)) {
             Ok(rec) => rec,
-            Err(e) => {
+            // Damaged data, as opposed to a store that cannot be read (which stops the
+            // open): a damaged record file must not keep the journal from opening.
+            Err(e @ Error::Decode { .. }) => {
                 tracing::warn!(error = %e, "undecodable journal record left as is");
                 recovery.undecodable.push(key);
                 continue;
             }
+            Err(e) => return Err(e),
         };
         counts[rec.state.index()] += 1;
         let (next, effect) = state::apply(Some(&rec), Event::Restart { epoch }, now)?;

@@ -99,13 +99,18 @@ pub(crate) fn slot(store: &Store, key: &str) -> Result<Option<u64>, Error> {
     })
 }
 
+/// A record's key and its bytes, or why they could not be read (its body file is
+/// damaged: missing, or cut short).
+pub(crate) type Scanned = (String, Result<Vec<u8>, Error>);
+
 /// Every record as `(key, bytes)`: format-1 records in key order, then the others in
 /// slot order. The index is read first (pointers are small), then the slots in one
 /// pass in their order on disk; resolving the pointers one by one in key order would
 /// read the slots at random, several times slower at start-up on a large journal.
+/// A record whose bytes cannot be read is an item of its own, and the scan goes on.
 pub(crate) fn scan(
     store: &Store,
-) -> Result<impl Iterator<Item = Result<(String, Vec<u8>), Error>> + '_, Error> {
+) -> Result<impl Iterator<Item = Result<Scanned, Error>> + '_, Error> {
     let mut inline = Vec::new();
     let mut pointers = Vec::new();
     for entry in store.scan_prefix(keys::INDEX) {
@@ -129,24 +134,26 @@ pub(crate) fn scan(
     pointers.sort_unstable_by_key(|&(slot, _)| slot);
     let inline = inline.into_iter().filter_map(move |key| {
         match store.get(&keys::record(&key)) {
-            Ok(Some(bytes)) if keys::parse_pointer(&bytes).is_none() => Some(Ok((key, bytes))),
+            Ok(Some(bytes)) if keys::parse_pointer(&bytes).is_none() => Some(Ok((key, Ok(bytes)))),
             // Rewritten into a slot since the index was read: not in this pass.
             Ok(_) => None,
             Err(e) => Some(Err(e)),
         }
     });
     let mut pointers = pointers.into_iter().peekable();
-    let slotted = store.scan_prefix(keys::BODIES).filter_map(move |entry| {
-        let (storage_key, bytes) = match entry {
-            Ok(entry) => entry,
-            Err(e) => return Some(Err(e)),
-        };
-        let slot = keys::body_slot(&storage_key)?;
-        // Pointers to a missing slot are passed over (the record reads as absent).
-        while pointers.next_if(|&(s, _)| s < slot).is_some() {}
-        let (_, key) = pointers.next_if(|&(s, _)| s == slot)?;
-        Some(Ok((key, bytes)))
-    });
+    let slotted = store
+        .scan_prefix_each(keys::BODIES)
+        .filter_map(move |entry| {
+            let (storage_key, bytes) = match entry {
+                Ok(entry) => entry,
+                Err(e) => return Some(Err(e)),
+            };
+            let slot = keys::body_slot(&storage_key)?;
+            // Pointers to a missing slot are passed over (the record reads as absent).
+            while pointers.next_if(|&(s, _)| s < slot).is_some() {}
+            let (_, key) = pointers.next_if(|&(s, _)| s == slot)?;
+            Some(Ok((key, bytes)))
+        });
     Ok(inline.chain(slotted))
 }
 
@@ -216,9 +223,9 @@ fn next_after(
     slot_of: fn(&[u8]) -> Option<u64>,
     what: &str,
 ) -> Result<u64, Error> {
-    match store.scan_prefix(prefix).next_back() {
-        Some(entry) => {
-            let (storage_key, _) = entry?;
+    // Keys only: the last record's body is not read (its file may be damaged).
+    match store.last_key(prefix)? {
+        Some(storage_key) => {
             let slot = slot_of(&storage_key).ok_or_else(|| Error::Decode {
                 what: what.to_owned(),
                 detail: format!("{} bytes, too short", storage_key.len()),

@@ -12,7 +12,15 @@
 //! itself is flushed only when the log is rotated (and by its own background
 //! flusher). At open, the log's frames are applied again in order, which is
 //! idempotent (each write is a whole value or a removal), and a torn last frame (a
-//! batch whose write never returned, so was never acknowledged) is dropped.
+//! batch whose write never returned, so was never acknowledged) is dropped. A bad
+//! frame with a whole frame after it is no torn write (frames are appended one after
+//! the other, and a sync makes every earlier one durable too) but damage: the
+//! journal is then `Error::Corrupt`, and nothing is applied or emptied.
+//!
+//! A failed `fdatasync` (of the log, sled's file or the record files) is never
+//! retried: Linux may drop the pages it could not write and report the next sync as
+//! a success. The store then takes no more writes and never empties its log until
+//! the process restarts and replays what the disk really holds.
 //!
 //! A logged batch is given to sled afterwards, in order, on an applier thread of
 //! the store's own when the writer has more waiting (sled's inserts then run beside
@@ -131,6 +139,9 @@ struct Progress {
     failed: Mutex<Option<String>>,
     /// Held values of landed batches, which reads see over sled's.
     held: Mutex<BTreeMap<Vec<u8>, Vec<u8>>>,
+    /// Makes the next batch given to sled panic (tests).
+    #[cfg(test)]
+    panic_next: std::sync::atomic::AtomicBool,
 }
 
 /// A batch appended to the write-ahead log and not yet handed to sled; see
@@ -154,10 +165,22 @@ struct Wal {
     rotate_at: u64,
     /// The frame being built, reused.
     frame: Vec<u8>,
+    /// Why a sync failed: what the disk holds is unknown, so the log takes no more
+    /// frames and is never emptied (see the module's documentation).
+    sync_failed: Option<String>,
 }
 
 /// A key/value pair read from the store.
 pub(crate) type Entry = (Vec<u8>, Vec<u8>);
+
+/// A key and its value, or why the value could not be read (a record body).
+pub(crate) type Resolved = (Vec<u8>, Result<Vec<u8>, Error>);
+
+/// An entry whose value could be read, or the error.
+fn resolved(item: Result<Resolved, Error>) -> Result<Entry, Error> {
+    let (key, value) = item?;
+    Ok((key, value?))
+}
 
 impl Store {
     /// Opens (or, with `create`, creates) the journal in `dir`. A journal held by
@@ -249,7 +272,14 @@ impl Store {
         if bytes.is_empty() {
             return Ok(());
         }
-        let (frames, whole) = frames(&bytes);
+        let (frames, whole) = frames(&bytes).map_err(|at| Error::Corrupt {
+            dir: self.dir.clone(),
+            detail: format!(
+                "its write-ahead log {} holds a damaged frame at byte {at} with whole frames \
+                 after it (damage, not a torn last write); nothing of it was applied",
+                path.display()
+            ),
+        })?;
         // Held writes are applied like the others: sled gets everything at open.
         // Record bodies are given to sled itself, as every format reads them: a
         // journal of an older format opened by `outrigger journal` must stay
@@ -263,7 +293,10 @@ impl Store {
                 "the journal's write-ahead log ends in a torn frame (a batch that was never acknowledged); dropped"
             );
         }
-        self.sync_db()?;
+        // A real sync whatever the mode: the log may hold batches a `Durability::Node`
+        // sidecar acknowledged as durable, and once it is emptied only sled has them
+        // (an offline audit opens any journal with `Durability::Process`).
+        self.sync_db(true)?;
         wal.truncate()?;
         tracing::info!(batches = frames.len(), "journal write-ahead log replayed");
         Ok(())
@@ -273,16 +306,28 @@ impl Store {
         self.wal.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// sled's flush, plus an `fdatasync` of its file for `Durability::Node`: what must
-    /// hold before the log may be emptied.
-    fn sync_db(&self) -> Result<(), Error> {
+    /// sled's flush, plus an `fdatasync` of its file and of the record files for
+    /// `Durability::Node` (or with `always`): what must hold before the log may be
+    /// emptied.
+    fn sync_db(&self, always: bool) -> Result<(), Error> {
         self.db.flush().map_err(storage)?;
-        if let Some(file) = &self.sync_file {
-            self.bodies.sync()?;
-            file.sync_data()
-                .map_err(|e| Error::Storage(format!("fdatasync of the journal failed: {e}")))?;
-        }
-        Ok(())
+        let opened;
+        let file = match &self.sync_file {
+            Some(file) => file,
+            None if always => {
+                let db_file = &self._released.db_file;
+                opened = File::open(db_file).map_err(|e| {
+                    Error::Storage(format!(
+                        "cannot open {} for fdatasync: {e}",
+                        db_file.display()
+                    ))
+                })?;
+                &opened
+            }
+            None => return Ok(()),
+        };
+        self.bodies.sync()?;
+        sync_data(file).map_err(|e| Error::Storage(format!("fdatasync of the journal failed: {e}")))
     }
 
     pub(crate) fn dir(&self) -> &Path {
@@ -312,23 +357,24 @@ impl Store {
             return Ok(Some(value.clone()));
         }
         match self.db.get(key).map_err(storage)? {
-            Some(value) => self.bodies.resolve(value.to_vec()).map(Some),
+            Some(value) => self.bodies.resolve(key, value.to_vec()).map(Some),
             None => Ok(None),
         }
     }
 
-    /// sled's entries, each body read from its file.
+    /// sled's entries, each record body read from its file (or why it could not be).
     fn stored<I>(
         &self,
         entries: I,
-    ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<I>
+    ) -> impl DoubleEndedIterator<Item = Result<Resolved, Error>> + use<I>
     where
         I: DoubleEndedIterator<Item = sled::Result<(sled::IVec, sled::IVec)>>,
     {
         let bodies = Arc::clone(&self.bodies);
         entries.map(move |item| {
             let (key, value) = entry(item)?;
-            Ok((key, bodies.resolve(value)?))
+            let value = bodies.resolve(&key, value);
+            Ok((key, value))
         })
     }
 
@@ -337,9 +383,37 @@ impl Store {
         &self,
         prefix: &[u8],
     ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<> {
+        self.scan_prefix_each(prefix).map(resolved)
+    }
+
+    /// [`Store::scan_prefix`], where a value that cannot be read (a record body whose
+    /// file is damaged) is the error of its own entry, and the scan goes on.
+    pub(crate) fn scan_prefix_each(
+        &self,
+        prefix: &[u8],
+    ) -> impl DoubleEndedIterator<Item = Result<Resolved, Error>> + use<> {
         self.settled();
         let held = self.held_in(|key| key.starts_with(prefix), prefix);
         Merged::new(self.stored(self.db.scan_prefix(prefix)), held)
+    }
+
+    /// The last key that starts with `prefix`; its value is not read.
+    pub(crate) fn last_key(&self, prefix: &[u8]) -> Result<Option<Vec<u8>>, Error> {
+        self.settled();
+        let held = lock(&self.progress.held)
+            .range(prefix.to_vec()..)
+            .take_while(|(key, _)| key.starts_with(prefix))
+            .last()
+            .map(|(key, _)| key.clone());
+        let stored = self
+            .db
+            .scan_prefix(prefix)
+            .keys()
+            .next_back()
+            .transpose()
+            .map_err(storage)?
+            .map(|key| key.to_vec());
+        Ok(held.max(stored))
     }
 
     /// Entries with `start <= key < end`, in key order.
@@ -354,6 +428,7 @@ impl Store {
             self.stored(self.db.range(start.to_vec()..end.to_vec())),
             held,
         )
+        .map(resolved)
     }
 
     /// Entries with `start <= key`, in key order.
@@ -363,7 +438,7 @@ impl Store {
     ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<> {
         self.settled();
         let held = self.held_in(|_| true, start);
-        Merged::new(self.stored(self.db.range(start.to_vec()..)), held)
+        Merged::new(self.stored(self.db.range(start.to_vec()..)), held).map(resolved)
     }
 
     /// The held values from `start` on while `within`, in key order.
@@ -407,6 +482,9 @@ impl Store {
         if wal.len >= wal.rotate_at {
             self.rotate(&mut wal);
         }
+        if let Some(reason) = &wal.sync_failed {
+            return Err(Error::Storage(reason.clone()));
+        }
         let mut frame = std::mem::take(&mut wal.frame);
         frame.clear();
         frame.extend_from_slice(&[0; FRAME_HEADER]);
@@ -438,7 +516,7 @@ impl Store {
     /// values too, which sled gets now.
     fn rotate(&self, wal: &mut Wal) {
         self.settled();
-        if lock(&self.progress.failed).is_some() {
+        if lock(&self.progress.failed).is_some() || wal.sync_failed.is_some() {
             return;
         }
         // Readers wait on the lock meanwhile rather than find a held value nowhere.
@@ -455,7 +533,7 @@ impl Store {
             }
             held.clear();
         }
-        match self.sync_db() {
+        match self.sync_db(false) {
             Ok(()) => match wal.truncate() {
                 // No frame can write to a generation retention has emptied.
                 Ok(()) => self.bodies.drop_empty(|generation| {
@@ -470,8 +548,12 @@ impl Store {
                     tracing::warn!(error = %e, "emptying the journal's write-ahead log failed; trying again later");
                 }
             },
+            // Not tried again: a sync after a failed one may report a success for
+            // pages that were never written. The log, the only sure copy, stays.
             Err(e) => {
-                tracing::warn!(error = %e, "flushing the journal to rotate its log failed; trying again later");
+                wal.fail_sync(&format!(
+                    "flushing the journal to rotate its log failed ({e})"
+                ));
             }
         }
     }
@@ -493,25 +575,33 @@ impl Store {
             None => handoff,
         };
         // No applier (it panicked): apply here rather than leave readers waiting.
-        let _ = land(&self.db, &self.bodies, &self.progress, handoff);
+        let _ = land_caught(&self.db, &self.bodies, &self.progress, handoff);
     }
 
     /// Makes every applied write durable: already so for `Durability::Process` (the
     /// log's frames are in the page cache once written); `Durability::Node` adds an
-    /// `fdatasync` of the log.
+    /// `fdatasync` of the log. Once a sync failed, every later one fails too.
     pub(crate) fn flush(&self) -> Result<(), Error> {
-        self.sync_log(&self.wal())
+        self.sync_log(&mut self.wal())
     }
 
-    fn sync_log(&self, wal: &Wal) -> Result<(), Error> {
+    fn sync_log(&self, wal: &mut Wal) -> Result<(), Error> {
+        if let Some(reason) = &wal.sync_failed {
+            return Err(Error::Storage(reason.clone()));
+        }
         match self.durability {
             Durability::Process => Ok(()),
-            Durability::Node => wal.file.sync_data().map_err(|e| {
-                Error::Storage(format!(
-                    "fdatasync of the journal's write-ahead log failed: {e}"
-                ))
+            Durability::Node => sync_data(&wal.file).map_err(|e| {
+                Error::Storage(wal.fail_sync(&format!(
+                    "fdatasync of the journal's write-ahead log failed ({e})"
+                )))
             }),
         }
+    }
+
+    /// Whether a failed sync stopped the store's writes until a restart.
+    pub(crate) fn sync_failed(&self) -> bool {
+        self.wal().sync_failed.is_some()
     }
 
     pub(crate) fn size_on_disk(&self) -> u64 {
@@ -521,9 +611,11 @@ impl Store {
 
 impl Logged<'_> {
     /// Makes the batch durable for `Durability::Node` (`fdatasync` of the log); for
-    /// `Durability::Process` it already is.
-    pub(crate) fn sync(&self) -> Result<(), Error> {
-        self.store.sync_log(&self.wal)
+    /// `Durability::Process` it already is. If the sync fails, the store takes no
+    /// more writes (see the module's documentation); dropping the batch then takes
+    /// its frame back as for any refused batch.
+    pub(crate) fn sync(&mut self) -> Result<(), Error> {
+        self.store.sync_log(&mut self.wal)
     }
 
     /// Hands the batch to the applier; `then` is called once sled has it.
@@ -540,7 +632,7 @@ impl Logged<'_> {
         let handoff = self.handoff(then);
         self.store.wait_applied(handoff.seq - 1);
         let store = self.store;
-        land(&store.db, &store.bodies, &store.progress, handoff)
+        land_caught(&store.db, &store.bodies, &store.progress, handoff)
     }
 
     fn handoff(&mut self, then: Option<Then>) -> Handoff {
@@ -586,22 +678,37 @@ impl Drop for Store {
 /// half of the journal writer's time; here they run beside it.
 fn run_applier(db: &sled::Db, bodies: &Bodies, progress: &Progress, rx: &Receiver<Handoff>) {
     while let Ok(handoff) = rx.recv() {
-        let seq = handoff.seq;
-        let settled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let _ = land(db, bodies, progress, handoff);
-        }));
-        if settled.is_err() {
-            // Readers must not wait forever for a batch that will never land.
-            *lock(&progress.failed) = Some(
-                "the journal's applier failed; no further writes are accepted until the \
-                 sidecar restarts and replays its write-ahead log"
-                    .to_owned(),
-            );
+        let _ = land_caught(db, bodies, progress, handoff);
+    }
+}
+
+/// [`land`], on any thread. If it panics, the batch counts as landed, so that
+/// readers do not wait forever for it, and the store takes no more writes: the
+/// batch stays in the log, which a restart applies again. Its `then` is dropped
+/// unanswered (its waiters hear that the writer stopped).
+fn land_caught(
+    db: &sled::Db,
+    bodies: &Bodies,
+    progress: &Progress,
+    handoff: Handoff,
+) -> Result<(), String> {
+    let seq = handoff.seq;
+    let landed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        land(db, bodies, progress, handoff)
+    }));
+    landed.unwrap_or_else(|_| {
+        let reason = "the journal failed while applying a batch; no further writes are \
+                      accepted until the sidecar restarts and replays its write-ahead log"
+            .to_owned();
+        tracing::error!("{reason}");
+        *lock(&progress.failed) = Some(reason.clone());
+        {
             let mut applied = lock(&progress.applied);
             *applied = (*applied).max(seq);
-            progress.moved.notify_all();
         }
-    }
+        progress.moved.notify_all();
+        Err(reason)
+    })
 }
 
 /// Gives sled one batch (unless an earlier one failed), lets readers in, and calls
@@ -619,6 +726,10 @@ fn land(
         then,
     } = handoff;
     let earlier = lock(&progress.failed).clone();
+    #[cfg(test)]
+    if progress.panic_next.swap(false, Ordering::SeqCst) {
+        panic!("injected: sled panicked while taking a batch");
+    }
     let outcome = match earlier {
         Some(reason) => Err(reason),
         None => apply_writes(
@@ -670,26 +781,26 @@ fn hold(progress: &Progress, writes: &[OwnedWrite], held: Vec<HeldWrite>) {
 /// replaces sled's under the same key), from either end.
 struct Merged<I> {
     sled: I,
-    held: VecDeque<Entry>,
+    held: VecDeque<Resolved>,
     /// An entry taken from sled's front (or back) and not yet returned.
-    front: Option<Entry>,
-    back: Option<Entry>,
+    front: Option<Resolved>,
+    back: Option<Resolved>,
 }
 
 impl<I> Merged<I>
 where
-    I: DoubleEndedIterator<Item = Result<Entry, Error>>,
+    I: DoubleEndedIterator<Item = Result<Resolved, Error>>,
 {
     fn new(sled: I, held: VecDeque<Entry>) -> Self {
         Self {
             sled,
-            held,
+            held: held.into_iter().map(|(k, v)| (k, Ok(v))).collect(),
             front: None,
             back: None,
         }
     }
 
-    fn sled_front(&mut self) -> Option<Result<Entry, Error>> {
+    fn sled_front(&mut self) -> Option<Result<Resolved, Error>> {
         if let Some(e) = self.front.take() {
             return Some(Ok(e));
         }
@@ -699,7 +810,7 @@ where
         }
     }
 
-    fn sled_back(&mut self) -> Option<Result<Entry, Error>> {
+    fn sled_back(&mut self) -> Option<Result<Resolved, Error>> {
         if let Some(e) = self.back.take() {
             return Some(Ok(e));
         }
@@ -712,9 +823,9 @@ where
 
 impl<I> Iterator for Merged<I>
 where
-    I: DoubleEndedIterator<Item = Result<Entry, Error>>,
+    I: DoubleEndedIterator<Item = Result<Resolved, Error>>,
 {
-    type Item = Result<Entry, Error>;
+    type Item = Result<Resolved, Error>;
 
     fn next(&mut self) -> Option<Self::Item> {
         let stored = match self.sled_front() {
@@ -739,7 +850,7 @@ where
 
 impl<I> DoubleEndedIterator for Merged<I>
 where
-    I: DoubleEndedIterator<Item = Result<Entry, Error>>,
+    I: DoubleEndedIterator<Item = Result<Resolved, Error>>,
 {
     fn next_back(&mut self) -> Option<Self::Item> {
         let stored = match self.sled_back() {
@@ -770,6 +881,27 @@ pub(crate) fn open_read_write(path: &Path) -> Result<File, Error> {
         .truncate(false)
         .open(path)
         .map_err(|e| Error::Storage(format!("cannot open {}: {e}", path.display())))
+}
+
+/// `fdatasync`s `file`. Tests can make it fail on their thread ([`sync_fault`]).
+pub(crate) fn sync_data(file: &File) -> std::io::Result<()> {
+    #[cfg(test)]
+    if sync_fault::ARMED.get() {
+        return Err(std::io::Error::other("injected fdatasync failure"));
+    }
+    file.sync_data()
+}
+
+/// Makes every `fdatasync` of the journal's files on the calling thread fail (tests).
+#[cfg(test)]
+pub(crate) mod sync_fault {
+    thread_local! {
+        pub(super) static ARMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    pub(crate) fn set(armed: bool) {
+        ARMED.set(armed);
+    }
 }
 
 /// Locks `m`, taking a poisoned lock as it is (the journal's locks all do).
@@ -829,7 +961,18 @@ impl Wal {
             len: 0,
             rotate_at: WAL_ROTATE_BYTES,
             frame: Vec::new(),
+            sync_failed: None,
         })
+    }
+
+    /// Notes a failed sync for good (see the module's documentation); returns why.
+    fn fail_sync(&mut self, what: &str) -> String {
+        let reason = format!(
+            "{what}; what the disk holds is unknown, so the journal takes no more writes \
+             until the sidecar restarts and replays its write-ahead log"
+        );
+        tracing::error!("{reason}");
+        self.sync_failed.get_or_insert(reason).clone()
     }
 
     /// Writes `frame` at the end. A write that fails must be taken back
@@ -899,26 +1042,49 @@ fn seal(frame: &mut [u8]) -> Result<(), Error> {
 
 /// The writes of the whole, intact frames at the start of `bytes`, and how many
 /// bytes they span. Reading stops at the first frame that is cut short, fails its
-/// CRC or does not parse.
-fn frames(bytes: &[u8]) -> (Vec<Vec<Write<'_>>>, usize) {
+/// CRC or does not parse: the torn tail of a write that never returned, which is
+/// dropped. Unless a whole frame follows it: frames are appended one by one, each
+/// once the one before is written whole, so a bad frame with a whole one after it is
+/// damage, and dropping it with everything after it could take sled back to older
+/// values (a completed call back to claimed, executed again). That is `Err` with
+/// where the bad frame starts.
+fn frames(bytes: &[u8]) -> Result<(Vec<Vec<Write<'_>>>, usize), usize> {
     let mut out = Vec::new();
     let mut at = 0;
-    while let Some(header) = bytes.get(at..at + FRAME_HEADER) {
-        let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
-        let crc = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
-        let Some(payload) = bytes.get(at + FRAME_HEADER..at + FRAME_HEADER + len) else {
-            break;
-        };
-        if crc32fast::hash(payload) != crc {
-            break;
-        }
-        let Some(writes) = parse(payload) else {
+    while at < bytes.len() {
+        let Some((writes, end)) = frame_at(bytes, at) else {
+            // Past a bad frame whose header is whole and whose length fits, the next
+            // frame would start right after it; anything inside it is its payload
+            // (which may hold any bytes). Otherwise its length cannot be trusted.
+            let next = declared_end(bytes, at).unwrap_or(at + 1);
+            if (next..bytes.len()).any(|o| frame_at(bytes, o).is_some_and(|(w, _)| !w.is_empty())) {
+                return Err(at);
+            }
             break;
         };
         out.push(writes);
-        at += FRAME_HEADER + len;
+        at = end;
     }
-    (out, at)
+    Ok((out, at))
+}
+
+/// The end of the frame starting at `at` if its header is whole and its length fits
+/// in `bytes`.
+fn declared_end(bytes: &[u8], at: usize) -> Option<usize> {
+    let header = bytes.get(at..at.checked_add(FRAME_HEADER)?)?;
+    let len = u32::from_le_bytes([header[0], header[1], header[2], header[3]]) as usize;
+    let end = (at + FRAME_HEADER).checked_add(len)?;
+    (end <= bytes.len()).then_some(end)
+}
+
+/// The writes of the whole, intact frame starting at `at`, and where it ends.
+fn frame_at(bytes: &[u8], at: usize) -> Option<(Vec<Write<'_>>, usize)> {
+    let end = declared_end(bytes, at)?;
+    let payload = &bytes[at + FRAME_HEADER..end];
+    // Parsed first: a stray offset fails that within a few bytes, cheaper than a CRC.
+    let writes = parse(payload)?;
+    let crc = u32::from_le_bytes(bytes[at + 4..at + FRAME_HEADER].try_into().ok()?);
+    (crc32fast::hash(payload) == crc).then_some((writes, end))
 }
 
 type Write<'a> = (&'a [u8], Option<&'a [u8]>);
@@ -1274,6 +1440,133 @@ mod wal_tests {
     }
 
     #[test]
+    fn a_damaged_frame_with_whole_frames_after_it_is_corruption_not_a_torn_tail() {
+        let first = tempfile::tempdir().unwrap();
+        let (log, ends) = three_batches(first.path());
+        // A byte of the second frame's payload; then its length, now past the end.
+        let mut payload = log.clone();
+        payload[ends[0] + FRAME_HEADER + 1] ^= 0xff;
+        let mut length = log.clone();
+        length[ends[0] + 3] = 0x7f;
+        for damaged in [payload, length] {
+            let dir = tempfile::tempdir().unwrap();
+            drop(open(dir.path()));
+            std::fs::write(dir.path().join(WAL_FILE), &damaged).unwrap();
+            let opened = Store::open(dir.path(), 1 << 20, Durability::Process, true);
+            assert!(
+                matches!(opened, Err(Error::Corrupt { .. })),
+                "{:?}",
+                opened.err()
+            );
+            assert_eq!(
+                std::fs::read(dir.path().join(WAL_FILE)).unwrap(),
+                damaged,
+                "the log is kept as it was"
+            );
+            let store = Store::open(dir.path(), 1 << 20, Durability::Process, false);
+            assert!(store.is_err(), "nothing of the log was applied meanwhile");
+        }
+        // A torn last frame with zeros after it (a size extended before the data
+        // reached the disk) is still a torn tail.
+        let mut torn = log[..ends[1] + (ends[2] - ends[1]) / 2].to_vec();
+        torn.extend([0; 64]);
+        let (_dir, store) = reopen_with_log(&torn);
+        assert_eq!(get(&store, "b").as_deref(), Some("2"));
+        assert_eq!(get(&store, "c"), None);
+    }
+
+    #[test]
+    fn replaying_the_log_syncs_sled_for_real_before_emptying_it_whatever_the_mode() {
+        let first = tempfile::tempdir().unwrap();
+        let (log, _) = three_batches(first.path());
+        let dir = tempfile::tempdir().unwrap();
+        drop(open(dir.path()));
+        let wal = dir.path().join(WAL_FILE);
+        std::fs::write(&wal, &log).unwrap();
+        // `outrigger journal` opens any journal with `Durability::Process`; the log may
+        // hold batches a `Durability::Node` sidecar acknowledged.
+        sync_fault::set(true);
+        let audit = crate::Journal::open_for_audit(dir.path());
+        sync_fault::set(false);
+        assert!(
+            audit.is_err(),
+            "the log was emptied without a real sync of sled"
+        );
+        assert_eq!(std::fs::read(&wal).unwrap(), log, "the log is kept");
+        drop(audit);
+        let store = Store::open(dir.path(), 1 << 20, Durability::Process, false).unwrap();
+        assert_eq!(get(&store, "b").as_deref(), Some("2"));
+        assert_eq!(get(&store, "c").as_deref(), Some("3"));
+        assert_eq!(std::fs::metadata(&wal).unwrap().len(), 0);
+    }
+
+    #[test]
+    fn a_failed_sync_at_rotation_is_not_retried_and_keeps_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 1 << 20, Durability::Node, true).unwrap();
+        put(&store, "a", "1");
+        let logged = std::fs::read(dir.path().join(WAL_FILE)).unwrap();
+        store.set_wal_rotate_at(1);
+        sync_fault::set(true);
+        let refused = store.apply(vec![(b"b".to_vec(), Some(b"2".to_vec()))]);
+        sync_fault::set(false);
+        assert!(refused.is_err(), "a batch was logged after a failed sync");
+        // A second sync could report a success for pages the first could not write.
+        let again = store.apply(vec![(b"b".to_vec(), Some(b"2".to_vec()))]);
+        let reason = again
+            .expect_err("writes went on after a failed sync")
+            .to_string();
+        assert!(reason.contains("restarts"), "{reason}");
+        assert!(store.flush().is_err());
+        assert_eq!(
+            std::fs::read(dir.path().join(WAL_FILE)).unwrap(),
+            logged,
+            "the log was emptied or written to"
+        );
+        assert_eq!(get(&store, "a").as_deref(), Some("1"), "reads go on");
+        drop(store);
+        let store = Store::open(dir.path(), 1 << 20, Durability::Node, false).unwrap();
+        assert_eq!(get(&store, "a").as_deref(), Some("1"));
+        put(&store, "b", "2");
+        assert_eq!(get(&store, "b").as_deref(), Some("2"));
+    }
+
+    #[test]
+    fn a_panic_while_sled_takes_a_batch_strands_no_reader_and_stops_writes() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(open(dir.path()));
+        put(&store, "a", "1");
+        store.progress.panic_next.store(true, Ordering::SeqCst);
+        let logged = store
+            .log(vec![(b"b".to_vec(), Some(b"2".to_vec()))], Vec::new())
+            .unwrap();
+        let landed =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| logged.apply_here(None)));
+        // A reader on another thread, so that one stranded fails the test rather than
+        // hangs it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = Arc::clone(&store);
+        let reading = std::thread::spawn(move || tx.send(get(&reader, "a")));
+        let read = rx.recv_timeout(std::time::Duration::from_secs(5));
+        assert_eq!(
+            read.ok().flatten().as_deref(),
+            Some("1"),
+            "the reader was stranded"
+        );
+        reading.join().unwrap().unwrap();
+        assert!(matches!(landed, Ok(Err(_))), "the panic went on up");
+        let refused = store.apply(vec![(b"c".to_vec(), Some(b"3".to_vec()))]);
+        assert!(refused.is_err(), "writes went on after a failed batch");
+        // The batch stays in the log: a restart gives it to sled.
+        let store = Arc::into_inner(store).unwrap();
+        drop(store);
+        let store = open(dir.path());
+        assert_eq!(get(&store, "b").as_deref(), Some("2"));
+        put(&store, "c", "3");
+        assert_eq!(get(&store, "c").as_deref(), Some("3"));
+    }
+
+    #[test]
     fn the_log_is_rotated_once_sled_holds_it() {
         let dir = tempfile::tempdir().unwrap();
         let store = open(dir.path());
@@ -1521,6 +1814,46 @@ mod wal_tests {
         // A value stored inline (as by format 4) is read as it is.
         store.raw_put(&keys::body(6), b"{}").unwrap();
         assert_eq!(store.get(&keys::body(6)).unwrap(), Some(b"{}".to_vec()));
+    }
+
+    /// A pointer's bytes: tag, generation, offset, length.
+    fn pointer_bytes(generation: u32, offset: u64, len: u32) -> Vec<u8> {
+        let mut pointer = vec![0xFF];
+        pointer.extend_from_slice(&generation.to_be_bytes());
+        pointer.extend_from_slice(&offset.to_be_bytes());
+        pointer.extend_from_slice(&len.to_be_bytes());
+        pointer
+    }
+
+    #[test]
+    fn only_record_bodies_are_read_as_pointers_and_only_within_their_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        set_body(&store, 1, Some(br#"{"key":"k"}"#));
+        // A stream event or a kv value may be any bytes, a pointer's among them.
+        let lookalike = pointer_bytes(0, 0, 2);
+        for key in [
+            keys::event(keys::Events::Slot(1), 1, 0),
+            keys::kv("ns", "k"),
+        ] {
+            store
+                .apply(vec![(key.clone(), Some(lookalike.clone()))])
+                .unwrap();
+            assert_eq!(store.get(&key).unwrap(), Some(lookalike.clone()));
+            let scanned: Vec<_> = store.scan_prefix(&key).map(|e| e.unwrap().1).collect();
+            assert_eq!(scanned, std::slice::from_ref(&lookalike));
+        }
+        // A damaged pointer to a record: an error, with nothing allocated for it.
+        store
+            .raw_put(&keys::body(2), &pointer_bytes(0, 0, u32::MAX))
+            .unwrap();
+        let err = store.get(&keys::body(2)).unwrap_err().to_string();
+        assert!(err.contains("past the end of the file"), "{err}");
+        store
+            .raw_put(&keys::body(3), &pointer_bytes(0, u64::MAX, 2))
+            .unwrap();
+        let err = store.get(&keys::body(3)).unwrap_err().to_string();
+        assert!(err.contains("past the end of the file"), "{err}");
     }
 
     #[test]

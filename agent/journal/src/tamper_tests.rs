@@ -9,8 +9,8 @@ use outrigger_types::{Fingerprint, IdempotencyKey, RequestId, TaskId, ToolClass}
 use crate::options::Durability;
 use crate::store::{Store, keys};
 use crate::{
-    Begin, Body, Headers, Intent, Journal, KeySource, Options, Problem, RedactedRequest, State,
-    StoredResponse,
+    Begin, Body, Error, Headers, Intent, Journal, KeySource, Options, Problem, RedactedRequest,
+    State, StoredResponse,
 };
 
 type TestResult = Result<(), Box<dyn StdError>>;
@@ -105,26 +105,171 @@ async fn verify_names_each_kind_of_tampering() -> TestResult {
     Ok(())
 }
 
+/// Options for a journal in `dir` with `Durability::Node`.
+fn node_options(dir: &std::path::Path) -> Options {
+    Options {
+        durability: Durability::Node,
+        ..Options::new(dir)
+    }
+}
+
+/// Executes a fresh `key` and completes it with `status` and `body`.
+async fn executed(journal: &Journal, key: &str, status: u16, body: &str) -> TestResult {
+    let Begin::Execute { ticket, .. } = journal.begin(intent(key)?).await? else {
+        return Err(format!("{key} must execute").into());
+    };
+    let response = StoredResponse::new(status, Headers::default(), Body::from(body));
+    journal.complete(&ticket, response).await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_durability_writes_and_reopens() -> TestResult {
     let dir = tempfile::tempdir()?;
-    let options = Options {
-        durability: Durability::Node,
-        ..Options::new(dir.path())
-    };
+    let options = node_options(dir.path());
     let (journal, writer, _) = Journal::open(options.clone())?;
     let task = tokio::spawn(writer.run());
-    let Begin::Execute { ticket, .. } = journal.begin(intent("n1")?).await? else {
-        return Err("a fresh key must execute".into());
-    };
-    let response = StoredResponse::new(201, Headers::default(), Body::from("ok"));
-    journal.complete(&ticket, response).await?;
+    executed(&journal, "n1", 201, "ok").await?;
     drop(journal);
     task.await?;
     let (journal, writer, _) = Journal::open(options)?;
     let task = tokio::spawn(writer.run());
     let record = journal.get(&IdempotencyKey::new("n1")?)?.ok_or("n1 lost")?;
     assert_eq!(record.final_status, Some(201));
+    drop(journal);
+    task.await?;
+    Ok(())
+}
+
+/// On one thread (the writer runs on the test's), so that the injected sync failure
+/// reaches the writer's syncs.
+#[tokio::test]
+async fn a_failed_fdatasync_refuses_writes_until_a_restart() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let options = node_options(dir.path());
+    {
+        let (journal, writer, _) = Journal::open(options.clone())?;
+        let task = tokio::spawn(writer.run());
+        executed(&journal, "s0", 200, "ok").await?;
+        crate::store::sync_fault::set(true);
+        let refused = journal.begin(intent("s1")?).await;
+        crate::store::sync_fault::set(false);
+        assert!(matches!(refused, Err(Error::Unavailable(_))), "{refused:?}");
+        // The next sync could succeed without the pages the failed one dropped.
+        let again = journal.begin(intent("s1")?).await;
+        assert!(
+            matches!(&again, Err(Error::Unavailable(reason)) if reason.contains("restarts")),
+            "{again:?}"
+        );
+        assert!(journal.writes_failing());
+        drop(journal);
+        task.await?;
+    }
+    let (journal, writer, recovery) = Journal::open(options)?;
+    let task = tokio::spawn(writer.run());
+    assert!(recovery.failed_before_send.is_empty(), "{recovery:?}");
+    let s0 = journal.get(&IdempotencyKey::new("s0")?)?.ok_or("s0 lost")?;
+    assert_eq!(s0.state, State::Completed);
+    assert!(matches!(
+        journal.begin(intent("s1")?).await?,
+        Begin::Execute { .. }
+    ));
+    drop(journal);
+    task.await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_record_file_leaves_its_records_undecodable_never_executed() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    {
+        let (journal, writer, _) = Journal::open(Options::new(dir.path()))?;
+        let task = tokio::spawn(writer.run());
+        for key in ["k0", "k1", "k2"] {
+            executed(&journal, key, 200, key).await?;
+        }
+        drop(journal);
+        task.await?;
+    }
+    // A replayed log gives sled the bodies themselves: write them to their file
+    // again, and empty the log, as a long-running sidecar's journal is.
+    {
+        let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+        for key in ["k0", "k1", "k2"] {
+            let slot = keys::body(crate::slots::slot(&store, key)?.ok_or("no slot")?);
+            let body = store.get(&slot)?.ok_or("slot empty")?;
+            store.apply(vec![(slot, Some(body))])?;
+        }
+        store.set_wal_rotate_at(1);
+        store.apply(vec![(b"m/rotated".to_vec(), None)])?;
+    }
+    let file = dir.path().join("records").join("00000000");
+    let len = std::fs::metadata(&file)?.len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)?
+        .set_len(len - 1)?;
+
+    let refused = |journal: Journal, key: &'static str| async move {
+        let begun = journal.begin(intent(key)?).await;
+        assert!(
+            matches!(begun, Err(Error::Decode { .. })),
+            "{key}: {begun:?}"
+        );
+        Ok::<(), Box<dyn StdError>>(())
+    };
+    {
+        // k2's body is cut short: the others are served, k2 is refused, not executed.
+        let (journal, writer, recovery) = Journal::open(Options::new(dir.path()))?;
+        let task = tokio::spawn(writer.run());
+        assert_eq!(recovery.undecodable, ["k2"]);
+        refused(journal.clone(), "k2").await?;
+        assert!(journal.get(&IdempotencyKey::new("k2")?).is_err());
+        assert!(matches!(
+            journal.begin(intent("k0")?).await?,
+            Begin::Replay(_)
+        ));
+        let listed: Vec<String> = journal
+            .list(&crate::Filter::default())?
+            .into_iter()
+            .map(|r| r.key.to_string())
+            .collect();
+        assert_eq!(listed, ["k0", "k1"]);
+        let report = journal.verify()?;
+        assert!(
+            report
+                .problems
+                .iter()
+                .any(|p| matches!(p, Problem::MissingRecord { key, .. } if key == "k2")),
+            "{report:?}"
+        );
+        // A new record goes where k2's last byte was; k2 does not become it.
+        executed(&journal, "k3", 200, "k3").await?;
+        refused(journal.clone(), "k2").await?;
+        drop(journal);
+        task.await?;
+    }
+    // The file gone: each record in it is refused, and a slot that now reads as
+    // another key's record (as one written over a cut file may) is refused too.
+    std::fs::remove_file(&file)?;
+    {
+        let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+        let k1 = keys::body(crate::slots::slot(&store, "k1")?.ok_or("no slot")?);
+        let k3 = keys::body(crate::slots::slot(&store, "k3")?.ok_or("no slot")?);
+        let other = store.get(&k3)?.ok_or("k3 lost")?;
+        store.raw_put(&k1, &other)?;
+        store.flush()?;
+    }
+    let (journal, writer, recovery) = Journal::open(Options::new(dir.path()))?;
+    let task = tokio::spawn(writer.run());
+    assert_eq!(recovery.undecodable, ["k0", "k1", "k2"]);
+    for key in ["k0", "k1", "k2"] {
+        refused(journal.clone(), key).await?;
+    }
+    assert!(matches!(
+        journal.begin(intent("k3")?).await?,
+        Begin::Replay(_)
+    ));
     drop(journal);
     task.await?;
     Ok(())

@@ -10,7 +10,7 @@
 //! nothing of it reaches sled, so no reader ever sees a state that was never made
 //! durable, and every waiter gets `Error::Unavailable` (fail closed).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
@@ -40,7 +40,8 @@ use crate::time::Timestamp;
 const REAP_LIMIT: usize = 10_000;
 
 /// The most open streams whose state the writer remembers; past it, it starts over
-/// (reading from the store is always correct, only slower).
+/// (reading from the store is always correct, only slower). Also the most broken
+/// attempts it remembers; past it, the oldest is forgotten first.
 const MAX_OPEN_STREAMS: usize = 10_000;
 
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, Error>>;
@@ -267,6 +268,9 @@ pub(crate) struct Core {
     /// Stream attempts whose held events were lost to a failed write: the rest of
     /// such an attempt is refused, so the journal never serves a stream with a hole.
     broken: HashSet<(StreamKey, u32)>,
+    /// `broken` in the order the attempts broke, so that the oldest is forgotten
+    /// first when it is full.
+    broken_order: VecDeque<(StreamKey, u32)>,
     /// Makes expiry index keys unique within the epoch.
     expiry_ids: u64,
     /// The slot the next new record is written to (see [`crate::slots`]).
@@ -319,11 +323,20 @@ const KNOWN_INITIAL: usize = 100_000;
 /// The false-positive rate `known` keeps to.
 const KNOWN_FALSE_POSITIVES: f64 = 0.01;
 
+/// The record stored for `key`. A record of another key (read through a pointer
+/// into a record file that was cut short and then appended to) is an error too.
 pub(crate) fn decode_record(key: &str, bytes: &[u8]) -> Result<Record, Error> {
-    serde_json::from_slice(bytes).map_err(|e| Error::Decode {
+    let rec: Record = serde_json::from_slice(bytes).map_err(|e| Error::Decode {
         what: format!("record {key}"),
         detail: e.to_string(),
-    })
+    })?;
+    if rec.key.as_str() != key {
+        return Err(Error::Decode {
+            what: format!("record {key}"),
+            detail: format!("its slot holds the record of {}", rec.key),
+        });
+    }
+    Ok(rec)
 }
 
 pub(crate) fn decode_stream(key: &str, bytes: &[u8]) -> Result<StreamMeta, Error> {
@@ -371,6 +384,7 @@ impl Core {
             open_streams: HashMap::new(),
             runs: HashMap::new(),
             broken: HashSet::new(),
+            broken_order: VecDeque::new(),
             expiry_ids: 0,
             next_slot,
             next_events_slot,
@@ -479,12 +493,20 @@ impl Core {
         self.break_attempt(key, 1);
     }
 
-    /// Refuses more writes to an attempt (see [`Core::check_intact`]).
+    /// Refuses more writes to an attempt (see [`Core::check_intact`]). Past
+    /// [`MAX_OPEN_STREAMS`] broken attempts the oldest is forgotten (its stream has
+    /// most likely ended long ago); the others stay refused.
     fn break_attempt(&mut self, key: StreamKey, attempt: u32) {
-        if self.broken.len() >= MAX_OPEN_STREAMS {
-            self.broken.clear();
+        let id = (key, attempt);
+        if !self.broken.contains(&id) {
+            while self.broken_order.len() >= MAX_OPEN_STREAMS {
+                if let Some(oldest) = self.broken_order.pop_front() {
+                    self.broken.remove(&oldest);
+                }
+            }
+            self.broken.insert(id.clone());
+            self.broken_order.push_back(id);
         }
-        self.broken.insert((key, attempt));
         self.shared
             .broken_attempts
             .store(self.broken.len(), Ordering::Release);
@@ -869,12 +891,7 @@ impl Core {
         attempt: u32,
         events: &[Bytes],
     ) -> Result<Option<u64>, Error> {
-        if events.is_empty() {
-            return Err(Error::Invalid {
-                what: "stream events",
-                detail: "an append needs at least one event".to_owned(),
-            });
-        }
+        not_empty(events)?;
         self.check_intact(key, attempt)?;
         let (state, events_slot) = self.open_stream_state(batch, key, attempt)?;
         if state != StreamState::Open {
@@ -896,7 +913,8 @@ impl Core {
         Ok(())
     }
 
-    /// Holds lazily journaled events in the stream's [`Run`].
+    /// Holds lazily journaled events in the stream's [`Run`]. Nobody waits for the
+    /// answer: events it refuses are lost, so their attempt takes no more (no hole).
     fn hold(
         &mut self,
         key: StreamKey,
@@ -905,12 +923,37 @@ impl Core {
         events: Vec<Bytes>,
         batch: &mut Batch,
     ) -> Result<(), Error> {
-        self.appendable(batch, &key, attempt, &events)?;
-        let follows = self.runs.get(&key).is_some_and(|run| {
+        not_empty(&events)?;
+        let held = self.hold_in_run(&key, attempt, seq, events, batch);
+        // An attempt that has ended (or was replaced) takes nothing anyway; breaking
+        // it would only send every new stream's start through the writer.
+        if let Some(e) = held
+            .as_ref()
+            .err()
+            .filter(|e| !matches!(e, Error::Stream { .. }))
+        {
+            if !self.broken.contains(&(key.clone(), attempt)) {
+                tracing::warn!(%key, attempt, error = %e, "queued stream events could not be held; the attempt takes no more");
+            }
+            self.break_attempt(key, attempt);
+        }
+        held
+    }
+
+    fn hold_in_run(
+        &mut self,
+        key: &StreamKey,
+        attempt: u32,
+        seq: u64,
+        events: Vec<Bytes>,
+        batch: &mut Batch,
+    ) -> Result<(), Error> {
+        self.appendable(batch, key, attempt, &events)?;
+        let follows = self.runs.get(key).is_some_and(|run| {
             run.attempt == attempt && run.first_seq + run.events.len() as u64 == seq
         });
         if !follows {
-            self.write_run(&key, batch)?;
+            self.write_run(key, batch)?;
         }
         let run = self.runs.entry(key.clone()).or_insert_with(|| Run {
             attempt,
@@ -921,28 +964,34 @@ impl Core {
         run.bytes += events.iter().map(Bytes::len).sum::<usize>();
         run.events.extend(events);
         if run.events.len() >= RUN_EVENTS || run.bytes >= RUN_BYTES {
-            self.write_run(&key, batch)?;
+            self.write_run(key, batch)?;
         }
         self.dirty_since.get_or_insert_with(Instant::now);
         Ok(())
     }
 
-    /// Writes out the events held for `key`, if any, into `batch`.
+    /// Writes out the events held for `key`, if any, into `batch`. Held events that
+    /// cannot be written are lost, and their attempt takes no more (no hole).
     fn write_run(&mut self, key: &StreamKey, batch: &mut Batch) -> Result<(), Error> {
         let Some(run) = self.runs.remove(key) else {
             return Ok(());
         };
-        match self.stream_append(key, run.attempt, run.first_seq, &run.events, false, batch) {
+        let appended =
+            self.stream_append(key, run.attempt, run.first_seq, &run.events, false, batch);
+        if let Err(e) = &appended {
+            tracing::warn!(%key, attempt = run.attempt, error = %e, events = run.events.len(), "dropping held stream events; the attempt takes no more");
+            if !matches!(e, Error::Stream { .. }) {
+                self.break_attempt(key.clone(), run.attempt);
+            }
+        }
+        match appended {
             Ok(()) => {
                 batch.runs_written.push((key.clone(), run.attempt));
                 Ok(())
             }
-            // The attempt ended or was replaced meanwhile: these events belong to
-            // nothing the journal still serves.
-            Err(Error::Stream { detail, .. } | Error::Unavailable(detail)) => {
-                tracing::warn!(%key, %detail, events = run.events.len(), "dropping held events of an ended stream attempt");
-                Ok(())
-            }
+            // The attempt ended, was replaced or had lost events already: these
+            // events belong to nothing the journal still serves as open.
+            Err(Error::Stream { .. } | Error::Unavailable(_)) => Ok(()),
             Err(e) => Err(e),
         }
     }
@@ -1186,7 +1235,7 @@ impl Core {
             if self.shared.fault() == Some(WriteFault::FailApply) {
                 return Err("injected write fault: the batch was refused".to_owned());
             }
-            let logged = store.log(writes, held).map_err(|e| e.to_string())?;
+            let mut logged = store.log(writes, held).map_err(|e| e.to_string())?;
             if batch.needs_flush {
                 if self.shared.fault() == Some(WriteFault::FailFlush) {
                     // Dropping the unapplied batch takes its frame back.
@@ -1211,7 +1260,13 @@ impl Core {
         };
         if batch.needs_flush {
             self.flushed();
-            self.dirty_since = None;
+            // Other streams' held events are not in this batch: they still wait for
+            // the flush delay, which must go on running for them.
+            if self.runs.is_empty() {
+                self.dirty_since = None;
+            } else {
+                self.dirty_since.get_or_insert_with(Instant::now);
+            }
         } else {
             self.dirty_since.get_or_insert_with(Instant::now);
         }
@@ -1323,12 +1378,24 @@ impl Core {
             Err(reason) => {
                 self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
                 self.shared.failing.store(true, Ordering::Relaxed);
-                // Try again one delay later; the lazy writes stay applied.
-                self.dirty_since = Some(Instant::now());
+                // Try again one delay later; the lazy writes stay applied. Not after a
+                // failed sync, which nothing but a restart undoes.
+                self.dirty_since = (!self.store.sync_failed()).then(Instant::now);
                 tracing::warn!(%reason, "flushing lazy journal writes failed");
             }
         }
     }
+}
+
+/// Refuses an append of no events.
+fn not_empty(events: &[Bytes]) -> Result<(), Error> {
+    if events.is_empty() {
+        return Err(Error::Invalid {
+            what: "stream events",
+            detail: "an append needs at least one event".to_owned(),
+        });
+    }
+    Ok(())
 }
 
 fn settle<T: Send + 'static>(
@@ -1412,5 +1479,173 @@ impl Writer {
         if self.core.dirty_since.is_some() {
             self.core.flush_lazy().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as StdError;
+
+    use outrigger_types::{Fingerprint, RequestId};
+
+    use super::*;
+    use crate::Journal;
+
+    type TestResult = Result<(), Box<dyn StdError>>;
+
+    /// A journal whose writer the test runs by hand, one commit at a time, so that it
+    /// can change the store between commits.
+    struct Driven {
+        journal: Journal,
+        writer: Writer,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Driven {
+        fn open() -> Result<Self, Box<dyn StdError>> {
+            let dir = tempfile::tempdir()?;
+            let (journal, writer, _) = Journal::open(Options::new(dir.path()))?;
+            Ok(Self {
+                journal,
+                writer,
+                _dir: dir,
+            })
+        }
+    }
+
+    /// Waits for a command, takes every other one queued, and commits them as one
+    /// batch.
+    async fn commit(writer: &mut Writer) {
+        let Some(first) = writer.rx.recv().await else {
+            return;
+        };
+        let mut batch = writer.core.new_batch();
+        writer.core.handle(first, &mut batch);
+        while let Ok(cmd) = writer.rx.try_recv() {
+            writer.core.handle(cmd, &mut batch);
+        }
+        writer.core.commit(batch, false).await;
+    }
+
+    fn request() -> StreamRequest {
+        StreamRequest {
+            fingerprint: Fingerprint([5; 32]),
+            task_id: None,
+            request_id: RequestId::from_generated("req-driven".to_owned()),
+            provider: "anthropic".to_owned(),
+            model: "claude".to_owned(),
+            policy_versions: Vec::new(),
+        }
+    }
+
+    fn event(seq: u64) -> Bytes {
+        Bytes::from(format!("data: {{\"seq\":{seq}}}\n\n"))
+    }
+
+    fn completed() -> StreamEnd {
+        StreamEnd::Completed {
+            usage: serde_json::json!({}),
+        }
+    }
+
+    /// Makes the stream's metadata unreadable (the writer then reads it from the
+    /// store, and fails), and returns what to put back.
+    fn damage_meta(core: &mut Core, key: &StreamKey) -> Result<Vec<u8>, Box<dyn StdError>> {
+        let meta_key = keys::stream(key.as_str());
+        let meta = core.store.get(&meta_key)?.ok_or("no stream metadata")?;
+        core.store.raw_put(&meta_key, b"not json")?;
+        core.open_streams.clear();
+        Ok(meta)
+    }
+
+    /// Begins `key` with event 0 durable.
+    async fn begun(j: &Journal, w: &mut Writer, key: &StreamKey) -> TestResult {
+        assert_eq!(
+            j.stream_begin(key, request()).await?,
+            StreamBegin::New { attempt: 1 }
+        );
+        let (appended, ()) =
+            tokio::join!(j.stream_append(key, 1, 0, vec![event(0)], true), commit(w));
+        appended?;
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn queued_events_the_writer_refuses_break_their_attempt() -> TestResult {
+        let mut driven = Driven::open()?;
+        let Driven {
+            journal: j,
+            writer: w,
+            ..
+        } = &mut driven;
+        let key = StreamKey::new("chat-refused")?;
+        begun(j, w, &key).await?;
+        let meta = damage_meta(&mut w.core, &key)?;
+        // Nobody waits for this answer: the event is refused, and lost.
+        j.stream_append_nowait(&key, 1, 1, vec![event(1)]).await?;
+        commit(w).await;
+        w.core.store.raw_put(&keys::stream(key.as_str()), &meta)?;
+        // The attempt lost event 1: it takes nothing more and never completes.
+        j.stream_append_nowait(&key, 1, 2, vec![event(2)]).await?;
+        commit(w).await;
+        let (end, ()) = tokio::join!(j.stream_end(&key, 1, completed()), commit(w));
+        assert!(matches!(end, Err(Error::Unavailable(_))), "{end:?}");
+        assert_eq!(j.stream_events(&key, 1, None)?, vec![(0, event(0))]);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn held_events_that_cannot_be_written_out_break_their_attempt() -> TestResult {
+        let mut driven = Driven::open()?;
+        let Driven {
+            journal: j,
+            writer: w,
+            ..
+        } = &mut driven;
+        let key = StreamKey::new("chat-dropped")?;
+        begun(j, w, &key).await?;
+        j.stream_append_nowait(&key, 1, 1, vec![event(1)]).await?;
+        commit(w).await;
+        assert_eq!(w.core.runs.get(&key).map(|r| r.events.len()), Some(1));
+        // The next awaited append writes the held event out first, and that fails.
+        let meta = damage_meta(&mut w.core, &key)?;
+        let (failed, ()) =
+            tokio::join!(j.stream_append(&key, 1, 2, vec![event(2)], true), commit(w));
+        assert!(matches!(failed, Err(Error::Decode { .. })), "{failed:?}");
+        w.core.store.raw_put(&keys::stream(key.as_str()), &meta)?;
+        // Event 1 is gone: appending event 2 again must not leave a hole before it.
+        let (again, ()) =
+            tokio::join!(j.stream_append(&key, 1, 2, vec![event(2)], true), commit(w));
+        assert!(matches!(again, Err(Error::Unavailable(_))), "{again:?}");
+        let (end, ()) = tokio::join!(j.stream_end(&key, 1, completed()), commit(w));
+        assert!(matches!(end, Err(Error::Unavailable(_))), "{end:?}");
+        assert_eq!(j.stream_events(&key, 1, None)?, vec![(0, event(0))]);
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn past_the_bound_the_oldest_broken_attempt_is_forgotten_first() -> TestResult {
+        let mut driven = Driven::open()?;
+        let core = &mut driven.writer.core;
+        let key = |i: usize| StreamKey::new(format!("chat-{i}"));
+        for i in 0..=MAX_OPEN_STREAMS {
+            core.break_attempt(key(i)?, 1);
+        }
+        assert_eq!(core.broken.len(), MAX_OPEN_STREAMS);
+        assert!(
+            core.check_intact(&key(0)?, 1).is_ok(),
+            "the oldest is forgotten"
+        );
+        for i in [1, MAX_OPEN_STREAMS / 2, MAX_OPEN_STREAMS] {
+            assert!(
+                core.check_intact(&key(i)?, 1).is_err(),
+                "attempt {i} forgotten"
+            );
+        }
+        // Breaking one again does not count twice.
+        core.break_attempt(key(1)?, 1);
+        assert_eq!(core.broken.len(), MAX_OPEN_STREAMS);
+        assert!(core.check_intact(&key(1)?, 1).is_err());
+        Ok(())
     }
 }

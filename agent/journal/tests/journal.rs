@@ -682,6 +682,29 @@ async fn queued_events_are_written_together_by_the_next_durable_append_or_the_de
     Ok(())
 }
 
+/// A durable write of one stream is no flush of another stream's held deltas: those
+/// still arrive within the flush delay, not whenever the writer next hears of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_deltas_arrive_within_the_delay_whatever_other_streams_write() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let mut options = Options::new(dir.path());
+    options.max_batch_delay = Duration::from_millis(100);
+    let (run, _) = Running::open(options)?;
+    let j = &run.journal;
+    let (quiet, busy) = (StreamKey::new("chat-quiet")?, StreamKey::new("chat-busy")?);
+    for key in [&quiet, &busy] {
+        j.stream_begin(key, stream_request(1)).await?;
+        j.stream_append(key, 1, 0, vec![event(0)], true).await?;
+    }
+    for seq in 1..4 {
+        j.stream_append_nowait(&quiet, 1, seq, vec![event(seq)])
+            .await?;
+    }
+    j.stream_append(&busy, 1, 1, vec![event(1)], true).await?;
+    assert_eq!(seqs_within(j, &quiet, 4).await, (0..4).collect::<Vec<_>>());
+    run.stop().await
+}
+
 /// On one thread the writer runs only when this test waits, so what it finds queued
 /// is exactly what was sent since: a lone stream's held deltas and its end are one
 /// commit that wakes no applier, and two streams' ends at once are handed over.
@@ -778,6 +801,24 @@ async fn held_events_lost_to_a_failed_write_end_the_attempt_instead_of_leaving_a
     assert_eq!(
         j.stream_meta(&key)?.map(|m| m.state),
         Some(StreamState::Open)
+    );
+    // It may still end as abandoned, and the key's next begin then starts afresh
+    // rather than finding an attempt that never ends.
+    j.stream_end(
+        &key,
+        1,
+        StreamEnd::Abandoned {
+            reason: "the journal lost events of this attempt".into(),
+        },
+    )
+    .await?;
+    assert_eq!(
+        j.stream_meta(&key)?.map(|m| m.state),
+        Some(StreamState::Abandoned)
+    );
+    assert_eq!(
+        j.stream_begin(&key, stream_request(1)).await?,
+        StreamBegin::New { attempt: 2 }
     );
     run.stop().await?;
     Ok(())

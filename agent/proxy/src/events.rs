@@ -535,6 +535,15 @@ mod tests {
         .into()
     }
 
+    fn tool_use_start() -> bytes::Bytes {
+        named(
+            "content_block_start",
+            &json!({"type": "content_block_start", "index": 0,
+            "content_block": {"type": "tool_use", "id": "toolu_1", "name": "mail", "input": {}}}),
+        )
+        .into()
+    }
+
     fn finish(reason: &str) -> bytes::Bytes {
         ev(&json!({"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]})).into()
     }
@@ -572,12 +581,7 @@ mod tests {
     #[test]
     fn a_provider_error_inside_a_tool_call_goes_out_and_drops_the_parts() {
         let mut g = Gate::new(Dialect::Anthropic);
-        let start = named(
-            "content_block_start",
-            &json!({"type": "content_block_start", "index": 0,
-            "content_block": {"type": "tool_use", "id": "toolu_1", "name": "mail", "input": {}}}),
-        );
-        assert!(g.push(start.into()).events.is_empty());
+        assert!(g.push(tool_use_start()).events.is_empty());
         let error = named(
             "error",
             &json!({"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}),
@@ -609,12 +613,7 @@ mod tests {
         assert!(!g.turn.terminal && g.turn.errored);
         // Anthropic: `message_stop` before `content_block_stop`.
         let mut g = Gate::new(Dialect::Anthropic);
-        let start = named(
-            "content_block_start",
-            &json!({"type": "content_block_start", "index": 0,
-            "content_block": {"type": "tool_use", "id": "toolu_1", "name": "mail", "input": {}}}),
-        );
-        assert!(g.push(start.into()).events.is_empty());
+        assert!(g.push(tool_use_start()).events.is_empty());
         let end = g.push(named("message_stop", &json!({"type": "message_stop"})).into());
         assert_eq!(end.events.len(), 1);
         let text = String::from_utf8_lossy(&end.events[0]);

@@ -730,13 +730,18 @@ impl Producer {
         let key = &self.live.key;
         let attempt = self.live.attempt;
         if batch.terminal && self.journal_ok {
-            self.end_recorded = true;
-            if let Err(e) = self
+            match self
                 .journal
                 .stream_end(key, attempt, completed(&self.gate))
                 .await
             {
-                tracing::warn!(%key, error = %e, "could not record the end of a stream");
+                Ok(()) => self.end_recorded = true,
+                // Refused (events of the attempt were lost) or not written: `finish`
+                // records the attempt abandoned instead.
+                Err(e) => {
+                    tracing::warn!(%key, error = %e, "could not record the end of a stream");
+                    self.journal_ok = false;
+                }
             }
         }
         if !batch.out.is_empty() {
@@ -1143,35 +1148,51 @@ pub(crate) async fn endpoint(
     let mut events = journal
         .stream_events(&key, attempt, after)
         .map_err(crate::Error::Journal)?;
-    if attempt == meta.attempt {
-        events.extend(ended_short(shared, journal, &meta)?);
-    }
+    events.extend(ended_short(shared, journal, &meta, attempt)?);
     if events.is_empty() {
         return Ok(nothing_more());
     }
     Ok(with_key(journal_response(events, attempt), &key))
 }
 
-/// The typed error event that ends the replay of an attempt which failed or broke
+/// The typed error event that ends the replay of `attempt` when it failed or broke
 /// off without one in the journal (the sidecar stopped while generating it, the
-/// journal lost its tail, or it failed before its first event), numbered after its
-/// last event: a resumed client then sees the stream end as interrupted, not as a
-/// silent end it could take for a whole answer. It is not journaled.
-fn ended_short(
+/// journal lost its tail, it failed before its first event, or a later attempt
+/// replaced it), numbered after its last event: a resumed client then sees the stream
+/// end as interrupted, not as a silent end it could take for a whole answer. It is
+/// not journaled.
+pub(crate) fn ended_short(
     shared: &Shared,
     journal: &Journal,
     meta: &outrigger_journal::StreamMeta,
+    attempt: u32,
 ) -> Result<Option<(u64, Bytes)>, crate::Error> {
-    let reason = match &meta.end {
-        Some(StreamEnd::Failed { reason } | StreamEnd::Abandoned { reason }) => reason,
-        Some(StreamEnd::Completed { .. }) | None => return Ok(None),
-    };
-    let last = match meta.last_seq {
-        Some(seq) => journal
-            .stream_events(&meta.key, meta.attempt, seq.checked_sub(1))
+    let (reason, last) = if attempt == meta.attempt {
+        let reason = match &meta.end {
+            Some(StreamEnd::Failed { reason } | StreamEnd::Abandoned { reason }) => reason.clone(),
+            Some(StreamEnd::Completed { .. }) | None => return Ok(None),
+        };
+        let last = match meta.last_seq {
+            Some(seq) => journal
+                .stream_events(&meta.key, attempt, seq.checked_sub(1))
+                .map_err(crate::Error::Journal)?
+                .pop(),
+            None => None,
+        };
+        (reason, last)
+    } else if attempt < meta.attempt {
+        // An earlier attempt ended without completing, or there would be no later one.
+        let reason = format!(
+            "attempt {attempt} did not complete; the stream went on as attempt {}",
+            meta.attempt
+        );
+        let last = journal
+            .stream_events(&meta.key, attempt, None)
             .map_err(crate::Error::Journal)?
-            .pop(),
-        None => None,
+            .pop();
+        (reason, last)
+    } else {
+        return Ok(None);
     };
     // The provider's dialect; the events say it when the provider has left the
     // configuration (Anthropic's all name their type).
@@ -1196,7 +1217,7 @@ fn ended_short(
         return Ok(None);
     }
     let seq = last.map_or(0, |(seq, _)| seq + 1);
-    Ok(Some((seq, interruption_event(dialect, reason))))
+    Ok(Some((seq, interruption_event(dialect, &reason))))
 }
 
 fn json_response(status: StatusCode, v: &serde_json::Value) -> Response<Body> {

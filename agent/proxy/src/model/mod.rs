@@ -210,9 +210,13 @@ async fn replay(
                     Some((a, s)) => (a, Some(s)),
                     None => (meta.attempt, None),
                 };
-                let events = journal
+                let mut events = journal
                     .stream_events(&keyed.key, attempt, after)
                     .map_err(Error::Journal)?;
+                if request.stream {
+                    // An earlier attempt named by `Last-Event-ID` ended short.
+                    events.extend(streams::ended_short(shared, journal, &meta, attempt)?);
+                }
                 if after.is_none() {
                     if request.stream {
                         streams::correlate_replay(
