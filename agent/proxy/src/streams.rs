@@ -208,13 +208,16 @@ pub(crate) fn next_index(seq: u64) -> usize {
 
 /// `raw` without the upstream's own `id` lines: ours go in front of every event,
 /// and an `id` later in the event would win over it, leaving the client a
-/// `Last-Event-ID` it cannot resume with. The data lines of JSON events hold no
-/// raw line breaks, so a field name can only follow one.
+/// `Last-Event-ID` it cannot resume with.
 fn without_upstream_ids(raw: Bytes) -> Bytes {
     let is_id = |line: &[u8]| line == b"id" || line.starts_with(b"id:");
-    let has = raw.starts_with(b"id")
-        || memchr::memmem::find_iter(&raw, b"id")
-            .any(|i| i > 0 && matches!(raw[i - 1], b'\n' | b'\r'));
+    // A field name starts a line: look only there (an event has a few lines).
+    let id_at = |i: usize| {
+        raw.get(i..).is_some_and(|rest| {
+            rest.starts_with(b"id") && matches!(rest.get(2), None | Some(b':' | b'\n' | b'\r'))
+        })
+    };
+    let has = id_at(0) || memchr::memchr2_iter(b'\n', b'\r', &raw).any(|i| id_at(i + 1));
     if !has {
         return raw;
     }
