@@ -270,6 +270,12 @@ async fn a_damaged_record_file_leaves_its_records_undecodable_never_executed() -
         journal.begin(intent("k3")?).await?,
         Begin::Replay(_)
     ));
+    // Retention passes over the damaged records and goes on with the others.
+    let later = std::time::SystemTime::now() + Duration::from_secs(400 * 86_400);
+    let report = journal.reap(later).await?;
+    assert_eq!((report.damaged, report.tombstoned), (3, 1), "{report:?}");
+    let k3 = journal.get(&IdempotencyKey::new("k3")?)?.ok_or("k3 lost")?;
+    assert_eq!(k3.state, State::Tombstone);
     drop(journal);
     task.await?;
     Ok(())

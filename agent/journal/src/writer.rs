@@ -110,6 +110,9 @@ pub struct ReapReport {
     /// Records past retention that are still unsettled (in flight, in doubt, waiting
     /// for an operator): kept, and looked at again one retention period later.
     pub deferred: u64,
+    /// Records or streams due that could not be read (a damaged record file): left
+    /// as they are, for `journal verify` to name; retention goes on past them.
+    pub damaged: u64,
     /// Whether more entries are due than one call processes: call again.
     pub more: bool,
 }
@@ -1043,7 +1046,8 @@ impl Core {
             match keys::parse_expiry(&index) {
                 Some((_, keys::EXPIRE_RECORD)) => {
                     for key in &due_keys {
-                        self.expire_record(key, now, batch, &mut report)?;
+                        let expired = self.expire_record(key, now, batch, &mut report);
+                        past_damage(expired, key, &mut report)?;
                     }
                 }
                 Some((_, keys::PURGE_TOMBSTONE)) => {
@@ -1051,7 +1055,13 @@ impl Core {
                         let Ok(id) = IdempotencyKey::new(key.as_str()) else {
                             continue;
                         };
-                        let rec = self.record(batch, &id)?;
+                        let rec = match self.record(batch, &id) {
+                            Ok(rec) => rec,
+                            Err(e) => {
+                                past_damage(Err(e), key, &mut report)?;
+                                continue;
+                            }
+                        };
                         if let Some(rec) = rec.filter(|r| r.state == State::Tombstone) {
                             self.purge(batch, &rec)?;
                             report.purged += 1;
@@ -1061,7 +1071,8 @@ impl Core {
                 Some((_, keys::DROP_STREAM)) => {
                     for key in &due_keys {
                         if let Ok(id) = StreamKey::new(key.as_str()) {
-                            self.drop_stream(id, now, batch, &mut report)?;
+                            let dropped = self.drop_stream(id, now, batch, &mut report);
+                            past_damage(dropped, key, &mut report)?;
                         }
                     }
                 }
@@ -1384,6 +1395,19 @@ impl Core {
                 tracing::warn!(%reason, "flushing lazy journal writes failed");
             }
         }
+    }
+}
+
+/// Goes on past a record or stream that cannot be decoded (counted, and left as it
+/// is): one damaged entry must not stop retention for the whole journal.
+fn past_damage(r: Result<(), Error>, key: &str, report: &mut ReapReport) -> Result<(), Error> {
+    match r {
+        Err(e @ Error::Decode { .. }) => {
+            tracing::warn!(%key, error = %e, "retention passes over an entry it cannot read; `outrigger journal verify` names it");
+            report.damaged += 1;
+            Ok(())
+        }
+        other => other,
     }
 }
 
