@@ -480,7 +480,7 @@ async fn a_probe_tool_in_doubt_is_checked_before_anything_is_resent() {
         "/tools/orders/place",
         Some("k-probe"),
         &body,
-        &[],
+        &[("x-tenant", "acme")],
     )
     .await;
     assert_eq!(again.status, StatusCode::OK, "{}", again.text());
@@ -488,6 +488,12 @@ async fn a_probe_tool_in_doubt_is_checked_before_anything_is_resent() {
         again.header("outrigger-replayed"),
         Some("true"),
         "answered from the probe, not re-executed"
+    );
+    assert_eq!(
+        again.json()["tenant"],
+        "acme",
+        "the probe goes with the agent's headers: {}",
+        again.text()
     );
     assert_eq!(e.probe.effects().len(), 1);
 
@@ -594,6 +600,26 @@ async fn mcp_tool_calls_are_journaled_and_everything_else_passes_through() {
             .methods()
             .contains(&"notifications/initialized".to_string())
     );
+
+    // A refusal at the transport (a 4xx that is no JSON-RPC answer, here for a bad
+    // mock setting) was not applied: the same key runs once the client fixed it.
+    let call3 = json!({"jsonrpc": "2.0", "id": 12, "method": "tools/call",
+        "params": {"name": "send_email", "arguments": {"to": "di"}, "_meta": {META_KEY: "mail-3"}}});
+    let refused = post_json(&url, &[("x-mock-tool", "bogus")], &call3).await;
+    assert_eq!(
+        refused.status,
+        StatusCode::BAD_REQUEST,
+        "{}",
+        refused.text()
+    );
+    let ran = post_json(&url, &[], &call3).await;
+    assert_eq!(ran.json()["result"]["isError"], false, "{}", ran.text());
+    assert_eq!(ran.header("outrigger-replayed"), None);
+    assert_eq!(e.mcp.effects().len(), 3);
+    // A JSON-RPC batch holding a tools/call is refused, not passed on unjournaled.
+    let batch = post_json(&url, &[], &json!([call3])).await;
+    assert_eq!(batch.json()["error"]["code"], -32600, "{}", batch.text());
+    assert_eq!(e.mcp.effects().len(), 3);
 }
 
 #[tokio::test]

@@ -1074,7 +1074,13 @@ fn tools(raw: &raw::Config, p: &mut Problems) -> Vec<Tool> {
                 None
             }
         };
-        if class == Some(ToolClass::Probe) && rt.probe_path.is_none() {
+        if class == Some(ToolClass::Probe) && kind == Some(ToolKind::Mcp) {
+            p.add(
+                at("class"),
+                "an MCP server cannot be a probe tool (MCP has no way to ask whether a call \
+                 happened); use \"keyed\" if it honours the key in _meta, else \"unsafe\"",
+            );
+        } else if class == Some(ToolClass::Probe) && rt.probe_path.is_none() {
             p.add(
                 at("probe_path"),
                 "a probe tool needs probe_path (e.g. \"/status/{key}\")",

@@ -28,14 +28,12 @@ use crate::tools;
 pub(crate) trait Protocol {
     /// The request for one attempt, carrying `downstream` as its idempotency key.
     fn build(&self, downstream: &str) -> Result<Request<Full<Bytes>>, Error>;
-    /// What to journal and what to send the agent, from the tool's answer.
-    fn answer(
-        &self,
-        status: StatusCode,
-        headers: &HeaderMap,
-        body: Bytes,
-    ) -> (StoredResponse, Response<Body>);
+    /// What the tool's answer means for the call: what to journal and what to send
+    /// the agent.
+    fn answer(&self, status: StatusCode, headers: &HeaderMap, body: Bytes) -> Answered;
     fn replay(&self, record: &Record) -> Response<Body>;
+    /// The agent's request headers (its credentials for the tool among them).
+    fn agent_headers(&self) -> &HeaderMap;
     fn in_flight(&self, record: &Record) -> Response<Body>;
     fn mismatch(&self, record: &Record) -> Response<Body>;
     fn outcome_unknown(&self, record: &Record) -> Response<Body>;
@@ -47,6 +45,20 @@ pub(crate) trait Protocol {
     fn cancellation(&self) -> Option<Request<Full<Bytes>>> {
         None
     }
+}
+
+/// What a tool's answer means for the call.
+pub(crate) enum Answered {
+    /// The call's outcome: journaled (as the journal's status rules say: done, not
+    /// applied or in doubt), then handed over.
+    Outcome(StoredResponse, Response<Body>),
+    /// Refused before the call was applied (an MCP server's transport-level 4xx: an
+    /// expired session, a missing token): the call is recorded as not executed, so a
+    /// retry runs it, and the agent gets the answer as it came.
+    NotApplied(Response<Body>, String),
+    /// A success that holds no answer to this call (an MCP stream that closed
+    /// before the call's response): whether the call took effect is unknown.
+    Unknown(String),
 }
 
 /// Armed while a call is at the tool. If the agent goes away first (its request,
@@ -187,28 +199,30 @@ pub(crate) async fn run(
             Begin::Tombstoned { record } => {
                 return Ok((proto.tombstoned(&record), Settled::refused(record.state)));
             }
-            Begin::Probe { ticket } => match probe(shared, tool, &downstream).await {
-                Probed::Found(resp) => journal
-                    .reconciled(&ticket, Some(resp))
-                    .await
-                    .map_err(Error::Journal)?,
-                Probed::NotFound => journal
-                    .reconciled(&ticket, None)
-                    .await
-                    .map_err(Error::Journal)?,
-                Probed::Failed(detail) => {
-                    tracing::warn!(tool = %tool.name, %key, %detail, "probe failed; the call stays in doubt");
-                    // Back to in doubt (not left reconciling): the next request probes again.
-                    let state = journal
-                        .in_doubt(&ticket, &format!("the probe failed: {detail}"))
+            Begin::Probe { ticket } => {
+                match probe(shared, tool, &downstream, proto.agent_headers()).await {
+                    Probed::Found(resp) => journal
+                        .reconciled(&ticket, Some(resp))
                         .await
-                        .map_err(Error::Journal)?;
-                    return Ok((
-                        proto.in_doubt(&key, &detail, state.as_str()),
-                        Settled::of(state),
-                    ));
+                        .map_err(Error::Journal)?,
+                    Probed::NotFound => journal
+                        .reconciled(&ticket, None)
+                        .await
+                        .map_err(Error::Journal)?,
+                    Probed::Failed(detail) => {
+                        tracing::warn!(tool = %tool.name, %key, %detail, "probe failed; the call stays in doubt");
+                        // Back to in doubt (not left reconciling): the next request probes again.
+                        let state = journal
+                            .in_doubt(&ticket, &format!("the probe failed: {detail}"))
+                            .await
+                            .map_err(Error::Journal)?;
+                        return Ok((
+                            proto.in_doubt(&key, &detail, state.as_str()),
+                            Settled::of(state),
+                        ));
+                    }
                 }
-            },
+            }
         };
     }
 }
@@ -349,7 +363,17 @@ async fn answer(
     headers: &HeaderMap,
     bytes: Bytes,
 ) -> Result<(Response<Body>, Settled), Error> {
-    let (stored, answer) = proto.answer(status, headers, bytes);
+    let (stored, answer) = match proto.answer(status, headers, bytes) {
+        Answered::Outcome(stored, answer) => (stored, answer),
+        Answered::NotApplied(answer, reason) => {
+            journal
+                .failed_before_send(ticket, &reason)
+                .await
+                .map_err(Error::Journal)?;
+            return Ok((answer, Settled::of(State::FailedBeforeSend)));
+        }
+        Answered::Unknown(cause) => return in_doubt(journal, ticket, &cause, proto).await,
+    };
     let state = journal
         .complete(ticket, stored)
         .await
@@ -380,17 +404,29 @@ enum Probed {
 }
 
 /// Asks a probe tool whether the call with `downstream` happened: 2xx = yes (the
-/// answer is the call's result), 404 = no, anything else = still unknown.
-async fn probe(shared: &Shared, tool: &Tool, downstream: &str) -> Probed {
+/// answer is the call's result), 404 = no, anything else = still unknown. It goes
+/// with the agent's headers, as the call itself did: a tool that needs the agent's
+/// credentials must not answer an anonymous probe with a 404 that reads as "never
+/// happened". An answer whose body cannot be read whole is no answer.
+async fn probe(shared: &Shared, tool: &Tool, downstream: &str, agent: &HeaderMap) -> Probed {
     let Some(path) = &tool.probe_path else {
         return Probed::Failed(format!("tool {} has no probe_path", tool.name));
     };
     let rest = path.replace("{key}", &encode_segment(downstream));
+    // What described the call's own body does not describe the probe's (none).
+    let mut agent = agent.clone();
+    for h in [
+        http::header::CONTENT_LENGTH,
+        http::header::CONTENT_TYPE,
+        http::header::EXPECT,
+    ] {
+        agent.remove(h);
+    }
     let req = match tools::build(
         tool,
         &rest,
         Method::GET,
-        &HeaderMap::new(),
+        &agent,
         Bytes::new(),
         Some(downstream),
     ) {
@@ -401,9 +437,17 @@ async fn probe(shared: &Shared, tool: &Tool, downstream: &str) -> Probed {
         Ok(resp) => {
             let status = resp.status();
             let (parts, body) = resp.into_parts();
-            let bytes = body::read_limited(body, shared.options.limits.max_body_bytes)
-                .await
-                .unwrap_or_default();
+            let read = body::read_limited(body, shared.options.limits.max_body_bytes);
+            let bytes = match tokio::time::timeout(tool.timeout, read).await {
+                Ok(Ok(bytes)) => bytes,
+                Ok(Err(e)) => return Probed::Failed(format!("the probe's answer broke off: {e}")),
+                Err(_) => {
+                    return Probed::Failed(format!(
+                        "the probe's answer did not arrive whole within {:?}",
+                        tool.timeout
+                    ));
+                }
+            };
             if status.is_success() {
                 Probed::Found(StoredResponse::new(
                     status.as_u16(),

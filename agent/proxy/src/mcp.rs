@@ -28,7 +28,7 @@ use tracing::Instrument;
 
 use crate::body::{self, Body};
 use crate::error::Error;
-use crate::journaled::{self, Protocol, Settled};
+use crate::journaled::{self, Answered, Protocol, Settled};
 use crate::observe::ToolCall;
 use crate::options::{Tool, ToolKind};
 use crate::tools::{self, KeyChoice};
@@ -78,6 +78,18 @@ pub async fn call(
     } else {
         None
     };
+    // A JSON-RPC batch (protocol versions before 2025-06-18) would take its
+    // `tools/call`s past the journal.
+    if let Some(Value::Array(batch)) = &message
+        && batch.iter().any(|m| m["method"] == "tools/call")
+    {
+        return Ok(rpc_error(
+            &Value::Null,
+            -32600,
+            "a JSON-RPC batch holding tools/call is not accepted: send each tools/call as a message of its own, so that it is journaled",
+            None,
+        ));
+    }
     let is_tool_call = message
         .as_ref()
         .is_some_and(|m| m["method"] == "tools/call" && m.get("id").is_some());
@@ -242,6 +254,10 @@ struct McpCall<'a> {
 }
 
 impl Protocol for McpCall<'_> {
+    fn agent_headers(&self) -> &HeaderMap {
+        self.agent
+    }
+
     fn build(&self, downstream: &str) -> Result<Request<Full<Bytes>>, Error> {
         let mut message = self.message.clone();
         if !message["params"]["_meta"].is_object() {
@@ -283,36 +299,39 @@ impl Protocol for McpCall<'_> {
         Some(req)
     }
 
-    fn answer(
-        &self,
-        status: StatusCode,
-        h: &HeaderMap,
-        body: Bytes,
-    ) -> (StoredResponse, Response<Body>) {
-        let outcome = if status.is_success() {
-            find_response(h, &body, self.id)
-        } else {
-            None
-        };
-        match outcome {
-            Some(outcome) => {
-                let stored =
-                    StoredResponse::new(200, json_headers(), Bytes::from(outcome.to_string()));
-                (stored, rpc_response(self.id, &outcome, false))
-            }
-            None => {
-                // Not a JSON-RPC answer: keep the HTTP status so the journal can tell a
-                // definitive refusal from an ambiguous 5xx, and pass it on as it came.
-                let stored =
-                    StoredResponse::new(status.as_u16(), tools::redacted_headers(h), body.clone());
-                let mut resp = Response::new(body::full(body));
-                *resp.status_mut() = status;
-                if let Some(ct) = h.get(header::CONTENT_TYPE) {
-                    resp.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+    fn answer(&self, status: StatusCode, h: &HeaderMap, body: Bytes) -> Answered {
+        if status.is_success() {
+            return match find_response(h, &body, self.id) {
+                Some(outcome) => {
+                    let stored =
+                        StoredResponse::new(200, json_headers(), Bytes::from(outcome.to_string()));
+                    Answered::Outcome(stored, rpc_response(self.id, &outcome, false))
                 }
-                (stored, resp)
-            }
+                // The stream closed before the call's response (a server may, and
+                // expect the client to poll for it), or the body held none.
+                None => Answered::Unknown(format!(
+                    "the server answered {status} without a JSON-RPC response to this call"
+                )),
+            };
         }
+        // Not a JSON-RPC answer: passed on as it came.
+        let stored = StoredResponse::new(status.as_u16(), tools::redacted_headers(h), body.clone());
+        let mut resp = Response::new(body::full(body));
+        *resp.status_mut() = status;
+        if let Some(ct) = h.get(header::CONTENT_TYPE) {
+            resp.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+        }
+        if status.is_client_error() {
+            // The transport refused the message (an unknown or expired session, a
+            // missing token, a malformed request): the call was not applied, and
+            // once the client has fixed that, the same key must run it.
+            return Answered::NotApplied(
+                resp,
+                format!("the server refused the message with {status}"),
+            );
+        }
+        // A 5xx: the journal's rules make it in doubt.
+        Answered::Outcome(stored, resp)
     }
 
     fn replay(&self, record: &Record) -> Response<Body> {
@@ -529,5 +548,53 @@ mod tests {
             Some(json!({"error": {"code": -1}}))
         );
         assert_eq!(find_response(&h, body, &json!(8)), None);
+    }
+
+    #[test]
+    fn a_success_without_the_calls_response_is_no_outcome() {
+        let server = Tool {
+            name: "m".into(),
+            kind: ToolKind::Mcp,
+            base_url: http::Uri::from_static("http://127.0.0.1:1"),
+            class: outrigger_types::ToolClass::Unsafe,
+            key_required: false,
+            journal_get: false,
+            timeout: std::time::Duration::from_secs(1),
+            probe_path: None,
+        };
+        let agent = HeaderMap::new();
+        let message = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call"});
+        let call = McpCall {
+            server: &server,
+            agent: &agent,
+            message: &message,
+            id: &message["id"],
+        };
+        let mut sse = HeaderMap::new();
+        sse.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        // The stream closed after a progress notification, before the response.
+        let progress = Bytes::from_static(
+            b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n",
+        );
+        assert!(matches!(
+            call.answer(StatusCode::OK, &sse, progress),
+            Answered::Unknown(_)
+        ));
+        assert!(matches!(
+            call.answer(StatusCode::ACCEPTED, &HeaderMap::new(), Bytes::new()),
+            Answered::Unknown(_)
+        ));
+        // A transport refusal was not applied; a 5xx goes to the journal's rules.
+        assert!(matches!(
+            call.answer(StatusCode::NOT_FOUND, &HeaderMap::new(), Bytes::new()),
+            Answered::NotApplied(..)
+        ));
+        assert!(matches!(
+            call.answer(StatusCode::BAD_GATEWAY, &HeaderMap::new(), Bytes::new()),
+            Answered::Outcome(..)
+        ));
     }
 }

@@ -21,7 +21,7 @@ use tracing::Instrument;
 use crate::body::{self, Body};
 use crate::error::Error;
 use crate::headers::{self, IDEMPOTENCY_KEY};
-use crate::journaled::{self, Protocol, Settled};
+use crate::journaled::{self, Answered, Protocol, Settled};
 use crate::keys;
 use crate::observe::{ToolCall, ToolEnd};
 use crate::options::{Tool, ToolKind};
@@ -413,6 +413,10 @@ struct Http<'a> {
 }
 
 impl Protocol for Http<'_> {
+    fn agent_headers(&self) -> &HeaderMap {
+        self.agent
+    }
+
     fn build(&self, downstream: &str) -> Result<Request<Full<Bytes>>, Error> {
         build(
             self.tool,
@@ -424,12 +428,7 @@ impl Protocol for Http<'_> {
         )
     }
 
-    fn answer(
-        &self,
-        status: StatusCode,
-        h: &HeaderMap,
-        body: Bytes,
-    ) -> (StoredResponse, Response<Body>) {
+    fn answer(&self, status: StatusCode, h: &HeaderMap, body: Bytes) -> Answered {
         let mut h = h.clone();
         headers::strip_hop_by_hop(&mut h);
         h.remove(header::CONTENT_LENGTH);
@@ -437,7 +436,7 @@ impl Protocol for Http<'_> {
         let mut resp = Response::new(body::full(body));
         *resp.status_mut() = status;
         *resp.headers_mut() = h;
-        (stored, resp)
+        Answered::Outcome(stored, resp)
     }
 
     fn replay(&self, record: &Record) -> Response<Body> {

@@ -192,7 +192,13 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
                 .ok()
                 .and_then(|e| e.iter().find(|e| e.key.as_deref() == Some(key)).cloned());
             return match found {
-                Some(e) => json_response(200, &json!({"ok": true, "effect": e.n, "key": key})),
+                // `tenant` echoes the caller's `x-tenant`: which of the agent's headers
+                // reached the probe.
+                Some(e) => json_response(
+                    200,
+                    &json!({"ok": true, "effect": e.n, "key": key,
+                            "tenant": header(&req, "x-tenant")}),
+                ),
                 None => json_response(404, &json!({"ok": false, "key": key})),
             };
         }

@@ -204,6 +204,14 @@ probe_path = "/status/{key}"
     )
     .unwrap_err();
     assert_eq!(paths(&err), ["tools[0].probe_path"]);
+    // MCP cannot be asked whether a call happened.
+    let err = load_str(
+        "[[tools]]\nname = \"m\"\nkind = \"mcp\"\nbase_url = \"http://127.0.0.1:1\"\nclass = \"probe\"\nprobe_path = \"/s/{key}\"\n",
+        &[],
+    )
+    .unwrap_err();
+    assert_eq!(paths(&err), ["tools[0].class"]);
+    assert!(err.to_string().contains("MCP"), "{err}");
 }
 
 #[test]

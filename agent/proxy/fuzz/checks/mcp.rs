@@ -12,10 +12,13 @@
 //!   message with that id and a `result` or `error`: the body itself, a batch
 //!   element, or an SSE event's data), the agent gets exactly that outcome,
 //!   re-wrapped as `{"jsonrpc":"2.0","id":<its id>, …}`;
-//! - otherwise the agent gets the upstream's status and bytes unchanged;
-//! - the same call again (same idempotency key) is answered from the journal,
+//!   The same call again (same idempotency key) is answered from the journal,
 //!   marked `Outrigger-Replayed: true`, identical to the first answer, and never
-//!   reaches the server.
+//!   reaches the server;
+//! - otherwise the call's outcome is unknown (a success without its response): the
+//!   agent gets the in-doubt tool result for its id, never the body as if it were an
+//!   outcome, and the same call again is re-sent with its key (the server is
+//!   `keyed`) and is in doubt again.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -165,8 +168,17 @@ impl Harness {
                 );
             }
             None => {
-                assert_eq!(status, StatusCode::OK, "the upstream's status passes");
-                assert_eq!(first, body, "a non-JSON-RPC answer passes unchanged");
+                assert_eq!(status, StatusCode::OK);
+                assert_in_doubt(&first, &body);
+                let (_, again_replayed, again) = self.call(&key, n).await;
+                assert_eq!(
+                    self.upstream_calls.load(Ordering::SeqCst),
+                    before + 2,
+                    "a keyed call in doubt is re-sent with its key"
+                );
+                assert!(again_replayed.is_none(), "nothing to replay");
+                assert_in_doubt(&again, &body);
+                return;
             }
         }
 
@@ -182,15 +194,7 @@ impl Harness {
             "marked as replayed"
         );
         assert_eq!(again_status, status, "the replay keeps the status");
-        match &expected {
-            Some(_) => assert_eq!(parse(&again), parse(&first), "the replay is the answer"),
-            None => assert_eq!(
-                again,
-                first,
-                "the replay of a non-JSON-RPC answer is its bytes (upstream {:?})",
-                String::from_utf8_lossy(&body)
-            ),
-        }
+        assert_eq!(parse(&again), parse(&first), "the replay is the answer");
     }
 
     async fn call(&self, key: &str, n: u64) -> (StatusCode, Option<String>, Bytes) {
@@ -247,6 +251,18 @@ where
         Duration::from_secs(1),
     ));
     addr
+}
+
+/// The in-doubt tool result for the request's id, whatever the server's body was.
+fn assert_in_doubt(answer: &[u8], upstream: &[u8]) {
+    let v = parse(answer);
+    assert_eq!(v["id"], json!(REQUEST_ID), "{v}");
+    assert_eq!(
+        v["result"]["isError"],
+        true,
+        "a success without the call's response is in doubt (upstream {:?}): {v}",
+        String::from_utf8_lossy(upstream)
+    );
 }
 
 fn parse(body: &[u8]) -> Value {
