@@ -205,6 +205,32 @@ impl Journal {
             .map_err(|_| Error::Unavailable("the journal writer stopped".to_owned()))?
     }
 
+    /// [`Journal::call`], where an answer the caller went away before receiving is
+    /// handed to `unanswered` (on the runtime, after the writer has answered).
+    async fn call_settled<T: Send + 'static>(
+        &self,
+        command: impl FnOnce(oneshot::Sender<Result<T, Error>>) -> Command,
+        unanswered: impl FnOnce(T) -> Settle + Send + 'static,
+    ) -> Result<T, Error> {
+        let (reply, answer) = oneshot::channel();
+        self.inner
+            .tx
+            .send(command(reply))
+            .await
+            .map_err(|_| Error::Unavailable("the journal writer is not running".to_owned()))?;
+        let mut pending = Unanswered {
+            answer: Some(answer),
+            settle: Some(Box::new(unanswered)),
+        };
+        let result = match pending.answer.as_mut() {
+            Some(answer) => answer.await,
+            None => return Err(Error::Unavailable("the journal writer stopped".to_owned())),
+        };
+        // Answered: nothing is left to settle when `pending` drops.
+        pending.answer = None;
+        result.map_err(|_| Error::Unavailable("the journal writer stopped".to_owned()))?
+    }
+
     async fn event(&self, key: &IdempotencyKey, event: Event) -> Result<(Record, Effect), Error> {
         self.call(|reply| Command::Apply {
             key: key.clone(),
@@ -217,20 +243,60 @@ impl Journal {
     // --- tool calls ---
 
     /// Decides what to do with a tool request and makes the decision durable.
+    ///
+    /// If the caller goes away before the answer (its future is dropped), a decision
+    /// it never received is settled for it: a call to execute was never sent
+    /// (`failed_before_send`), and one to probe goes back in doubt, so the key is not
+    /// left in flight until a restart.
     pub async fn begin(&self, intent: Intent) -> Result<Begin, Error> {
-        self.call(|reply| Command::Begin {
-            intent: Box::new(intent),
-            reply,
-        })
+        let journal = self.clone();
+        self.call_settled(
+            |reply| Command::Begin {
+                intent: Box::new(intent),
+                reply,
+            },
+            move |begin: Begin| {
+                Box::pin(async move {
+                    let settled = match &begin {
+                        Begin::Execute { ticket, .. } => {
+                            journal.failed_before_send(ticket, UNANSWERED).await
+                        }
+                        Begin::Probe { ticket } => journal.in_doubt(ticket, UNANSWERED).await.map(drop),
+                        _ => Ok(()),
+                    };
+                    if let Err(e) = settled {
+                        tracing::warn!(error = %e, "could not settle a call whose caller went away");
+                    }
+                })
+            },
+        )
         .await
     }
 
-    /// An unsafe tool's request is about to leave: the second durable write.
+    /// An unsafe tool's request is about to leave: the second durable write. If the
+    /// caller goes away before the answer, the request never left: the call is
+    /// recorded `failed_before_send`.
     pub async fn dispatched(&self, ticket: &Ticket) -> Result<(), Error> {
         let event = Event::Dispatched {
             ticket: ticket.clone(),
         };
-        self.event(ticket.key(), event).await.map(drop)
+        let (journal, sent) = (self.clone(), ticket.clone());
+        self.call_settled(
+            |reply| Command::Apply {
+                key: ticket.key().clone(),
+                event: Box::new(event),
+                reply,
+            },
+            move |_: (Record, Effect)| {
+                Box::pin(async move {
+                    if let Err(e) = journal.failed_before_send(&sent, UNANSWERED).await {
+                        tracing::warn!(error = %e, "could not settle a call whose caller went away");
+                    }
+                })
+            },
+        )
+        .await
+        .map(drop)
     }
 
     /// Records the tool's answer, durably, before the proxy releases it. Returns the
@@ -663,5 +729,35 @@ fn queued_append(key: &StreamKey, attempt: u32, seq: u64, events: Vec<Bytes>) ->
         durable: false,
         buffered: true,
         reply,
+    }
+}
+
+/// Why a call is settled for a caller that went away before the journal answered.
+const UNANSWERED: &str = "the caller went away before the journal answered; the call was not sent";
+
+/// What settles an answer nobody received.
+type Settle = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// A writer's answer the caller may not wait for: dropped unanswered, it is awaited
+/// on the runtime and handed to `settle`.
+struct Unanswered<T: Send + 'static> {
+    answer: Option<oneshot::Receiver<Result<T, Error>>>,
+    settle: Option<Box<dyn FnOnce(T) -> Settle + Send>>,
+}
+
+impl<T: Send + 'static> Drop for Unanswered<T> {
+    fn drop(&mut self) {
+        let (Some(answer), Some(settle)) = (self.answer.take(), self.settle.take()) else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // The process is stopping: the next start's recovery settles the call.
+            return;
+        };
+        runtime.spawn(async move {
+            if let Ok(Ok(value)) = answer.await {
+                settle(value).await;
+            }
+        });
     }
 }

@@ -391,6 +391,63 @@ async fn operators_resolve_calls_of_unknown_outcome() -> TestResult {
     run.stop().await
 }
 
+/// Polls `fut` once (its command reaches the writer, which on this one thread cannot
+/// answer yet) and drops it, as a request dropped by a departing agent is.
+async fn poll_once_and_drop<F: std::future::Future>(fut: F) {
+    let mut fut = std::pin::pin!(fut);
+    let polled = std::future::poll_fn(|cx| std::task::Poll::Ready(fut.as_mut().poll(cx))).await;
+    assert!(
+        polled.is_pending(),
+        "the writer answered within the first poll"
+    );
+}
+
+/// Waits (up to 1 s) until `k`'s record is in `want` after more than `after`
+/// transitions.
+async fn state_becomes(j: &Journal, k: &str, want: State, after: usize) -> bool {
+    for _ in 0..200 {
+        let record = j.get(&key(k)).ok().flatten();
+        if record.is_some_and(|r| r.state == want && r.history.len() > after) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    false
+}
+
+fn transitions(j: &Journal, k: &str) -> usize {
+    j.get(&key(k)).ok().flatten().map_or(0, |r| r.history.len())
+}
+
+/// One thread: the writer runs only when the test yields.
+#[tokio::test]
+async fn a_caller_gone_before_the_journal_answered_leaves_no_key_in_flight() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let j = &run.journal;
+    // Gone before its begin was answered: the call it never received was never sent.
+    poll_once_and_drop(j.begin(intent("gone", ToolClass::Keyed))).await;
+    assert!(state_becomes(j, "gone", State::FailedBeforeSend, 0).await);
+    let ticket = execute(j, intent("gone", ToolClass::Keyed)).await?;
+    assert_eq!(j.complete(&ticket, ok(200)).await?, State::Completed);
+    // Gone before an unsafe call's second write was answered: never sent either.
+    let ticket = execute(j, intent("gone-unsafe", ToolClass::Unsafe)).await?;
+    let before = transitions(j, "gone-unsafe");
+    poll_once_and_drop(j.dispatched(&ticket)).await;
+    assert!(state_becomes(j, "gone-unsafe", State::FailedBeforeSend, before).await);
+    execute(j, intent("gone-unsafe", ToolClass::Unsafe)).await?;
+    // Gone before a probe was answered: back in doubt, to be probed again.
+    let ticket = execute(j, intent("gone-probe", ToolClass::Probe)).await?;
+    j.in_doubt(&ticket, "timeout").await?;
+    let before = transitions(j, "gone-probe");
+    poll_once_and_drop(j.begin(intent("gone-probe", ToolClass::Probe))).await;
+    // Reconciling, then back in doubt.
+    assert!(state_becomes(j, "gone-probe", State::InDoubt, before + 1).await);
+    let again = j.begin(intent("gone-probe", ToolClass::Probe)).await?;
+    assert!(matches!(again, Begin::Probe { .. }), "{again:?}");
+    run.stop().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn probe_tools_are_reconciled_before_a_resend() -> TestResult {
     let dir = tempfile::tempdir()?;
