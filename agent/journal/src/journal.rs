@@ -195,14 +195,18 @@ impl Journal {
         command: impl FnOnce(oneshot::Sender<Result<T, Error>>) -> Command,
     ) -> Result<T, Error> {
         let (reply, answer) = oneshot::channel();
-        self.inner
-            .tx
-            .send(command(reply))
-            .await
-            .map_err(|_| Error::Unavailable("the journal writer is not running".to_owned()))?;
+        self.send(command(reply)).await?;
         answer
             .await
             .map_err(|_| Error::Unavailable("the journal writer stopped".to_owned()))?
+    }
+
+    async fn send(&self, command: Command) -> Result<(), Error> {
+        self.inner
+            .tx
+            .send(command)
+            .await
+            .map_err(|_| Error::Unavailable("the journal writer is not running".to_owned()))
     }
 
     /// [`Journal::call`], where an answer the caller went away before receiving is
@@ -213,11 +217,7 @@ impl Journal {
         unanswered: impl FnOnce(T) -> Settle + Send + 'static,
     ) -> Result<T, Error> {
         let (reply, answer) = oneshot::channel();
-        self.inner
-            .tx
-            .send(command(reply))
-            .await
-            .map_err(|_| Error::Unavailable("the journal writer is not running".to_owned()))?;
+        self.send(command(reply)).await?;
         let mut pending = Unanswered {
             answer: Some(answer),
             settle: Some(Box::new(unanswered)),
