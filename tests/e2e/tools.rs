@@ -301,6 +301,36 @@ async fn a_journal_that_cannot_write_fails_closed() {
     .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text());
     assert_eq!(e.tool.effects().len(), 1);
+
+    // The journal fails while a call is at the tool: the tool acted, its answer
+    // cannot be recorded, and the agent is told the call may have executed (not that
+    // it was refused), without the unrecorded answer.
+    let faults = e.sidecar.admin_url("/v1/faults");
+    let amount = json!({"amount": 2});
+    let (late, on) = tokio::join!(
+        call(
+            &e.sidecar,
+            "/tools/payments/charge",
+            Some("k-late"),
+            &amount,
+            &[("x-mock-tool", "delay_ms=400")],
+        ),
+        async {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            post_json(&faults, &[], &json!({"journal": "fail_flush"})).await
+        }
+    );
+    assert_eq!(on.status, StatusCode::OK, "{}", on.text());
+    assert_eq!(late.status, StatusCode::BAD_GATEWAY, "{}", late.text());
+    assert_eq!(late.json()["type"], "urn:outrigger:problem:outcome-unknown");
+    assert!(
+        late.text().contains("could not be journaled"),
+        "{}",
+        late.text()
+    );
+    assert_eq!(e.tool.effects().len(), 2, "the tool did act");
+    let off = post_json(&faults, &[], &json!({"journal": null})).await;
+    assert_eq!(off.status, StatusCode::OK);
 }
 
 #[tokio::test]

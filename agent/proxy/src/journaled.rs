@@ -374,11 +374,32 @@ async fn answer(
         }
         Answered::Unknown(cause) => return in_doubt(journal, ticket, &cause, proto).await,
     };
-    let state = journal
-        .complete(ticket, stored)
-        .await
-        .map_err(Error::Journal)?;
-    Ok((answer, Settled::of(state)))
+    match journal.complete(ticket, stored).await {
+        Ok(state) => Ok((answer, Settled::of(state))),
+        Err(e) => Ok(unrecorded(ticket, proto, &e)),
+    }
+}
+
+/// The tool answered (or may have acted) but the journal could not record it: the
+/// answer is not released (it is not durable), and the agent is told the call may
+/// have executed, not that it was refused. The record stays in flight until a
+/// restart makes it in doubt.
+fn unrecorded(
+    ticket: &Ticket,
+    proto: &impl Protocol,
+    e: &outrigger_journal::Error,
+) -> (Response<Body>, Settled) {
+    tracing::error!(key = %ticket.key(), error = %e, "the call's outcome could not be journaled; it may have executed");
+    let cause = format!("its outcome could not be journaled ({e})");
+    let resp = proto.in_doubt(ticket.key(), &cause, State::Dispatched.as_str());
+    (
+        resp,
+        Settled {
+            outcome: ToolCallOutcome::InDoubt,
+            state: State::Dispatched.as_str(),
+            replayed: false,
+        },
+    )
 }
 
 async fn in_doubt(
@@ -387,10 +408,10 @@ async fn in_doubt(
     cause: &str,
     proto: &impl Protocol,
 ) -> Result<(Response<Body>, Settled), Error> {
-    let state = journal
-        .in_doubt(ticket, cause)
-        .await
-        .map_err(Error::Journal)?;
+    let state = match journal.in_doubt(ticket, cause).await {
+        Ok(state) => state,
+        Err(e) => return Ok(unrecorded(ticket, proto, &e)),
+    };
     Ok((
         proto.in_doubt(ticket.key(), cause, state.as_str()),
         Settled::of(state),
