@@ -169,10 +169,12 @@ impl IssuedCall {
     }
 }
 
-/// The tool calls models issued per task, newest response last (bounded).
+/// The tool calls models issued per task, newest response last (bounded), each with
+/// the number of the response (turn) that issued it.
 #[derive(Debug, Default)]
 pub struct Correlator {
-    tasks: Mutex<HashMap<TaskId, VecDeque<IssuedCall>>>,
+    tasks: Mutex<HashMap<TaskId, VecDeque<(u64, IssuedCall)>>>,
+    turns: std::sync::atomic::AtomicU64,
 }
 
 const PER_TASK: usize = 256;
@@ -193,10 +195,13 @@ impl Correlator {
                 tasks.remove(&k);
             }
         }
+        let turn = self
+            .turns
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let q = tasks.entry(task.clone()).or_default();
         for c in calls {
-            if !q.iter().any(|e| e.id == c.id) {
-                q.push_back(c);
+            if !q.iter().any(|(_, e)| e.id == c.id) {
+                q.push_back((turn, c));
             }
         }
         while q.len() > PER_TASK {
@@ -205,8 +210,10 @@ impl Correlator {
     }
 
     /// The id of the tool call in `task` whose arguments match (and, when given,
-    /// whose name matches), searching from the most recently recorded call back;
-    /// identical calls therefore resolve to the newest one.
+    /// whose name matches), searching from the most recently recorded call back: a
+    /// call repeated over turns resolves to the newest turn's. Two matching calls of
+    /// that one turn cannot be told apart (an HTTP call carries no function name):
+    /// no id, rather than one key for both, which would run only the first.
     pub fn find(
         &self,
         task: &TaskId,
@@ -214,12 +221,15 @@ impl Correlator {
         arguments: &Fingerprint,
     ) -> Option<String> {
         let tasks = self.tasks.lock().ok()?;
-        tasks
-            .get(task)?
-            .iter()
-            .rev()
-            .find(|c| &c.arguments == arguments && name.is_none_or(|n| n == c.name))
-            .map(|c| c.id.clone())
+        let matches =
+            |c: &IssuedCall| &c.arguments == arguments && name.is_none_or(|n| n == c.name);
+        let mut found = tasks.get(task)?.iter().rev().filter(|(_, c)| matches(c));
+        let (turn, newest) = found.next()?;
+        if found.any(|(t, _)| t == turn) {
+            tracing::debug!(%task, "two tool calls of one turn match this request; no key is derived");
+            return None;
+        }
+        Some(newest.id.clone())
     }
 }
 
@@ -351,5 +361,19 @@ mod tests {
         let mail = fingerprint(&serde_json::json!({"to": "amy"}));
         assert_eq!(c.find(&t, Some("mail"), &mail).as_deref(), Some("toolu_2"));
         assert_eq!(c.find(&TaskId::new("u").unwrap(), None, &mail), None);
+    }
+
+    #[test]
+    fn identical_calls_of_one_turn_derive_no_key_and_a_later_turn_wins() {
+        let c = Correlator::default();
+        let t = TaskId::new("t").unwrap();
+        let call = |id: &str, name: &str| IssuedCall::new(id, name, &serde_json::json!({}));
+        let empty = fingerprint(&serde_json::json!({}));
+        c.record(&t, vec![call("a1", "build"), call("a2", "deploy")]);
+        assert_eq!(c.find(&t, None, &empty), None, "build or deploy?");
+        assert_eq!(c.find(&t, Some("deploy"), &empty).as_deref(), Some("a2"));
+        // The same call again in a later turn is that turn's.
+        c.record(&t, vec![call("b1", "build")]);
+        assert_eq!(c.find(&t, None, &empty).as_deref(), Some("b1"));
     }
 }
