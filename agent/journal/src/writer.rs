@@ -926,14 +926,14 @@ impl Core {
         events: Vec<Bytes>,
         batch: &mut Batch,
     ) -> Result<(), Error> {
-        not_empty(&events)?;
         let held = self.hold_in_run(&key, attempt, seq, events, batch);
-        // An attempt that has ended (or was replaced) takes nothing anyway; breaking
-        // it would only send every new stream's start through the writer.
+        // An empty append loses nothing, and an attempt that has ended (or was
+        // replaced) takes nothing anyway; breaking it would only send every new
+        // stream's start through the writer.
         if let Some(e) = held
             .as_ref()
             .err()
-            .filter(|e| !matches!(e, Error::Stream { .. }))
+            .filter(|e| !matches!(e, Error::Invalid { .. } | Error::Stream { .. }))
         {
             if !self.broken.contains(&(key.clone(), attempt)) {
                 tracing::warn!(%key, attempt, error = %e, "queued stream events could not be held; the attempt takes no more");

@@ -392,14 +392,7 @@ fn unrecorded(
     tracing::error!(key = %ticket.key(), error = %e, "the call's outcome could not be journaled; it may have executed");
     let cause = format!("its outcome could not be journaled ({e})");
     let resp = proto.in_doubt(ticket.key(), &cause, State::Dispatched.as_str());
-    (
-        resp,
-        Settled {
-            outcome: ToolCallOutcome::InDoubt,
-            state: State::Dispatched.as_str(),
-            replayed: false,
-        },
-    )
+    (resp, Settled::of(State::Dispatched))
 }
 
 async fn in_doubt(

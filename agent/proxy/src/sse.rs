@@ -182,6 +182,37 @@ pub fn parse(raw: &[u8]) -> Event {
     ev
 }
 
+/// `raw` without its lines of field `name`, byte for byte otherwise (`raw` itself
+/// when it has none).
+pub fn without_field(raw: Bytes, name: &[u8]) -> Bytes {
+    let is_field = |line: &[u8]| {
+        line.strip_prefix(name)
+            .is_some_and(|rest| matches!(rest.first(), None | Some(b':' | b'\n' | b'\r')))
+    };
+    let mut kept: Option<BytesMut> = None;
+    let mut start = 0;
+    while start < raw.len() {
+        // One line with its terminator (LF, CRLF or CR).
+        let rest = &raw[start..];
+        let end = start
+            + memchr::memchr2(b'\n', b'\r', rest).map_or(rest.len(), |i| {
+                if rest[i..].starts_with(b"\r\n") {
+                    i + 2
+                } else {
+                    i + 1
+                }
+            });
+        let line = &raw[start..end];
+        if is_field(line) {
+            kept.get_or_insert_with(|| BytesMut::from(&raw[..start]));
+        } else if let Some(kept) = &mut kept {
+            kept.extend_from_slice(line);
+        }
+        start = end;
+    }
+    kept.map_or(raw, BytesMut::freeze)
+}
+
 fn lines(text: &str) -> impl Iterator<Item = &str> {
     let mut rest = text;
     std::iter::from_fn(move || {
@@ -263,6 +294,25 @@ mod tests {
         let mut f = Framer::new(16);
         let mut out = Vec::new();
         assert!(f.push(&[b'x'; 17], &mut out).is_err());
+    }
+
+    #[test]
+    fn the_upstreams_own_ids_are_dropped_and_nothing_else() {
+        let plain = Bytes::from_static(b"data: {\"id\":\"chatcmpl-1\"}\n\n");
+        assert_eq!(without_field(plain.clone(), b"id"), plain);
+        let named = Bytes::from_static(b"event: ping\nid: 7\ndata: {}\n\n");
+        assert_eq!(
+            without_field(named, b"id"),
+            Bytes::from_static(b"event: ping\ndata: {}\n\n")
+        );
+        let first = Bytes::from_static(b"id\r\ndata: x\r\n\r\n");
+        assert_eq!(
+            without_field(first, b"id"),
+            Bytes::from_static(b"data: x\r\n\r\n")
+        );
+        // A field that only starts with the letters is not an id.
+        let other = Bytes::from_static(b"idle: 1\ndata: x\n\n");
+        assert_eq!(without_field(other.clone(), b"id"), other);
     }
 
     #[test]

@@ -206,44 +206,6 @@ pub(crate) fn next_index(seq: u64) -> usize {
         .unwrap_or(usize::MAX)
 }
 
-/// `raw` without the upstream's own `id` lines: ours go in front of every event,
-/// and an `id` later in the event would win over it, leaving the client a
-/// `Last-Event-ID` it cannot resume with.
-fn without_upstream_ids(raw: Bytes) -> Bytes {
-    let is_id = |line: &[u8]| line == b"id" || line.starts_with(b"id:");
-    // A field name starts a line: look only there (an event has a few lines).
-    let id_at = |i: usize| {
-        raw.get(i..).is_some_and(|rest| {
-            rest.starts_with(b"id") && matches!(rest.get(2), None | Some(b':' | b'\n' | b'\r'))
-        })
-    };
-    let has = id_at(0) || memchr::memchr2_iter(b'\n', b'\r', &raw).any(|i| id_at(i + 1));
-    if !has {
-        return raw;
-    }
-    let mut out = BytesMut::with_capacity(raw.len());
-    let mut rest = &raw[..];
-    while !rest.is_empty() {
-        // One line with its terminator (LF, CRLF or CR).
-        let end = rest
-            .iter()
-            .position(|&b| b == b'\n' || b == b'\r')
-            .map_or(rest.len(), |i| {
-                if rest[i] == b'\r' && rest.get(i + 1) == Some(&b'\n') {
-                    i + 2
-                } else {
-                    i + 1
-                }
-            });
-        let line = rest[..end].trim_ascii_end();
-        if !is_id(line) {
-            out.extend_from_slice(&rest[..end]);
-        }
-        rest = &rest[end..];
-    }
-    out.freeze()
-}
-
 // === Live ===
 
 /// The in-memory fan-out of one generation: every forwarded event (with its id), and
@@ -480,29 +442,32 @@ impl Starting {
     /// asked for a stream but got a plain answer) closes with nothing in it.
     pub(crate) fn answered(mut self) {
         self.armed = false;
-        if let Some(live) = self.live.take() {
-            live.finish();
-            self.shared.streams.remove(&live);
-        }
+        self.close(None);
     }
 
-    /// The journal, key, attempt and hub (if the call asked for a stream), for the
-    /// producer: the generation has its stream.
-    pub(crate) fn started(mut self) -> (Journal, StreamKey, u32, Option<Arc<Live>>) {
+    /// The journal and the registered hub (which names the key and attempt), for the
+    /// producer: the generation has its stream (a hub is made now for a call that
+    /// did not ask for one).
+    pub(crate) fn started(mut self) -> (Journal, Arc<Live>) {
         self.armed = false;
-        (
-            self.journal.clone(),
-            self.key.clone(),
-            self.attempt,
-            self.live.take(),
-        )
+        let live = self.live.take().unwrap_or_else(|| {
+            let live = Live::new_for(
+                &self.key,
+                self.attempt,
+                self.dialect,
+                &self.shared.options.streams,
+            );
+            self.shared.streams.insert(live.clone());
+            live
+        });
+        (self.journal.clone(), live)
     }
 
     /// Ends the attempt without a stream: recorded as failed (so the key's next
     /// request starts afresh), and the hub's clients told why.
     pub(crate) async fn failed(mut self, reason: &str) {
         self.armed = false;
-        self.close(reason);
+        self.close(Some(reason));
         let end = StreamEnd::Failed {
             reason: reason.to_string(),
         };
@@ -511,10 +476,13 @@ impl Starting {
         }
     }
 
-    fn close(&mut self, reason: &str) {
+    /// Ends the hub, if any: with the typed error event naming `failure`, or empty.
+    fn close(&mut self, failure: Option<&str>) {
         if let Some(live) = self.live.take() {
-            let ev = interruption_event(self.dialect, reason);
-            live.push(with_ids(self.attempt, 0, std::slice::from_ref(&ev)));
+            if let Some(reason) = failure {
+                let ev = interruption_event(self.dialect, reason);
+                live.push(with_ids(self.attempt, 0, std::slice::from_ref(&ev)));
+            }
             live.finish();
             self.shared.streams.remove(&live);
         }
@@ -527,7 +495,7 @@ impl Drop for Starting {
             return;
         }
         let reason = "the call ended before the model answered (the agent went away)";
-        self.close(reason);
+        self.close(Some(reason));
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             // No runtime: the process is stopping, and the next start's recovery
             // ends the attempt.
@@ -639,7 +607,6 @@ pub(crate) fn start(shared: &Arc<Shared>, production: Production, upstream: Upst
         observer,
         permit,
     } = production;
-    shared.streams.insert(live.clone());
     let mut producer = Producer {
         shared: shared.clone(),
         journal,
@@ -675,7 +642,9 @@ impl Producer {
         let mut durable = false;
         for raw in self.scratch.drain(..) {
             self.bytes += raw.len();
-            let release = self.gate.push(without_upstream_ids(raw));
+            // The provider's own `id` lines are dropped: coming after ours, they would
+            // win, and leave the client a `Last-Event-ID` it cannot resume with.
+            let release = self.gate.push(crate::sse::without_field(raw, b"id"));
             durable |= release.durable && !release.events.is_empty();
             events.extend(release.events);
         }
@@ -1257,25 +1226,6 @@ fn percent_decode(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_upstreams_own_ids_are_dropped_and_nothing_else() {
-        let plain = Bytes::from_static(b"data: {\"id\":\"chatcmpl-1\"}\n\n");
-        assert_eq!(without_upstream_ids(plain.clone()), plain);
-        let named = Bytes::from_static(b"event: ping\nid: 7\ndata: {}\n\n");
-        assert_eq!(
-            without_upstream_ids(named),
-            Bytes::from_static(b"event: ping\ndata: {}\n\n")
-        );
-        let first = Bytes::from_static(b"id\r\ndata: x\r\n\r\n");
-        assert_eq!(
-            without_upstream_ids(first),
-            Bytes::from_static(b"data: x\r\n\r\n")
-        );
-        // A field that only starts with the letters is not an id.
-        let other = Bytes::from_static(b"idle: 1\ndata: x\n\n");
-        assert_eq!(without_upstream_ids(other.clone()), other);
-    }
 
     #[test]
     fn a_last_event_id_that_is_not_ours_is_refused_not_taken_for_none() {

@@ -555,10 +555,7 @@ async fn produce(
         parts.headers.remove(header::CONTENT_LENGTH);
         return Ok(Response::from_parts(parts, body::full(bytes)));
     };
-    let (journal, key, attempt, live) = starting.started();
-    let live = live.unwrap_or_else(|| {
-        streams::Live::new_for(&key, attempt, provider.dialect, &shared.options.streams)
-    });
+    let (journal, live) = starting.started();
     let observer = Box::new(Observed {
         rec,
         task: task.cloned(),
