@@ -1355,13 +1355,14 @@ async fn t4_an_mcp_server_that_dies_mid_call_keeps_the_id_and_is_not_reinvoked()
     assert_eq!(mcp.effects().len(), 1, "not re-invoked");
 }
 
-/// T4: an agent that gives up on an MCP call in flight: the sidecar tells the server
-/// with `notifications/cancelled`.
+/// T6: an agent that gives up on an MCP call in flight does not cancel it (no
+/// `notifications/cancelled`): the call finishes and is journaled, and the agent's
+/// retry (a new JSON-RPC id, the same key) waits for it and gets its result.
 #[tokio::test]
-async fn t4_an_agent_that_cancels_an_mcp_call_sends_notifications_cancelled() {
+async fn t6_an_mcp_call_whose_agent_gives_up_finishes_and_its_retry_gets_the_result() {
     let mcp = MockMcp::start(
         ToolBehaviour {
-            delay: Duration::from_millis(1500),
+            delay: Duration::from_millis(1000),
             ..ToolBehaviour::default()
         },
         false,
@@ -1369,11 +1370,12 @@ async fn t4_an_agent_that_cancels_an_mcp_call_sends_notifications_cancelled() {
     .await
     .unwrap();
     let sidecar = mcp_sidecar(&mcp, "").await;
+    let url = sidecar.url("/mcp/mail");
     let req = request(
         Method::POST,
-        &sidecar.url("/mcp/mail"),
+        &url,
         &[("content-type", "application/json")],
-        mcp_call(7, "t4-cancel").to_string(),
+        mcp_call(7, "t6-mail").to_string(),
     );
     // The agent gives up after 200 ms: the request and its connection are dropped.
     let gave_up = tokio::time::timeout(Duration::from_millis(200), client().request(req)).await;
@@ -1381,11 +1383,17 @@ async fn t4_an_agent_that_cancels_an_mcp_call_sends_notifications_cancelled() {
         gave_up.is_err(),
         "the call answered before the agent gave up"
     );
-    let notified = eventually(Duration::from_secs(3), || {
-        mcp.methods().iter().any(|m| m == "notifications/cancelled")
-    })
-    .await;
-    assert!(notified, "methods the server saw: {:?}", mcp.methods());
+    let retry = post_json(&url, &[("prefer", "wait=10")], &mcp_call(8, "t6-mail")).await;
+    let doc = retry.json();
+    assert_eq!(doc["id"], 8, "{doc}");
+    assert_eq!(doc["result"]["isError"], false, "{doc}");
+    assert_eq!(retry.header("outrigger-replayed"), Some("true"), "{doc}");
+    assert_eq!(mcp.effects().len(), 1, "executed exactly once");
+    assert!(
+        !mcp.methods().iter().any(|m| m == "notifications/cancelled"),
+        "methods the server saw: {:?}",
+        mcp.methods()
+    );
 }
 
 /// T5: a `tools/call` carries the sidecar's trace context in `params._meta`
@@ -1491,6 +1499,74 @@ async fn charge(sidecar: &Sidecar, key: &str, amount: u32) -> Reply {
         &json!({"amount": amount}),
     )
     .await
+}
+
+/// Sends a charge and gives up on it after 200 ms, while the tool still works on it.
+async fn charge_and_give_up(sidecar: &Sidecar, key: &str, amount: u32) {
+    let req = request(
+        Method::POST,
+        &sidecar.url("/tools/payments/charge"),
+        &[
+            ("content-type", "application/json"),
+            ("idempotency-key", key),
+        ],
+        json!({"amount": amount}).to_string(),
+    );
+    let gave_up = tokio::time::timeout(Duration::from_millis(200), client().request(req)).await;
+    assert!(
+        gave_up.is_err(),
+        "the call answered before the agent gave up"
+    );
+}
+
+/// T6: an agent that goes away while its call is at the tool does not cancel the
+/// call: it finishes and is journaled. A retry with the same key meanwhile is told
+/// it is in progress, and one that waits (`Prefer: wait`) gets the tool's answer,
+/// replayed; the tool acted once.
+#[tokio::test]
+async fn t6_a_call_whose_agent_goes_away_finishes_and_is_journaled() {
+    let tool = MockTool::start(ToolBehaviour {
+        delay: Duration::from_millis(1000),
+        ..ToolBehaviour::default()
+    })
+    .await
+    .unwrap();
+    let sidecar = tool_sidecar(&tool, "").await;
+    charge_and_give_up(&sidecar, "t6-pay", 7).await;
+    let busy = charge(&sidecar, "t6-pay", 7).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT, "{}", busy.text());
+    let waited = post_json(
+        &sidecar.url("/tools/payments/charge"),
+        &[("idempotency-key", "t6-pay"), ("prefer", "wait=10")],
+        &json!({"amount": 7}),
+    )
+    .await;
+    assert_eq!(waited.status, StatusCode::OK, "{}", waited.text());
+    assert_eq!(waited.header("outrigger-replayed"), Some("true"));
+    assert_eq!(waited.json()["effect"], 1, "{}", waited.text());
+    assert_eq!(tool.effects().len(), 1, "executed exactly once");
+}
+
+/// T6: a drain waits for a call whose agent went away, so it ends journaled: after
+/// the restart, the agent's retry gets the answer, and the tool acted once.
+#[tokio::test]
+async fn t6_a_drain_waits_for_a_call_whose_agent_went_away() {
+    let tool = MockTool::start(ToolBehaviour {
+        delay: Duration::from_millis(1000),
+        ..ToolBehaviour::default()
+    })
+    .await
+    .unwrap();
+    let mut sidecar = tool_sidecar(&tool, "").await;
+    charge_and_give_up(&sidecar, "t6-drain", 9).await;
+    sidecar.sigterm();
+    assert!(sidecar.wait_exit(Duration::from_secs(30)).await.success());
+    assert_eq!(tool.effects().len(), 1, "the call finished before the exit");
+    sidecar.spawn().await;
+    let again = charge(&sidecar, "t6-drain", 9).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text());
+    assert_eq!(again.header("outrigger-replayed"), Some("true"));
+    assert_eq!(tool.effects().len(), 1, "executed exactly once");
 }
 
 /// J3: a journal that cannot make a commit durable: side-effecting tool calls fail

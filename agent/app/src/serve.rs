@@ -162,6 +162,7 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
         outrigger_proxy::workers::Workers::start(outrigger_proxy::workers::count(config.workers))
             .context("cannot start the data plane's worker threads")?;
     tracing::debug!(threads = workers.len(), "data-plane workers started");
+    let detached = proxy.detached_calls_settled();
     let data_task = tokio::spawn(outrigger_proxy::server::serve_with_stall_limit(
         data,
         move |req, peer| {
@@ -172,6 +173,7 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
         config.drain_deadline,
         Some(stall_limit),
         Some(workers),
+        detached,
     ));
     let admin_task = tokio::spawn(serve(
         admin,

@@ -3,9 +3,13 @@
 //! The journal decides what a request with a key must do (`outrigger_journal::Begin`);
 //! this loop enforces it: execute (with the unsafe class's second durable write just
 //! before the send), replay the stored answer, refuse, wait (`Prefer: wait=N`),
-//! probe, and record every outcome durably before the agent sees it. How a request
+//! probe, and record every outcome durably before the agent sees it. A call that has
+//! left for the tool is not cancelled when its agent goes away: it finishes on its
+//! own and is journaled, as if the agent were still there. How a request
 //! is built and how answers and refusals are worded is the [`Protocol`]'s business.
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -40,11 +44,9 @@ pub(crate) trait Protocol {
     fn tombstoned(&self, record: &Record) -> Response<Body>;
     /// The attempt reached the tool but no answer came back; the call is now `state`.
     fn in_doubt(&self, key: &IdempotencyKey, cause: &str, state: &str) -> Response<Body>;
-    /// What to tell the tool when the agent gives up on a call in flight (MCP's
-    /// `notifications/cancelled`); `None` where the protocol has no such message.
-    fn cancellation(&self) -> Option<Request<Full<Bytes>>> {
-        None
-    }
+    /// [`Protocol::answer`] for a call whose agent has gone: it owns what it needs
+    /// (the response it builds is dropped; what it journals is what counts).
+    fn detached(&self) -> impl FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static;
 }
 
 /// What a tool's answer means for the call.
@@ -59,45 +61,6 @@ pub(crate) enum Answered {
     /// A success that holds no answer to this call (an MCP stream that closed
     /// before the call's response): whether the call took effect is unknown.
     Unknown(String),
-}
-
-/// Armed while a call is at the tool. If the agent goes away first (its request,
-/// and with it this future, is dropped), the call is journaled in doubt at once
-/// instead of staying in flight until a restart, and the tool is told where the
-/// protocol allows it.
-struct Abandonment {
-    armed: Option<(Journal, Ticket)>,
-    cancel: Option<(crate::upstream::Upstream, Request<Full<Bytes>>, Duration)>,
-}
-
-impl Abandonment {
-    fn disarm(mut self) {
-        self.armed = None;
-        self.cancel = None;
-    }
-}
-
-impl Drop for Abandonment {
-    fn drop(&mut self) {
-        let Some((journal, ticket)) = self.armed.take() else {
-            return;
-        };
-        let cancel = self.cancel.take();
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        runtime.spawn(async move {
-            let cause = "the agent went away before the tool answered";
-            if let Err(e) = journal.in_doubt(&ticket, cause).await {
-                tracing::debug!(key = %ticket.key(), error = %e, "could not journal an abandoned call");
-            }
-            if let Some((upstream, req, timeout)) = cancel
-                && let Err(e) = upstream.send(req, timeout).await
-            {
-                tracing::debug!(error = %e, "could not tell the tool a call was cancelled");
-            }
-        });
-    }
 }
 
 /// How a journaled call settled, for the side channels.
@@ -246,137 +209,258 @@ async fn execute(
             "re-sending a call whose earlier attempt may have reached the tool (same downstream key)");
     }
     let req = proto.build(downstream)?;
-    let guard = Abandonment {
-        armed: Some((journal.clone(), ticket.clone())),
-        cancel: proto
-            .cancellation()
-            .map(|c| (shared.upstream.clone(), c, tool.timeout)),
+    let at_tool = AtTool {
+        running: Some(Box::pin(dispatch(
+            shared.upstream.clone(),
+            req,
+            tool.timeout,
+            shared.options.limits.max_body_bytes,
+            shared.faults.tool(&tool.name),
+        ))),
+        detach: Some(Detach {
+            journal: journal.clone(),
+            ticket: ticket.clone(),
+            answer: proto.detached(),
+            _counted: shared.detached.count(),
+        }),
     };
-    let settled = send(shared, journal, tool, ticket, req, proto).await;
-    guard.disarm();
-    settled
+    let reached = at_tool.await;
+    let recorded = record(journal, ticket, reached, |s, h, b| proto.answer(s, h, b)).await;
+    respond(recorded, tool, ticket, proto)
 }
 
-/// Sends one attempt and journals how it ended.
-async fn send(
-    shared: &Shared,
-    journal: &Journal,
-    tool: &Tool,
-    ticket: &Ticket,
+/// What came of one attempt, before the journal has heard of it.
+enum Reached {
+    /// The tool's answer, whole.
+    Answer(StatusCode, HeaderMap, Bytes),
+    /// The attempt never left: provably not executed.
+    NotSent(crate::upstream::Error),
+    /// The attempt may have reached the tool, but no whole answer came back.
+    Lost(String),
+}
+
+/// Sends one attempt and reads its answer whole, each within the tool's `timeout`.
+/// It owns all it uses, so that it can finish on its own once the agent has gone.
+async fn dispatch(
+    upstream: crate::upstream::Upstream,
     req: Request<Full<Bytes>>,
-    proto: &impl Protocol,
-) -> Result<(Response<Body>, Settled), Error> {
-    let fault = shared.faults.tool(&tool.name);
+    timeout: Duration,
+    max_body: usize,
+    fault: Option<FaultKind>,
+) -> Reached {
+    let injected = |status: StatusCode, mut h: HeaderMap, body: &'static [u8]| {
+        h.insert(headers::FAULT_INJECTED, HeaderValue::from_static("true"));
+        Reached::Answer(status, h, Bytes::from_static(body))
+    };
     match fault {
         Some(FaultKind::Delay { delay }) => tokio::time::sleep(delay).await,
         Some(FaultKind::RateLimit { retry_after }) => {
             let mut h = HeaderMap::new();
             h.insert(RETRY_AFTER, HeaderValue::from(retry_after.as_secs().max(1)));
-            h.insert(headers::FAULT_INJECTED, HeaderValue::from_static("true"));
-            return answer(
-                journal,
-                ticket,
-                proto,
-                StatusCode::TOO_MANY_REQUESTS,
-                &h,
-                Bytes::from_static(b"fault injected by the sidecar: 429"),
-            )
-            .await;
+            let body = b"fault injected by the sidecar: 429";
+            return injected(StatusCode::TOO_MANY_REQUESTS, h, body);
         }
         Some(FaultKind::ServerError { status }) => {
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
-            let mut h = HeaderMap::new();
-            h.insert(headers::FAULT_INJECTED, HeaderValue::from_static("true"));
-            return answer(
-                journal,
-                ticket,
-                proto,
+            return injected(
                 status,
-                &h,
-                Bytes::from_static(b"fault injected by the sidecar: 5xx"),
-            )
-            .await;
+                HeaderMap::new(),
+                b"fault injected by the sidecar: 5xx",
+            );
         }
         _ => {}
     }
     let sent_at = tokio::time::Instant::now();
-    let resp = match shared.upstream.send(req, tool.timeout).await {
+    let resp = match upstream.send(req, timeout).await {
         Ok(resp) => match fault {
             // The tool got the request (its effect happened); its answer is lost.
             Some(FaultKind::ToolTimeout) => {
                 drop(resp);
-                tokio::time::sleep_until(sent_at + tool.timeout).await;
-                let cause = format!("fault injected: no answer within {:?}", tool.timeout);
-                return in_doubt(journal, ticket, &cause, proto).await;
+                tokio::time::sleep_until(sent_at + timeout).await;
+                return Reached::Lost(format!("fault injected: no answer within {timeout:?}"));
             }
             Some(FaultKind::ToolResetAfterEffect) => {
-                drop(resp);
-                let cause = "fault injected: the connection was reset after the request was sent";
-                return in_doubt(journal, ticket, cause, proto).await;
+                return Reached::Lost(
+                    "fault injected: the connection was reset after the request was sent".into(),
+                );
             }
             _ => resp,
         },
-        Err(e) if !e.may_have_been_sent() => {
-            journal
-                .failed_before_send(ticket, &e.to_string())
-                .await
-                .map_err(Error::Journal)?;
-            return Err(Error::Upstream {
-                target: tool.name.clone(),
-                source: e,
-            });
-        }
-        Err(e) => return in_doubt(journal, ticket, &e.to_string(), proto).await,
+        Err(e) if !e.may_have_been_sent() => return Reached::NotSent(e),
+        Err(e) => return Reached::Lost(e.to_string()),
     };
     let (parts, body) = resp.into_parts();
-    let read = tokio::time::timeout(
-        tool.timeout,
-        body::read_limited(body, shared.options.limits.max_body_bytes),
-    )
-    .await;
-    let bytes = match read {
-        Ok(Ok(b)) => b,
-        Ok(Err(e)) => {
-            return in_doubt(
-                journal,
-                ticket,
-                &format!("the response body broke off: {e}"),
-                proto,
-            )
-            .await;
-        }
-        Err(_) => {
-            let cause = format!("the response body did not arrive within {:?}", tool.timeout);
-            return in_doubt(journal, ticket, &cause, proto).await;
-        }
-    };
-    answer(journal, ticket, proto, parts.status, &parts.headers, bytes).await
+    match tokio::time::timeout(timeout, body::read_limited(body, max_body)).await {
+        Ok(Ok(bytes)) => Reached::Answer(parts.status, parts.headers, bytes),
+        Ok(Err(e)) => Reached::Lost(format!("the response body broke off: {e}")),
+        Err(_) => Reached::Lost(format!(
+            "the response body did not arrive within {timeout:?}"
+        )),
+    }
 }
 
-/// Journals the tool's answer, then hands it over: the outcome is durable before the
-/// agent sees it.
-async fn answer(
+/// A call at the tool. Dropped before it finished (the agent went away, and its
+/// request with it), it is not cancelled: it goes on as a task of its own and
+/// journals its outcome, so that the agent's retry with the same key replays the
+/// answer (or waits for it) rather than finding in doubt a call the tool completed.
+/// Only that case spawns; an attached call costs the box of its dispatch.
+struct AtTool<F, A>
+where
+    F: Future<Output = Reached> + Send + 'static,
+    A: FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static,
+{
+    running: Option<Pin<Box<F>>>,
+    detach: Option<Detach<A>>,
+}
+
+/// What a call going on without its agent needs to journal its outcome.
+struct Detach<A> {
+    journal: Journal,
+    ticket: Ticket,
+    answer: A,
+    /// Keeps the drain waiting for the call.
+    _counted: detached::Counted,
+}
+
+// Only `running` is ever pinned, and it is boxed.
+impl<F, A> Unpin for AtTool<F, A>
+where
+    F: Future<Output = Reached> + Send + 'static,
+    A: FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static,
+{
+}
+
+impl<F, A> Future for AtTool<F, A>
+where
+    F: Future<Output = Reached> + Send + 'static,
+    A: FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static,
+{
+    type Output = Reached;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Reached> {
+        // Polled again after it finished: it stays finished.
+        let Some(running) = self.running.as_mut() else {
+            return Poll::Pending;
+        };
+        let reached = std::task::ready!(running.as_mut().poll(cx));
+        self.running = None;
+        self.detach = None;
+        Poll::Ready(reached)
+    }
+}
+
+impl<F, A> Drop for AtTool<F, A>
+where
+    F: Future<Output = Reached> + Send + 'static,
+    A: FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static,
+{
+    fn drop(&mut self) {
+        let (Some(running), Some(detach)) = (self.running.take(), self.detach.take()) else {
+            return;
+        };
+        // Without a runtime (it is shutting down) the call stays in flight, as after
+        // a crash: the restart's recovery makes it in doubt.
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            let Detach {
+                journal,
+                ticket,
+                answer,
+                _counted,
+            } = detach;
+            let reached = running.await;
+            let key = ticket.key();
+            match record(&journal, &ticket, reached, answer).await {
+                Recorded::Answered(_, state) => {
+                    tracing::info!(%key, state = state.as_str(), "the agent went away; its call finished and was journaled");
+                }
+                Recorded::NotSent(e) => {
+                    tracing::info!(%key, error = %e, "the agent went away; its call was never sent");
+                }
+                Recorded::InDoubt { cause, state } => {
+                    tracing::info!(%key, %cause, state = state.as_str(), "the agent went away; its call ended in doubt");
+                }
+                Recorded::Unrecorded(e) | Recorded::Failed(e) => {
+                    tracing::error!(%key, error = %e, "the agent went away; its call's outcome could not be journaled");
+                }
+            }
+        });
+    }
+}
+
+/// What the journal made of an attempt.
+enum Recorded {
+    /// Journaled as the answer says (done, not applied or in doubt).
+    Answered(Response<Body>, State),
+    /// Journaled as never sent.
+    NotSent(crate::upstream::Error),
+    InDoubt {
+        cause: String,
+        state: State,
+    },
+    /// The tool may have acted, but the journal could not record how the call ended.
+    Unrecorded(outrigger_journal::Error),
+    /// The journal could not record a call that provably did not execute.
+    Failed(outrigger_journal::Error),
+}
+
+/// Journals what came of an attempt: the outcome is durable before anyone sees it.
+async fn record(
     journal: &Journal,
     ticket: &Ticket,
-    proto: &impl Protocol,
-    status: StatusCode,
-    headers: &HeaderMap,
-    bytes: Bytes,
-) -> Result<(Response<Body>, Settled), Error> {
-    let (stored, answer) = match proto.answer(status, headers, bytes) {
-        Answered::Outcome(stored, answer) => (stored, answer),
-        Answered::NotApplied(answer, reason) => {
-            journal
-                .failed_before_send(ticket, &reason)
-                .await
-                .map_err(Error::Journal)?;
-            return Ok((answer, Settled::of(State::FailedBeforeSend)));
-        }
-        Answered::Unknown(cause) => return in_doubt(journal, ticket, &cause, proto).await,
+    reached: Reached,
+    answer: impl FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered,
+) -> Recorded {
+    let lost = async |cause: String| match journal.in_doubt(ticket, &cause).await {
+        Ok(state) => Recorded::InDoubt { cause, state },
+        Err(e) => Recorded::Unrecorded(e),
     };
-    match journal.complete(ticket, stored).await {
-        Ok(state) => Ok((answer, Settled::of(state))),
-        Err(e) => Ok(unrecorded(ticket, proto, &e)),
+    let (status, headers, bytes) = match reached {
+        Reached::Answer(status, headers, bytes) => (status, headers, bytes),
+        Reached::NotSent(e) => {
+            return match journal.failed_before_send(ticket, &e.to_string()).await {
+                Ok(_) => Recorded::NotSent(e),
+                Err(e) => Recorded::Failed(e),
+            };
+        }
+        Reached::Lost(cause) => return lost(cause).await,
+    };
+    match answer(status, &headers, bytes) {
+        Answered::Outcome(stored, resp) => match journal.complete(ticket, stored).await {
+            Ok(state) => Recorded::Answered(resp, state),
+            Err(e) => Recorded::Unrecorded(e),
+        },
+        Answered::NotApplied(resp, reason) => {
+            match journal.failed_before_send(ticket, &reason).await {
+                Ok(_) => Recorded::Answered(resp, State::FailedBeforeSend),
+                Err(e) => Recorded::Failed(e),
+            }
+        }
+        Answered::Unknown(cause) => lost(cause).await,
+    }
+}
+
+/// What the agent is told of a recorded attempt.
+fn respond(
+    recorded: Recorded,
+    tool: &Tool,
+    ticket: &Ticket,
+    proto: &impl Protocol,
+) -> Result<(Response<Body>, Settled), Error> {
+    match recorded {
+        Recorded::Answered(resp, state) => Ok((resp, Settled::of(state))),
+        Recorded::NotSent(source) => Err(Error::Upstream {
+            target: tool.name.clone(),
+            source,
+        }),
+        Recorded::InDoubt { cause, state } => Ok((
+            proto.in_doubt(ticket.key(), &cause, state.as_str()),
+            Settled::of(state),
+        )),
+        Recorded::Unrecorded(e) => Ok(unrecorded(ticket, proto, &e)),
+        Recorded::Failed(e) => Err(Error::Journal(e)),
     }
 }
 
@@ -395,20 +479,41 @@ fn unrecorded(
     (resp, Settled::of(State::Dispatched))
 }
 
-async fn in_doubt(
-    journal: &Journal,
-    ticket: &Ticket,
-    cause: &str,
-    proto: &impl Protocol,
-) -> Result<(Response<Body>, Settled), Error> {
-    let state = match journal.in_doubt(ticket, cause).await {
-        Ok(state) => state,
-        Err(e) => return Ok(unrecorded(ticket, proto, &e)),
-    };
-    Ok((
-        proto.in_doubt(ticket.key(), cause, state.as_str()),
-        Settled::of(state),
-    ))
+/// Calls going on without their agents, counted so that a drain waits for them.
+pub(crate) mod detached {
+    use std::sync::Arc;
+
+    use tokio::sync::watch;
+
+    #[derive(Clone)]
+    pub(crate) struct Detached(Arc<watch::Sender<usize>>);
+
+    impl Default for Detached {
+        fn default() -> Self {
+            Self(Arc::new(watch::Sender::new(0)))
+        }
+    }
+
+    /// One call counted until it is dropped.
+    pub(crate) struct Counted(Arc<watch::Sender<usize>>);
+
+    impl Detached {
+        pub(crate) fn count(&self) -> Counted {
+            self.0.send_modify(|n| *n += 1);
+            Counted(self.0.clone())
+        }
+
+        /// Resolves once no call is counted.
+        pub(crate) async fn settled(self) {
+            let _ = self.0.subscribe().wait_for(|n| *n == 0).await;
+        }
+    }
+
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.send_modify(|n| *n -= 1);
+        }
+    }
 }
 
 enum Probed {

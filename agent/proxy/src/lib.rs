@@ -76,6 +76,8 @@ pub(crate) struct Shared {
     pub tasks: Option<tasks::Tasks>,
     pub slos: Arc<outrigger_telemetry::slo::Slos>,
     pub faults: Arc<faults::Injector>,
+    /// Tool calls going on after their agents went away.
+    pub detached: journaled::detached::Detached,
 }
 
 /// What the binary plugs into the data plane.
@@ -146,12 +148,19 @@ impl Proxy {
                 tasks: components.tasks,
                 slos: components.slos,
                 faults: components.faults,
+                detached: journaled::detached::Detached::default(),
                 options,
             }),
         }
     }
 
     /// Updates the GPU health the data plane sees (fallback input, hardware cause).
+    /// Resolves once no tool call is going on without its agent (see
+    /// `journaled`): a drain waits for it, so such calls end journaled.
+    pub fn detached_calls_settled(&self) -> impl Future<Output = ()> + Send + 'static {
+        self.shared.detached.clone().settled()
+    }
+
     pub fn set_gpu(&self, summary: outrigger_types::GpuSummary) {
         self.shared.gpu.store(Arc::new(summary));
     }

@@ -282,56 +282,13 @@ impl Protocol for McpCall<'_> {
         Ok(req)
     }
 
-    fn cancellation(&self) -> Option<Request<Full<Bytes>>> {
-        let note = json!({
-            "jsonrpc": "2.0",
-            "method": "notifications/cancelled",
-            "params": {"requestId": self.id, "reason": "the agent cancelled the request"},
-        });
-        let mut req = build(
-            self.server,
-            Method::POST,
-            self.agent,
-            Bytes::from(note.to_string()),
-        );
-        req.headers_mut().remove(header::CONTENT_LENGTH);
-        req.headers_mut().remove(headers::IDEMPOTENCY_KEY);
-        Some(req)
+    fn detached(&self) -> impl FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static {
+        let id = self.id.clone();
+        move |status, h, body| answer(&id, status, h, body)
     }
 
     fn answer(&self, status: StatusCode, h: &HeaderMap, body: Bytes) -> Answered {
-        if status.is_success() {
-            return match find_response(h, &body, self.id) {
-                Some(outcome) => {
-                    let stored =
-                        StoredResponse::new(200, json_headers(), Bytes::from(outcome.to_string()));
-                    Answered::Outcome(stored, rpc_response(self.id, &outcome, false))
-                }
-                // The stream closed before the call's response (a server may, and
-                // expect the client to poll for it), or the body held none.
-                None => Answered::Unknown(format!(
-                    "the server answered {status} without a JSON-RPC response to this call"
-                )),
-            };
-        }
-        // Not a JSON-RPC answer: passed on as it came.
-        let stored = StoredResponse::new(status.as_u16(), tools::redacted_headers(h), body.clone());
-        let mut resp = Response::new(body::full(body));
-        *resp.status_mut() = status;
-        if let Some(ct) = h.get(header::CONTENT_TYPE) {
-            resp.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
-        }
-        if status.is_client_error() {
-            // The transport refused the message (an unknown or expired session, a
-            // missing token, a malformed request): the call was not applied, and
-            // once the client has fixed that, the same key must run it.
-            return Answered::NotApplied(
-                resp,
-                format!("the server refused the message with {status}"),
-            );
-        }
-        // A 5xx: the journal's rules make it in doubt.
-        Answered::Outcome(stored, resp)
+        answer(self.id, status, h, body)
     }
 
     fn replay(&self, record: &Record) -> Response<Body> {
@@ -414,6 +371,42 @@ impl Protocol for McpCall<'_> {
         tracing::warn!(%key, %cause, "MCP tools/call in doubt");
         unknown_result(self.id, key, state, 0)
     }
+}
+
+/// What a tool server's answer to the call with JSON-RPC `id` means.
+fn answer(id: &Value, status: StatusCode, h: &HeaderMap, body: Bytes) -> Answered {
+    if status.is_success() {
+        return match find_response(h, &body, id) {
+            Some(outcome) => {
+                let stored =
+                    StoredResponse::new(200, json_headers(), Bytes::from(outcome.to_string()));
+                Answered::Outcome(stored, rpc_response(id, &outcome, false))
+            }
+            // The stream closed before the call's response (a server may, and
+            // expect the client to poll for it), or the body held none.
+            None => Answered::Unknown(format!(
+                "the server answered {status} without a JSON-RPC response to this call"
+            )),
+        };
+    }
+    // Not a JSON-RPC answer: passed on as it came.
+    let stored = StoredResponse::new(status.as_u16(), tools::redacted_headers(h), body.clone());
+    let mut resp = Response::new(body::full(body));
+    *resp.status_mut() = status;
+    if let Some(ct) = h.get(header::CONTENT_TYPE) {
+        resp.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+    }
+    if status.is_client_error() {
+        // The transport refused the message (an unknown or expired session, a
+        // missing token, a malformed request): the call was not applied, and
+        // once the client has fixed that, the same key must run it.
+        return Answered::NotApplied(
+            resp,
+            format!("the server refused the message with {status}"),
+        );
+    }
+    // A 5xx: the journal's rules make it in doubt.
+    Answered::Outcome(stored, resp)
 }
 
 /// A `CallToolResult` the model can read: the call may have happened.

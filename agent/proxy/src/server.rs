@@ -45,14 +45,25 @@ where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Send + Sync + 'static,
     F: Future<Output = Response<Body>> + Send + 'static,
 {
-    serve_with_stall_limit(listener, handler, shutdown, drain_deadline, None, None).await
+    let nothing_else = std::future::ready(());
+    serve_with_stall_limit(
+        listener,
+        handler,
+        shutdown,
+        drain_deadline,
+        None,
+        None,
+        nothing_else,
+    )
+    .await
 }
 
 /// [`serve`], with connections closed when a write to the client makes no progress
 /// for `stall_limit` (the client stopped reading): the request's upstream is then
 /// released like on any disconnect. With `workers`, each connection is served on the
 /// next worker thread instead of the caller's runtime; the workers stop once the
-/// drain is over.
+/// drain is over. The drain also waits, within its deadline, for `settled`: work
+/// that outlives its connection (calls whose agents went away).
 pub async fn serve_with_stall_limit<H, F>(
     listener: TcpListener,
     handler: H,
@@ -60,6 +71,7 @@ pub async fn serve_with_stall_limit<H, F>(
     drain_deadline: Duration,
     stall_limit: Option<Duration>,
     workers: Option<Workers>,
+    settled: impl Future<Output = ()>,
 ) -> Drained
 where
     H: Fn(Request<Incoming>, SocketAddr) -> F + Send + Sync + 'static,
@@ -119,9 +131,11 @@ where
     }
     drop(listener);
     let started = Instant::now();
-    let complete = tokio::time::timeout(drain_deadline, graceful.shutdown())
-        .await
-        .is_ok();
+    let drained = async {
+        graceful.shutdown().await;
+        settled.await;
+    };
+    let complete = tokio::time::timeout(drain_deadline, drained).await.is_ok();
     // What is left past the deadline is cut with the workers.
     drop(workers);
     Drained {

@@ -429,14 +429,11 @@ impl Protocol for Http<'_> {
     }
 
     fn answer(&self, status: StatusCode, h: &HeaderMap, body: Bytes) -> Answered {
-        let mut h = h.clone();
-        headers::strip_hop_by_hop(&mut h);
-        h.remove(header::CONTENT_LENGTH);
-        let stored = StoredResponse::new(status.as_u16(), redacted_headers(&h), body.clone());
-        let mut resp = Response::new(body::full(body));
-        *resp.status_mut() = status;
-        *resp.headers_mut() = h;
-        Answered::Outcome(stored, resp)
+        answer(status, h, body)
+    }
+
+    fn detached(&self) -> impl FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static {
+        answer
     }
 
     fn replay(&self, record: &Record) -> Response<Body> {
@@ -562,4 +559,17 @@ impl Protocol for Http<'_> {
         .with("state", state)
         .into_response()
     }
+}
+
+/// An HTTP tool's answer is the call's outcome, whatever its status: the journal's
+/// rules say what each status means.
+fn answer(status: StatusCode, h: &HeaderMap, body: Bytes) -> Answered {
+    let mut h = h.clone();
+    headers::strip_hop_by_hop(&mut h);
+    h.remove(header::CONTENT_LENGTH);
+    let stored = StoredResponse::new(status.as_u16(), redacted_headers(&h), body.clone());
+    let mut resp = Response::new(body::full(body));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = h;
+    Answered::Outcome(stored, resp)
 }
