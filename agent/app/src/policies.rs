@@ -38,8 +38,8 @@ impl Decider for PolicyDecider {
 }
 
 /// Builds the registry (the first reload: built-ins from the compiled cache when it
-/// is warm) and starts its epoch ticker on a thread of its own. Components missing
-/// from the cache are compiled in a child process ([`child_compiler`]).
+/// is warm). Components missing from the cache are compiled in a child process
+/// ([`child_compiler`]).
 pub fn start(mut options: outrigger_policy::Options) -> anyhow::Result<Registry> {
     options.compiler = child_compiler();
     let builtins = outrigger_builtins::ALL
@@ -51,10 +51,6 @@ pub fn start(mut options: outrigger_policy::Options) -> anyhow::Result<Registry>
         .collect();
     let registry = Registry::new(options, builtins)?;
     release_if_compiled(&registry, 0);
-    let ticker = registry.ticker();
-    std::thread::Builder::new()
-        .name("policy-epoch".into())
-        .spawn(move || ticker.run())?;
     for status in registry.status() {
         tracing::info!(
             hook = status.hook.as_str(),

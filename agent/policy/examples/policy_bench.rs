@@ -72,8 +72,6 @@ fn main() -> anyhow::Result<()> {
         },
         builtins.clone(),
     )?;
-    let ticker = registry.ticker();
-    std::thread::spawn(move || ticker.run());
     let (ctx, failure, fallback, budget) = inputs();
     report("retry", || {
         let _ = registry.retry(&ctx, &failure);
@@ -100,8 +98,6 @@ fn main() -> anyhow::Result<()> {
             deadline: Duration::from_millis(200),
             ..RuntimeOptions::default()
         })?;
-        let ticker = runtime.ticker();
-        std::thread::spawn(move || ticker.run());
         let loaded = runtime.load(&bytes, BTreeMap::new(), "bench")?;
         println!("hooks      {:?}", loaded.hooks());
         bench_loaded(&loaded, &ctx, &failure, &fallback, &budget);
@@ -206,8 +202,6 @@ fn swap_times(
         },
         builtins.to_vec(),
     )?;
-    let ticker = registry.ticker();
-    std::thread::spawn(move || ticker.run());
     let swap = |bytes: Vec<u8>| -> anyhow::Result<Duration> {
         let tmp = dir.join("retry.tmp");
         std::fs::write(&tmp, bytes)?;

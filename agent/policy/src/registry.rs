@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::runtime::hex;
-use crate::{Compiler, Error, Fault, Hook, Loaded, Runtime, RuntimeOptions, Ticker, validate};
+use crate::{Compiler, Error, Fault, Hook, Loaded, Runtime, RuntimeOptions, validate};
 
 /// A built-in component the binary embeds (see the `outrigger-builtins` crate).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -359,12 +359,6 @@ impl Registry {
     /// The engine underneath (shared with the test kit and the benchmark).
     pub fn runtime(&self) -> &Runtime {
         &self.inner.runtime
-    }
-
-    /// The thread body that advances the epoch so deadlines fire. The binary runs it
-    /// on a dedicated thread; it ends when the last clone of the registry is dropped.
-    pub fn ticker(&self) -> Ticker {
-        self.inner.runtime.ticker()
     }
 
     /// Replaces the bindings (after a config change) and reloads.

@@ -25,7 +25,7 @@ use crate::bindings::{self, budget, fallback, host, retry, types};
 use crate::compiler::{ChildOutcome, Compiler, compile_in_child};
 use crate::{Error, convert};
 
-/// How often the [`Ticker`] advances the epoch; a deadline is a whole number of ticks.
+/// How often the epoch ticker advances the epoch; a deadline is a whole number of ticks.
 pub const TICK: Duration = Duration::from_millis(1);
 
 /// Ticks the epoch keeps advancing after the last guest call returned, before the
@@ -170,7 +170,7 @@ struct RuntimeInner {
     compiled_in_process: AtomicU64,
 }
 
-/// The epoch clock shared by the [`Ticker`] and the calls. It advances only while
+/// The epoch clock shared by the ticker and the calls. It advances only while
 /// guest code runs (and for [`IDLE_TICKS`] after), so an idle sidecar does not
 /// wake a thousand times a second: deadlines are counted in ticks of guest time.
 #[derive(Debug, Default)]
@@ -254,7 +254,7 @@ impl Runtime {
                 message: e.to_string(),
             })?;
         }
-        Ok(Self {
+        let runtime = Self {
             inner: Arc::new(RuntimeInner {
                 engine,
                 linker,
@@ -266,7 +266,20 @@ impl Runtime {
                 compilations: AtomicU64::new(0),
                 compiled_in_process: AtomicU64::new(0),
             }),
-        })
+        };
+        // Deadlines are counted in epoch ticks: without the ticker, a guest that
+        // never returns would hold its caller forever, the first smoke tests of a
+        // registry included. It ends on its own once the runtime is dropped.
+        let ticker = Ticker {
+            engine: runtime.inner.engine.clone(),
+            runtime: Arc::downgrade(&runtime.inner),
+            clock: Arc::clone(&runtime.inner.clock),
+        };
+        std::thread::Builder::new()
+            .name("policy-epoch".into())
+            .spawn(move || ticker.run())
+            .map_err(|e| Error::Engine(format!("cannot start the epoch ticker: {e}")))?;
+        Ok(runtime)
     }
 
     pub fn options(&self) -> &RuntimeOptions {
@@ -283,16 +296,6 @@ impl Runtime {
     /// guest code runs and shortly after.
     pub fn ticks(&self) -> u64 {
         self.inner.clock.ticks.load(Ordering::Relaxed)
-    }
-
-    /// The thread body that advances the epoch every [`TICK`] while guest code
-    /// runs; the binary runs it.
-    pub fn ticker(&self) -> Ticker {
-        Ticker {
-            engine: self.inner.engine.clone(),
-            runtime: Arc::downgrade(&self.inner),
-            clock: Arc::clone(&self.inner.clock),
-        }
     }
 
     /// Compiles (or loads from the cache) and pre-instantiates a component, and
@@ -569,8 +572,8 @@ impl Hasher for Sha256Hasher {
 }
 
 /// Advances the engine's epoch every [`TICK`] so that deadlines fire, and parks
-/// while no guest code runs.
-pub struct Ticker {
+/// while no guest code runs. Every runtime runs one on a thread of its own.
+struct Ticker {
     engine: Engine,
     runtime: Weak<RuntimeInner>,
     clock: Arc<Clock>,
@@ -583,9 +586,8 @@ impl std::fmt::Debug for Ticker {
 }
 
 impl Ticker {
-    /// Loops until the runtime (every `Registry`/`Runtime` clone) is dropped. Run it
-    /// on a dedicated thread.
-    pub fn run(self) {
+    /// Loops until the runtime (every `Registry`/`Runtime` clone) is dropped.
+    fn run(self) {
         let clock = &self.clock;
         *clock.ticker.lock().unwrap_or_else(PoisonError::into_inner) = Some(std::thread::current());
         let mut idle = 0u32;

@@ -108,8 +108,6 @@ impl Fixture {
         std::fs::create_dir_all(dir.path().join("policies")).expect("policy dir");
         tweak(&mut options);
         let registry = Registry::new(options, builtins()).expect("registry");
-        let ticker = registry.ticker();
-        std::thread::spawn(move || ticker.run());
         Self { registry, dir }
     }
 
@@ -892,6 +890,40 @@ fn the_epoch_clock_rests_while_idle_and_wakes_for_a_call() {
         other => panic!("expected the deadline to stop the smoke test: {other:?}"),
     }
     assert!(runtime.ticks() > rested, "the clock advanced for the call");
+}
+
+/// A policy that never returns is stopped at its deadline from the very first load:
+/// the registry's start-up smoke tests run before anyone could start a ticker.
+#[test]
+fn a_looping_policy_cannot_hang_the_start_up() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let policies = dir.path().join("policies");
+    std::fs::create_dir_all(&policies).expect("policy dir");
+    std::fs::write(policies.join("p.wasm"), misbehave()).expect("install");
+    let mut binding = named(Hook::Retry, "p");
+    binding.params.insert("mode".into(), "loop".into());
+    let options = Options {
+        dir: Some(policies),
+        cache_dir: Some(dir.path().join("cache")),
+        bindings: vec![binding],
+        deadline: Duration::from_millis(100),
+        ..Options::default()
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(Registry::new(options, builtins()).map(|r| r.status()));
+    });
+    let status = rx
+        .recv_timeout(Duration::from_secs(120))
+        .expect("the registry's start-up returned")
+        .expect("the registry");
+    let retry = status
+        .iter()
+        .find(|s| s.hook == Hook::Retry)
+        .expect("the retry binding");
+    assert!(retry.version.is_none(), "{retry:?}");
+    let error = retry.last_error.as_deref().unwrap_or_default();
+    assert!(error.contains("deadline"), "{error}");
 }
 
 /// A runtime compiling in the child `sh -c script` (which gets the memory limit and

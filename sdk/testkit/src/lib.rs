@@ -82,11 +82,6 @@ impl Kit {
             warm_instances: 1,
             ..RuntimeOptions::default()
         })?;
-        let ticker = runtime.ticker();
-        std::thread::Builder::new()
-            .name("policy-testkit-epoch".into())
-            .spawn(move || ticker.run())
-            .map_err(|e| outrigger_policy::Error::Engine(format!("ticker thread: {e}")))?;
         Ok(Self { runtime, options })
     }
 
