@@ -339,6 +339,44 @@ models = ["*"]
     );
 }
 
+/// A binding whose file is not there yet keeps the sidecar not ready; the file
+/// dropped into the directory later is loaded by the watcher, and readiness follows
+/// without any reload call.
+#[tokio::test]
+async fn readiness_follows_a_policy_the_watcher_loads() {
+    let dir = tempfile::tempdir().expect("policy dir");
+    let config = format!(
+        "[policies]\ndir = {:?}\n[[policies.bindings]]\nhook = \"retry\"\npolicy = \"late\"\n",
+        dir.path().display().to_string()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let ready = get(&sidecar.admin_url("/readyz")).await;
+    assert_eq!(
+        ready.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        ready.text()
+    );
+    assert!(ready.text().contains("policies"), "{}", ready.text());
+    // Written whole, then renamed in, as an operator should.
+    let tmp = dir.path().join("late.wasm.tmp");
+    std::fs::write(&tmp, variant(outrigger_builtins::RETRY, "late")).unwrap();
+    std::fs::rename(&tmp, dir.path().join("late.wasm")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let status = get(&sidecar.admin_url("/readyz")).await.status;
+        if status == StatusCode::OK {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not ready 60 s after the file arrived; bindings: {}",
+            get(&sidecar.admin_url("/v1/policies")).await.text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test]
 async fn sighup_reloads_the_policies() {
     let dir = tempfile::tempdir().expect("policy dir");

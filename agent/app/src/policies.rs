@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -15,6 +16,8 @@ use outrigger_types::{
     BudgetDecision, BudgetRequest, CallContext, Decided, Failure, FallbackRequest, PolicyVersion,
     RetryDecision,
 };
+
+use crate::admin::Readiness;
 
 /// The registry as the data plane's [`Decider`].
 pub struct PolicyDecider(pub Registry);
@@ -124,7 +127,13 @@ impl FaultCounters {
 }
 
 /// Runs a reload off the async threads, logs what changed and counts the swaps.
-pub async fn reload(registry: &Registry, metrics: &Metrics, why: &str) -> ReloadReport {
+/// Readiness follows: it is false while a binding has no version serving it.
+pub async fn reload(
+    registry: &Registry,
+    metrics: &Metrics,
+    readiness: &Readiness,
+    why: &str,
+) -> ReloadReport {
     let r = registry.clone();
     let report = match tokio::task::spawn_blocking(move || {
         let before = r.runtime().compiled_in_process();
@@ -155,18 +164,25 @@ pub async fn reload(registry: &Registry, metrics: &Metrics, why: &str) -> Reload
             ReloadOutcome::Unchanged { .. } => {}
         }
     }
+    publish_readiness(registry, readiness);
     report
 }
 
+/// Tells readiness whether every binding has a version serving it.
+pub fn publish_readiness(registry: &Registry, readiness: &Readiness) {
+    let all_loaded = registry.status().iter().all(|b| b.version.is_some());
+    readiness.policies.store(all_loaded, Ordering::Release);
+}
+
 /// Reloads on SIGHUP, forever.
-pub async fn on_sighup(registry: Registry, metrics: Metrics) {
+pub async fn on_sighup(registry: Registry, metrics: Metrics, readiness: Arc<Readiness>) {
     use tokio::signal::unix::{SignalKind, signal};
     let Ok(mut hup) = signal(SignalKind::hangup()) else {
         tracing::warn!("cannot listen for SIGHUP; reload through the admin API instead");
         return;
     };
     while hup.recv().await.is_some() {
-        reload(&registry, &metrics, "SIGHUP").await;
+        reload(&registry, &metrics, &readiness, "SIGHUP").await;
     }
 }
 
@@ -176,6 +192,7 @@ pub fn watch(
     dir: &Path,
     registry: Registry,
     metrics: Metrics,
+    readiness: Arc<Readiness>,
 ) -> anyhow::Result<notify::RecommendedWatcher> {
     use notify::{RecursiveMode, Watcher};
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<()>();
@@ -197,7 +214,7 @@ pub fn watch(
             // Let a copy finish (and coalesce its several events) before reloading.
             tokio::time::sleep(Duration::from_millis(200)).await;
             while rx.try_recv().is_ok() {}
-            reload(&registry, &metrics, "policy directory changed").await;
+            reload(&registry, &metrics, &readiness, "policy directory changed").await;
         }
     });
     Ok(watcher)

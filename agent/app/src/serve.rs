@@ -88,23 +88,24 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
     let registry = tokio::task::spawn_blocking(move || crate::policies::start(policy_options))
         .await
         .context("the policy start-up task failed")??;
-    readiness.policies.store(
-        registry.status().iter().all(|b| b.version.is_some()),
-        Ordering::Release,
-    );
+    crate::policies::publish_readiness(&registry, &readiness);
     let _watcher = match &config.policies.dir {
-        Some(dir) => match crate::policies::watch(dir, registry.clone(), metrics.clone()) {
-            Ok(w) => Some(w),
-            Err(e) => {
-                tracing::warn!(dir = %dir.display(), error = %e, "cannot watch the policy directory; reload with SIGHUP or the admin API");
-                None
+        Some(dir) => {
+            match crate::policies::watch(dir, registry.clone(), metrics.clone(), readiness.clone())
+            {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    tracing::warn!(dir = %dir.display(), error = %e, "cannot watch the policy directory; reload with SIGHUP or the admin API");
+                    None
+                }
             }
-        },
+        }
         None => None,
     };
     tokio::spawn(crate::policies::on_sighup(
         registry.clone(),
         metrics.clone(),
+        readiness.clone(),
     ));
 
     let slos = Arc::new(Slos::new(config.slos.clone(), metrics.clone()));

@@ -92,12 +92,13 @@ impl Admin {
                 return json_response(StatusCode::OK, &json!({"bindings": self.policies.status()}));
             }
             (&Method::POST, "/v1/policies/reload") => {
-                let report =
-                    crate::policies::reload(&self.policies, &self.metrics, "admin API").await;
-                self.readiness.policies.store(
-                    self.policies.status().iter().all(|b| b.version.is_some()),
-                    Ordering::Release,
-                );
+                let report = crate::policies::reload(
+                    &self.policies,
+                    &self.metrics,
+                    &self.readiness,
+                    "admin API",
+                )
+                .await;
                 let status = if report.is_ok() {
                     StatusCode::OK
                 } else {
