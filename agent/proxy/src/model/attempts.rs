@@ -535,26 +535,28 @@ pub fn classify(status: StatusCode, retry_after: Option<Duration>, body: &[u8]) 
     }
 }
 
-/// `Retry-After` in seconds or as an HTTP date, or OpenAI's `retry-after-ms`.
+/// `Retry-After` in seconds or as an HTTP date, or OpenAI's `retry-after-ms`, capped
+/// at [`MAX_PROVIDER_WAIT`](crate::resilience::limiter::MAX_PROVIDER_WAIT).
 pub fn retry_after(h: &HeaderMap) -> Option<Duration> {
+    use crate::resilience::limiter::{MAX_PROVIDER_WAIT, provider_wait};
     if let Some(ms) = h
         .get("retry-after-ms")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse::<f64>().ok())
     {
-        return Some(Duration::from_secs_f64(ms.max(0.0) / 1000.0));
+        return provider_wait(ms / 1000.0);
     }
     let v = h.get(header::RETRY_AFTER)?.to_str().ok()?.trim();
     if let Ok(secs) = v.parse::<f64>() {
-        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+        return provider_wait(secs);
     }
     let when = humantime::parse_rfc3339_weak(v)
         .ok()
         .or_else(|| httpdate(v))?;
-    Some(
-        when.duration_since(std::time::SystemTime::now())
-            .unwrap_or_default(),
-    )
+    let wait = when
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default();
+    Some(wait.min(MAX_PROVIDER_WAIT))
 }
 
 /// An IMF-fixdate (`Sun, 06 Nov 1994 08:49:37 GMT`).

@@ -357,12 +357,26 @@ fn remove(s: &mut State, task: &str, id: u64) {
 
 /// A reset in OpenAI's style (`6m0s`, `1s`, `20ms`, `1h2m3.5s`) or seconds, or an
 /// RFC 3339 time (Anthropic).
+/// The longest a provider's rate-limit header is taken to ask for: a longer wait (a
+/// pause of weeks, `inf`, a number past what a clock can hold) is taken as this one.
+pub const MAX_PROVIDER_WAIT: Duration = Duration::from_secs(24 * 3600);
+
+/// A wait of `secs` seconds as a provider header gives it, capped at
+/// [`MAX_PROVIDER_WAIT`]; `None` for a negative or not-a-number value.
+pub fn provider_wait(secs: f64) -> Option<Duration> {
+    if secs.is_nan() || secs < 0.0 {
+        return None;
+    }
+    let wait = Duration::try_from_secs_f64(secs).unwrap_or(MAX_PROVIDER_WAIT);
+    Some(wait.min(MAX_PROVIDER_WAIT))
+}
+
 fn parse_reset(v: &str) -> Option<Duration> {
     if let Ok(secs) = v.parse::<f64>() {
-        return (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs));
+        return provider_wait(secs);
     }
     if let Ok(t) = humantime_rfc3339(v) {
-        return Some(t);
+        return Some(t.min(MAX_PROVIDER_WAIT));
     }
     let mut total = 0f64;
     let mut num = String::new();
@@ -386,7 +400,10 @@ fn parse_reset(v: &str) -> Option<Duration> {
         };
         total += n * unit;
     }
-    num.is_empty().then(|| Duration::from_secs_f64(total))
+    if !num.is_empty() {
+        return None;
+    }
+    provider_wait(total)
 }
 
 /// Time from now until an RFC 3339 time (zero when it is past).
@@ -588,5 +605,14 @@ mod tests {
             Some(Duration::ZERO),
             "a past reset"
         );
+        // Whatever a header says, the pause is one the clock can hold, and capped.
+        for v in [
+            "1e30",
+            "inf",
+            "99999999999999999999h",
+            "9999-01-01T00:00:00Z",
+        ] {
+            assert_eq!(parse_reset(v), Some(MAX_PROVIDER_WAIT), "{v}");
+        }
     }
 }

@@ -409,4 +409,28 @@ fn retry_after_forms() {
     assert_eq!(retry_after(&h), Some(Duration::ZERO), "a date in the past");
     h.insert("retry-after", "soon".parse().unwrap());
     assert_eq!(retry_after(&h), None);
+    h.insert("retry-after", "-3".parse().unwrap());
+    assert_eq!(retry_after(&h), None);
+}
+
+/// Whatever a provider (or anything between) writes, a wait is a number the clock can
+/// hold, and never above the cap (a day): no panic, no pause for weeks.
+#[test]
+fn retry_after_is_capped_and_never_panics() {
+    let cap = crate::resilience::limiter::MAX_PROVIDER_WAIT;
+    for (name, value) in [
+        ("retry-after-ms", "inf"),
+        ("retry-after-ms", "1e300"),
+        ("retry-after", "1e30"),
+        ("retry-after", "inf"),
+        ("retry-after", "172800"),
+        ("retry-after", "Fri, 31 Dec 9999 23:59:59 GMT"),
+    ] {
+        let mut h = HeaderMap::new();
+        h.insert(name, value.parse().unwrap());
+        assert_eq!(retry_after(&h), Some(cap), "{name}: {value}");
+    }
+    let mut h = HeaderMap::new();
+    h.insert("retry-after-ms", "NaN".parse().unwrap());
+    assert_eq!(retry_after(&h), None);
 }
