@@ -40,6 +40,9 @@ pub enum Compiler {
 /// (the message is on stderr); any other failure is the child's own.
 const REFUSED: i32 = 3;
 
+/// The exit status of a Rust process that panicked.
+const PANICKED: i32 = 101;
+
 /// The body of the compiling child: reads a component from stdin, compiles it for an
 /// engine configured like the parent's (`args`: the memory limit in bytes and
 /// `pooled` or `on-demand`), and writes the artifact to stdout. Returns the process's
@@ -136,6 +139,11 @@ pub(crate) fn compile_in_child(
     match output.status.code() {
         Some(0) if written.is_ok() => ChildOutcome::Compiled(output.stdout),
         Some(REFUSED) => ChildOutcome::Refused(Error::Compile(stderr)),
+        // A panic in the compiler (Rust's exit status for one): like a crash, it is
+        // the component's doing, and must not be repeated inside the sidecar.
+        Some(PANICKED) => ChildOutcome::Refused(Error::Compile(format!(
+            "the compiler panicked on this component: {stderr}"
+        ))),
         Some(code) => ChildOutcome::Unavailable(format!(
             "the compiler exited with status {code}{}",
             if stderr.is_empty() {
