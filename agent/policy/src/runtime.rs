@@ -986,6 +986,8 @@ impl State {
     /// numbers whatever the instance served before) and records the call's ids.
     fn begin_call(&mut self, seed: Option<u64>, (task_id, request_id): (Option<&str>, &str)) {
         self.seed = seed;
+        // A refusal an earlier call took in its stride is not this call's fault.
+        self.limiter.exceeded = false;
         self.rng = None;
         match (task_id, &mut self.task_id) {
             (Some(id), Some(kept)) => {

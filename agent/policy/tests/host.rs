@@ -892,6 +892,25 @@ fn the_epoch_clock_rests_while_idle_and_wakes_for_a_call() {
     assert!(runtime.ticks() > rested, "the clock advanced for the call");
 }
 
+/// A call whose guest was refused memory but carried on leaves no mark on the
+/// instance: a later trap on it is a trap, not a memory blow-up.
+#[test]
+fn a_refused_allocation_does_not_colour_the_next_fault() {
+    let f = Fixture::new(vec![named(Hook::Retry, "p")], |_| {});
+    f.install("p", misbehave());
+    let report = f
+        .registry
+        .reconfigure(vec![named(Hook::Retry, "p")])
+        .expect("reconfigure");
+    assert!(report.is_ok(), "{report:?}");
+    let d = f.registry.retry(&ctx("reserve", 1), &Failure::Timeout);
+    assert_eq!(d.source, DecisionSource::Policy, "the refusal was handled");
+    let d = f.registry.retry(&ctx("trap", 1), &Failure::Timeout);
+    assert_eq!(d.source, DecisionSource::Contained);
+    let status = f.registry.binding_status(Hook::Retry).expect("status");
+    assert_eq!((status.traps, status.memory_exceeded), (1, 0), "{status:?}");
+}
+
 /// A policy that never returns is stopped at its deadline from the very first load:
 /// the registry's start-up smoke tests run before anyone could start a ticker.
 #[test]
@@ -1001,6 +1020,19 @@ fn a_component_the_child_refuses_or_dies_on_fails_the_load() {
         other => panic!("expected a compile error, got {:?}", other.map(|_| ())),
     }
     assert_eq!(dies.compiled_in_process(), 0);
+    // Nor is one that panics on it (exit status 101).
+    let panics = child_runtime(
+        "sh",
+        Some("cat >/dev/null; echo 'thread main panicked at cranelift' >&2; exit 101"),
+        dir.path(),
+    );
+    match panics.load(retry_bytes(), BTreeMap::new(), "retry") {
+        Err(outrigger_policy::Error::Compile(message)) => {
+            assert!(message.contains("panicked"), "{message}");
+        }
+        other => panic!("expected a compile error, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(panics.compiled_in_process(), 0, "never retried in process");
     assert_eq!(
         std::fs::read_dir(dir.path()).expect("cache dir").count(),
         0,

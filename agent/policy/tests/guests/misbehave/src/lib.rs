@@ -6,6 +6,7 @@
 //! - `trap`: panics (a wasm trap);
 //! - `loop`: never returns (the deadline must stop it);
 //! - `hog`: allocates until memory runs out (the memory cap must stop it);
+//! - `reserve`: asks for 1 GiB, takes the refusal in its stride and answers normally;
 //! - `slow:<ms>`: busy-waits that long on the host's clock, then answers normally;
 //! - `invalid`: answers something the host must refuse;
 //! - `jitter`: retries after a random delay below one second;
@@ -65,6 +66,12 @@ fn act() -> Mode {
             loop {
                 hoard.push(black_box(vec![1u8; 1 << 20]));
             }
+        }
+        "reserve" => {
+            let mut wish: Vec<u8> = Vec::new();
+            let refused = wish.try_reserve(1 << 30).is_err();
+            black_box(refused);
+            Mode::Normal
         }
         "invalid" => Mode::Invalid,
         "jitter" => Mode::Jitter,
