@@ -994,7 +994,10 @@ fn gpu(raw: &raw::Gpu, p: &mut Problems) -> outrigger_gpu::Options {
             toml::Value::Integer(n) if *n >= 0 => indices.push(*n as u32),
             other => p.add(
                 format!("gpu.watch[{i}]"),
-                format!("{other} is neither a GPU UUID (\"GPU-…\") nor an index"),
+                format!(
+                    "{other} is neither a GPU UUID (\"GPU-…\"), a MIG device UUID (\"MIG-…\") \
+                     nor an index"
+                ),
             ),
         }
     }

@@ -43,6 +43,17 @@ pub struct DeviceInfo {
     pub index: u32,
     /// The product name, e.g. `NVIDIA H200`.
     pub name: String,
+    /// The UUIDs (`MIG-…`) of the MIG devices this GPU is partitioned into, when MIG is
+    /// on. Health is per physical GPU: a MIG UUID stands for the GPU it is part of.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mig_devices: Vec<String>,
+}
+
+impl DeviceInfo {
+    /// Whether `uuid` names this GPU or one of its MIG devices.
+    pub fn answers_to(&self, uuid: &str) -> bool {
+        self.uuid == uuid || self.mig_devices.iter().any(|mig| mig == uuid)
+    }
 }
 
 /// Versions reported by the loaded library.

@@ -135,6 +135,9 @@ pub struct GpuHealth {
     pub uuid: String,
     pub index: u32,
     pub name: String,
+    /// The MIG devices (`MIG-…`) this GPU is partitioned into; they share its health.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mig_devices: Vec<String>,
     /// Whether this GPU gates readiness (see `Options::watch`).
     pub watched: bool,
     pub state: GpuState,
@@ -539,6 +542,7 @@ impl Classifier {
             uuid: track.device.uuid.clone(),
             index: track.device.index,
             name: track.device.name.clone(),
+            mig_devices: track.device.mig_devices.clone(),
             watched: true,
             state,
             reasons,
@@ -557,6 +561,7 @@ fn untracked(device: &DeviceInfo) -> GpuHealth {
         uuid: device.uuid.clone(),
         index: device.index,
         name: device.name.clone(),
+        mig_devices: device.mig_devices.clone(),
         watched: true,
         state: GpuState::Unknown,
         reasons: Vec::new(),

@@ -101,6 +101,7 @@ impl FakeBackend {
                     uuid: fake_uuid(index),
                     index,
                     name: "NVIDIA H200 (fake)".to_owned(),
+                    mig_devices: Vec::new(),
                 },
                 healthy_sample(),
             );

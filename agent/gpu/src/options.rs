@@ -27,7 +27,8 @@ pub const DEFAULT_IGNORED_XIDS: [u64; 5] = [13, 31, 43, 45, 68];
 pub enum Watch {
     #[default]
     All,
-    /// GPUs by UUID, e.g. the ones the pod was allocated.
+    /// GPUs by UUID, e.g. the ones the pod was allocated. A MIG device's UUID
+    /// (`MIG-…`) stands for the physical GPU it is part of: health is per GPU.
     Uuids(Vec<String>),
     /// GPUs by NVML index (not stable across reboots; prefer UUIDs).
     Indices(Vec<u32>),
@@ -38,7 +39,7 @@ impl Watch {
     pub fn covers(&self, device: &DeviceInfo) -> bool {
         match self {
             Self::All => true,
-            Self::Uuids(uuids) => uuids.iter().any(|uuid| uuid == &device.uuid),
+            Self::Uuids(uuids) => uuids.iter().any(|uuid| device.answers_to(uuid)),
             Self::Indices(indices) => indices.contains(&device.index),
         }
     }
@@ -49,7 +50,7 @@ impl Watch {
             Self::All => Vec::new(),
             Self::Uuids(uuids) => uuids
                 .iter()
-                .filter(|uuid| !devices.iter().any(|device| &&device.uuid == uuid))
+                .filter(|uuid| !devices.iter().any(|device| device.answers_to(uuid)))
                 .cloned()
                 .collect(),
             Self::Indices(indices) => indices
@@ -165,6 +166,7 @@ mod tests {
             uuid: uuid.to_owned(),
             index,
             name: "test".to_owned(),
+            mig_devices: Vec::new(),
         }
     }
 
@@ -208,5 +210,18 @@ mod tests {
         let by_index = Watch::Indices(vec![0, 7]);
         assert!(by_index.covers(&devices[0]));
         assert_eq!(by_index.missing(&devices), vec!["index 7".to_owned()]);
+    }
+
+    #[test]
+    fn a_mig_uuid_stands_for_its_parent_gpu() {
+        let mut partitioned = device("GPU-a", 0);
+        partitioned.mig_devices = vec!["MIG-a1".into(), "MIG-a2".into()];
+        let devices = [partitioned, device("GPU-b", 1)];
+        let by_mig = Watch::Uuids(vec!["MIG-a2".into()]);
+        assert!(by_mig.covers(&devices[0]));
+        assert!(!by_mig.covers(&devices[1]));
+        assert!(by_mig.missing(&devices).is_empty());
+        let gone = Watch::Uuids(vec!["MIG-zz".into()]);
+        assert_eq!(gone.missing(&devices), vec!["MIG-zz".to_owned()]);
     }
 }

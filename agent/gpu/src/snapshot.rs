@@ -578,6 +578,9 @@ fn render_gpu(out: &mut String, gpu: &GpuHealth) {
         gpu.name,
         gpu.state.as_str().to_uppercase()
     );
+    if !gpu.mig_devices.is_empty() {
+        let _ = writeln!(out, "  MIG devices  {}", gpu.mig_devices.join(", "));
+    }
     if gpu.reasons.is_empty() {
         let _ = writeln!(out, "  reasons: none");
     }

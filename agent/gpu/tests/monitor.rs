@@ -8,8 +8,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use outrigger_gpu::{
-    Error, Event, FakeBackend, GpuHealth, ManualClock, Monitor, NvmlStatus, Options, ReasonCode,
-    Sample, Snapshot, Watch, fake_uuid, healthy_sample, probe,
+    DeviceInfo, Error, Event, FakeBackend, GpuHealth, ManualClock, Monitor, NvmlStatus, Options,
+    ReasonCode, Sample, Snapshot, Watch, fake_uuid, healthy_sample, probe,
 };
 use outrigger_types::GpuState;
 use tokio::sync::watch;
@@ -318,6 +318,46 @@ async fn only_watched_gpus_gate_readiness() {
         snapshot.incidents.is_empty(),
         "unwatched GPUs open no incident"
     );
+    h.stop();
+}
+
+#[tokio::test]
+async fn a_watched_mig_device_gates_readiness_through_its_gpu() {
+    let mig = "MIG-fa4e0000-0000-4000-8000-0000000000a1";
+    let backend = FakeBackend::new();
+    for index in 0..2 {
+        backend.add_gpu(
+            DeviceInfo {
+                uuid: fake_uuid(index),
+                index,
+                name: "NVIDIA H200 (fake)".to_owned(),
+                mig_devices: if index == 1 {
+                    vec![mig.to_owned()]
+                } else {
+                    Vec::new()
+                },
+            },
+            healthy_sample(),
+        );
+    }
+    let watch_mig = Options {
+        watch: Watch::Uuids(vec![mig.to_owned()]),
+        ..options()
+    };
+    let mut h = Harness::start(backend, watch_mig);
+    let first = h.until("the first round", |s| s.rounds >= 1).await;
+    assert!(first.ready, "{}", first.ready_reason);
+    assert!(first.problems.is_empty(), "{:?}", first.problems);
+    assert!(gpu(&first, 1).watched);
+    assert!(!gpu(&first, 0).watched);
+
+    // A fault of the physical GPU is the MIG device's fault.
+    h.backend.push_event(Event::Xid {
+        uuid: fake_uuid(1),
+        xid: Some(79),
+    });
+    let down = h.until("readiness to fail", |s| !s.ready).await;
+    assert_eq!(down.summary.unhealthy, vec![fake_uuid(1)]);
     h.stop();
 }
 

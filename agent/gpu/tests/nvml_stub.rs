@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use outrigger_gpu::{
     Backend, CheckStatus, Classifier, Error, Moment, Monitor, NvmlBackend, NvmlStatus, Options,
-    ReasonCode, Snapshot, probe_once, self_test,
+    ReasonCode, Snapshot, Watch, probe_once, self_test,
 };
 use outrigger_types::GpuState;
 
@@ -25,6 +25,8 @@ const SCENARIO_ENV: &str = "OUTRIGGER_NVML_STUB_SCENARIO";
 const STUB_PATH_ENV: &str = "OUTRIGGER_NVML_STUB_PATH";
 const GPU0: &str = "GPU-5a1b0000-0000-4000-8000-000000000000";
 const GPU1: &str = "GPU-5a1b0000-0000-4000-8000-000000000001";
+const MIG0: &str = "MIG-5a1b0000-0000-4000-8000-0000000000a0";
+const MIG2: &str = "MIG-5a1b0000-0000-4000-8000-0000000000a2";
 
 /// The stub library. It is a dev-dependency of this crate, so cargo has built it, up
 /// to date, into the directory of this test binary before running it.
@@ -369,6 +371,40 @@ fn stub_lost() -> TestResult {
             "{}",
             report.render_text()
         );
+        Ok(())
+    })
+}
+
+#[test]
+fn stub_mig() -> TestResult {
+    in_scenario("mig", "stub_mig", |stub| {
+        // The adapter lists the physical GPUs with the MIG devices they are split into
+        // (slot 1 is empty and skipped).
+        let backend = NvmlBackend::load(Some(stub))?;
+        let devices = backend.devices()?;
+        assert_eq!(devices.len(), 2);
+        assert_eq!(devices[0].uuid, GPU0);
+        assert_eq!(devices[0].mig_devices, vec![MIG0, MIG2]);
+        assert!(devices[1].mig_devices.is_empty());
+
+        // Watching a MIG UUID (what a pod on a partitioned GPU is given) watches its
+        // physical GPU: ready, GPU 0 gating readiness, nothing missing.
+        let options = Options {
+            watch: Watch::Uuids(vec![MIG2.to_owned()]),
+            ..stub_options(stub)
+        };
+        let (monitor, handles) = Monitor::launch(options);
+        let sampled = wait_for(&monitor, "the first round", |s| s.rounds >= 1)?;
+        assert!(sampled.ready, "{}", sampled.ready_reason);
+        assert!(sampled.problems.is_empty(), "{:?}", sampled.problems);
+        let gpu0 = sampled.gpu(GPU0).ok_or("GPU 0 missing")?;
+        assert!(gpu0.watched);
+        assert_eq!(gpu0.signals.mig_enabled, Some(true));
+        assert_eq!(gpu0.mig_devices, vec![MIG0, MIG2]);
+        assert!(!sampled.gpu(GPU1).ok_or("GPU 1 missing")?.watched);
+        assert_eq!(sampled.summary.ids, vec![GPU0.to_owned()]);
+        assert!(sampled.render_text().contains(MIG2));
+        stop(monitor, handles);
         Ok(())
     })
 }

@@ -14,6 +14,7 @@
 //! | `dbe` | one volatile uncorrected ECC error, and a double-bit ECC event |
 //! | `hot` | 90 °C against an 87 °C slowdown threshold, thermal clock-event reasons set |
 //! | `lost` | every telemetry query returns `GPU_IS_LOST` |
+//! | `mig` | MIG mode on, partitioned into MIG devices in slots 0 and 2 of 7 |
 //! | `init_fails` | `nvmlInit_v2` itself returns `DRIVER_NOT_LOADED` |
 //!
 //! GPU 1 is healthy in every scenario, so tests can check that a fault stays on its GPU.
@@ -63,6 +64,17 @@ const UUIDS: [&str; GPU_COUNT] = [
     "GPU-5a1b0000-0000-4000-8000-000000000000",
     "GPU-5a1b0000-0000-4000-8000-000000000001",
 ];
+/// GPU 0's MIG devices in the `mig` scenario, by slot (`None`: an empty slot).
+const MIG_UUIDS: [Option<&str>; MIG_SLOTS] = [
+    Some("MIG-5a1b0000-0000-4000-8000-0000000000a0"),
+    None,
+    Some("MIG-5a1b0000-0000-4000-8000-0000000000a2"),
+    None,
+    None,
+    None,
+    None,
+];
+const MIG_SLOTS: usize = 7;
 const NAME: &str = "NVIDIA H200 (outrigger stub)";
 const DRIVER_VERSION: &str = "550.54.15";
 const NVML_VERSION: &str = "12.550.54.15";
@@ -93,6 +105,7 @@ enum Scenario {
     Dbe,
     Hot,
     Lost,
+    Mig,
     InitFails,
 }
 
@@ -104,6 +117,7 @@ impl Scenario {
             Ok("dbe") => Some(Self::Dbe),
             Ok("hot") => Some(Self::Hot),
             Ok("lost") => Some(Self::Lost),
+            Ok("mig") => Some(Self::Mig),
             Ok("init_fails") => Some(Self::InitFails),
             Ok(_) => None,
         }
@@ -123,6 +137,7 @@ static STATE: Mutex<Option<State>> = Mutex::new(None);
 // Device and event-set handles are addresses inside these statics: stable, unique and
 // never dereferenced by the caller (the types are opaque in nvml.h).
 static DEVICE_SLOTS: [u8; GPU_COUNT] = [0; GPU_COUNT];
+static MIG_DEVICE_SLOTS: [u8; MIG_SLOTS] = [0; MIG_SLOTS];
 static EVENT_SET_SLOT: u8 = 0;
 
 fn state() -> MutexGuard<'static, Option<State>> {
@@ -141,6 +156,24 @@ fn device_handle(index: usize) -> nvmlDevice_t {
 
 fn device_index(device: nvmlDevice_t) -> Option<usize> {
     (0..GPU_COUNT).find(|&index| device_handle(index) == device)
+}
+
+fn mig_handle(slot: usize) -> nvmlDevice_t {
+    (&raw const MIG_DEVICE_SLOTS[slot])
+        .cast_mut()
+        .cast::<nvmlDevice_st>()
+}
+
+/// The MIG device a handle stands for, as its UUID.
+fn mig_uuid(device: nvmlDevice_t) -> Option<&'static str> {
+    (0..MIG_SLOTS)
+        .find(|&slot| mig_handle(slot) == device)
+        .and_then(|slot| MIG_UUIDS[slot])
+}
+
+/// Whether GPU `index` is in MIG mode.
+fn mig_enabled(index: usize, scenario: Scenario) -> bool {
+    index == 0 && scenario == Scenario::Mig
 }
 
 fn event_set_handle() -> nvmlEventSet_t {
@@ -342,6 +375,10 @@ pub unsafe extern "C" fn nvmlDeviceGetUUID(
     uuid: *mut c_char,
     length: c_uint,
 ) -> nvmlReturn_t {
+    if let Some(mig) = mig_uuid(device) {
+        // SAFETY: forwarded caller contract.
+        return unsafe { put_str(uuid, length, mig) };
+    }
     // SAFETY: forwarded caller contract.
     with_device(device, Query::Identity, |index, _| unsafe {
         put_str(uuid, length, UUIDS[index])
@@ -765,14 +802,52 @@ pub unsafe extern "C" fn nvmlDeviceGetMigMode(
     current: *mut c_uint,
     pending: *mut c_uint,
 ) -> nvmlReturn_t {
-    with_device(device, Query::Telemetry, |_, _| {
+    with_device(device, Query::Telemetry, |index, scenario| {
+        let mode = c_uint::from(mig_enabled(index, scenario));
         // SAFETY: forwarded caller contract.
-        let code = unsafe { put(current, 0) };
+        let code = unsafe { put(current, mode) };
         if code != nvmlReturn_enum_NVML_SUCCESS {
             return code;
         }
         // SAFETY: forwarded caller contract.
-        unsafe { put(pending, 0) }
+        unsafe { put(pending, mode) }
+    })
+}
+
+/// # Safety
+/// `count` must be valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMaxMigDeviceCount(
+    device: nvmlDevice_t,
+    count: *mut c_uint,
+) -> nvmlReturn_t {
+    with_device(device, Query::Identity, |index, scenario| {
+        if !mig_enabled(index, scenario) {
+            return nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED;
+        }
+        // SAFETY: forwarded caller contract.
+        unsafe { put(count, MIG_SLOTS as c_uint) }
+    })
+}
+
+/// # Safety
+/// `mig_device` must be valid for a write.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMigDeviceHandleByIndex(
+    device: nvmlDevice_t,
+    slot: c_uint,
+    mig_device: *mut nvmlDevice_t,
+) -> nvmlReturn_t {
+    with_device(device, Query::Identity, |index, scenario| {
+        let slot = slot as usize;
+        if !mig_enabled(index, scenario) || slot >= MIG_SLOTS {
+            return nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT;
+        }
+        if MIG_UUIDS[slot].is_none() {
+            return nvmlReturn_enum_NVML_ERROR_NOT_FOUND;
+        }
+        // SAFETY: forwarded caller contract.
+        unsafe { put(mig_device, mig_handle(slot)) }
     })
 }
 

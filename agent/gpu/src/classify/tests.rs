@@ -13,6 +13,7 @@ fn device(index: u32) -> DeviceInfo {
         uuid: fake_uuid(index),
         index,
         name: "test GPU".to_owned(),
+        mig_devices: Vec::new(),
     }
 }
 

@@ -202,6 +202,7 @@ fn enumerate(nvml: &'static Nvml, index: u32) -> Gpu {
                 uuid: device.uuid().unwrap_or_else(|_| placeholder_uuid(index)),
                 index,
                 name: device.name().unwrap_or_else(|_| "unknown".to_owned()),
+                mig_devices: mig_devices(&device),
             };
             Gpu {
                 info,
@@ -213,10 +214,38 @@ fn enumerate(nvml: &'static Nvml, index: u32) -> Gpu {
                 uuid: placeholder_uuid(index),
                 index,
                 name: "unknown".to_owned(),
+                mig_devices: Vec::new(),
             },
             device: Err(map_error(error)),
         },
     }
+}
+
+/// The UUIDs of the MIG devices a GPU in MIG mode is partitioned into, so that a MIG
+/// UUID (what a pod is given on a partitioned GPU) finds its physical GPU. NVML numbers
+/// the slots up to the GPU's maximum and leaves empty ones `NOT_FOUND`; a GPU without
+/// MIG, or a driver without these calls, has none.
+fn mig_devices(device: &Device<'_>) -> Vec<String> {
+    let enabled = device.mig_mode().is_ok_and(|mode| mode.current == 1);
+    if !enabled {
+        return Vec::new();
+    }
+    let slots = match device.mig_device_count() {
+        Ok(slots) => slots,
+        Err(error) => {
+            tracing::warn!(%error, "MIG is on but its devices cannot be counted");
+            return Vec::new();
+        }
+    };
+    let mut uuids = Vec::new();
+    for slot in 0..slots {
+        match device.mig_device_by_index(slot).and_then(|mig| mig.uuid()) {
+            Ok(uuid) => uuids.push(uuid),
+            Err(NvmlError::NotFound | NvmlError::InvalidArg) => {}
+            Err(error) => tracing::warn!(%error, slot, "cannot read a MIG device"),
+        }
+    }
+    uuids
 }
 
 /// Registers every GPU with one event set. NVML releases the whole set when one

@@ -26,6 +26,7 @@ fn gpu(index: u32, state: GpuState) -> GpuHealth {
         uuid: fake_uuid(index),
         index,
         name: "NVIDIA H200".to_owned(),
+        mig_devices: Vec::new(),
         watched: true,
         state,
         reasons,
