@@ -328,6 +328,24 @@ pub(crate) fn duration(
     }
 }
 
+/// A duration that must not be zero; `zero` says what a zero would break (or what to
+/// set instead).
+pub(crate) fn positive_duration(
+    p: &mut Problems,
+    path: &str,
+    value: &Option<String>,
+    default: Duration,
+    zero: &str,
+) -> Duration {
+    let before = p.0.len();
+    let parsed = duration(p, path, value, default);
+    // A value that is not a duration at all has its problem already.
+    if parsed.is_zero() && p.0.len() == before {
+        p.add(path, format!("must be greater than 0: {zero}"));
+    }
+    parsed
+}
+
 fn addr(p: &mut Problems, path: &str, value: &Option<String>, default: &str) -> SocketAddr {
     let s = value.as_deref().unwrap_or(default);
     s.parse().unwrap_or_else(|e| {
@@ -405,35 +423,32 @@ fn validate(
 
     let limits = Limits {
         max_body_bytes: raw.limits.max_body_bytes.unwrap_or(8 << 20),
-        connect_timeout: duration(
+        connect_timeout: positive_duration(
             p,
             "limits.connect_timeout",
             &raw.limits.connect_timeout,
             Duration::from_secs(5),
+            "every connection to a provider or tool would time out at once",
         ),
-        first_byte_timeout: duration(
+        first_byte_timeout: positive_duration(
             p,
             "limits.first_byte_timeout",
             &raw.limits.first_byte_timeout,
             Duration::from_secs(120),
+            "every provider answer would time out before its first byte",
         ),
         max_event_bytes: raw
             .limits
             .max_event_bytes
             .unwrap_or(outrigger_proxy::sse::DEFAULT_MAX_EVENT_BYTES),
-        client_stall_timeout: duration(
+        client_stall_timeout: positive_duration(
             p,
             "limits.client_stall_timeout",
             &raw.limits.client_stall_timeout,
             Duration::from_secs(30),
+            "a client would be cut off at its first slow write",
         ),
     };
-    if limits.client_stall_timeout.is_zero() {
-        p.add(
-            "limits.client_stall_timeout",
-            "must be greater than 0 (a stalled client would be cut at once)",
-        );
-    }
     if limits.max_body_bytes == 0 {
         p.add("limits.max_body_bytes", "must be greater than 0");
     }
@@ -447,11 +462,13 @@ fn validate(
     let sd = outrigger_proxy::streams::Options::default();
     let streams = outrigger_proxy::streams::Options {
         replay_in_task: raw.streams.replay_in_task.unwrap_or(sd.replay_in_task),
-        detach_timeout: duration(
+        detach_timeout: positive_duration(
             p,
             "streams.detach_timeout",
             &raw.streams.detach_timeout,
             sd.detach_timeout,
+            "to stop a generation as soon as its last client leaves, set \
+             streams.cancel_on_disconnect = true instead",
         ),
         max_stream_bytes: raw.streams.max_stream_bytes.unwrap_or(sd.max_stream_bytes),
         cancel_on_disconnect: raw
@@ -460,11 +477,12 @@ fn validate(
             .unwrap_or(sd.cancel_on_disconnect),
     };
 
-    let drain_deadline = duration(
+    let drain_deadline = positive_duration(
         p,
         "drain.deadline",
         &raw.drain.deadline,
         Duration::from_secs(30),
+        "a shutdown would cut every request and tool call in flight at once",
     );
     let log = LogOptions {
         json: match raw.log.format.as_deref() {
@@ -505,17 +523,21 @@ fn validate(
     };
     let td = outrigger_proxy::tasks::TasksOptions::default();
     let tasks = TasksConfig {
-        idle_timeout: duration(
+        idle_timeout: positive_duration(
             p,
             "tasks.idle_timeout",
             &raw.tasks.idle_timeout,
             Duration::from_secs(30 * 60),
+            "every task would end as idle between two of its calls",
         ),
-        retention: duration(p, "tasks.retention", &raw.tasks.retention, td.retention),
+        retention: positive_duration(
+            p,
+            "tasks.retention",
+            &raw.tasks.retention,
+            td.retention,
+            "an ended task would be gone before its outcome could be read",
+        ),
     };
-    if tasks.idle_timeout.is_zero() {
-        p.add("tasks.idle_timeout", "must be greater than 0");
-    }
 
     let proxy = popts::Options {
         providers,
@@ -614,17 +636,20 @@ fn journal_options(
         dir: data_dir.join("journal"),
         durability,
         retention,
-        tombstone_retention: duration(
+        tombstone_retention: positive_duration(
             p,
             "journal.tombstone_retention",
             &raw.tombstone_retention,
             d.tombstone_retention,
+            "a key would be forgotten as soon as its record expires, and a late retry \
+             executed again",
         ),
-        stream_retention: duration(
+        stream_retention: positive_duration(
             p,
             "journal.stream_retention",
             &raw.stream_retention,
             d.stream_retention,
+            "a journaled stream would be dropped before a client could resume it",
         ),
         cache_capacity_bytes: raw.cache_bytes.unwrap_or(d.cache_capacity_bytes),
         ..d
@@ -860,17 +885,24 @@ fn policies(raw: &raw::Policies, data_dir: &Path, p: &mut Problems) -> outrigger
                 .unwrap_or_else(|| data_dir.join("policy-cache")),
         ),
         bindings,
-        deadline: duration(p, "policies.deadline", &raw.deadline, d.deadline),
+        deadline: positive_duration(
+            p,
+            "policies.deadline",
+            &raw.deadline,
+            d.deadline,
+            "every policy call would overrun its deadline",
+        ),
         memory_limit_bytes: raw
             .memory_limit_mb
             .map(|m| m << 20)
             .unwrap_or(d.memory_limit_bytes),
         max_retry_delay: {
-            let max = duration(
+            let max = positive_duration(
                 p,
                 "policies.max_retry_delay",
                 &raw.max_retry_delay,
                 d.max_retry_delay,
+                "every retry decision with a delay would be refused as invalid",
             );
             if max > outrigger_proxy::decider::MAX_RETRY_DELAY {
                 p.add(
@@ -901,15 +933,41 @@ fn resilience(raw: &raw::Resilience, p: &mut Problems) -> popts::Resilience {
             format!("{ratio} must be between 0 and 10 (0.2 = retries up to 20 % of requests)"),
         );
     }
+    let min_penalty = positive_duration(
+        p,
+        "resilience.breaker_min_penalty",
+        &raw.breaker_min_penalty,
+        br.min_penalty,
+        "an open circuit would let the next call through at once",
+    );
+    let max_penalty = positive_duration(
+        p,
+        "resilience.breaker_max_penalty",
+        &raw.breaker_max_penalty,
+        br.max_penalty,
+        "an open circuit would let the next call through at once",
+    );
+    if !max_penalty.is_zero() && min_penalty > max_penalty {
+        p.add(
+            "resilience.breaker_min_penalty",
+            format!(
+                "{} is longer than resilience.breaker_max_penalty ({}); the first penalty \
+                 cannot exceed the longest",
+                humantime::format_duration(min_penalty),
+                humantime::format_duration(max_penalty)
+            ),
+        );
+    }
     popts::Resilience {
         retry_budget: retry_budget::Options {
             ratio,
             min_retries: raw.retry_budget_min.unwrap_or(rb.min_retries),
-            window: duration(
+            window: positive_duration(
                 p,
                 "resilience.retry_budget_window",
                 &raw.retry_budget_window,
                 rb.window,
+                "the window would never slide, so a spent retry budget would never refill",
             ),
         },
         breaker: breaker::Options {
@@ -917,29 +975,21 @@ fn resilience(raw: &raw::Resilience, p: &mut Problems) -> popts::Resilience {
                 .breaker_failures
                 .unwrap_or(br.consecutive_failures)
                 .max(1),
-            min_penalty: duration(
-                p,
-                "resilience.breaker_min_penalty",
-                &raw.breaker_min_penalty,
-                br.min_penalty,
-            ),
-            max_penalty: duration(
-                p,
-                "resilience.breaker_max_penalty",
-                &raw.breaker_max_penalty,
-                br.max_penalty,
-            ),
+            min_penalty,
+            max_penalty,
             jitter: br.jitter,
         },
         limiter: limiter::Options {
             max_concurrency: raw.max_concurrency.unwrap_or(li.max_concurrency).max(1),
             min_concurrency: li.min_concurrency,
             max_queue: raw.max_queue.unwrap_or(li.max_queue),
-            queue_timeout: duration(
+            queue_timeout: positive_duration(
                 p,
                 "resilience.queue_timeout",
                 &raw.queue_timeout,
                 li.queue_timeout,
+                "every queued call would be refused at once; to refuse calls instead of \
+                 queueing them, set resilience.max_queue = 0",
             ),
         },
     }
@@ -955,7 +1005,14 @@ fn budget(raw: &raw::Budget, providers: &[Provider], p: &mut Problems) -> popts:
         }
     });
     let wall = raw.wall_clock.as_ref().map(|_| {
-        duration(p, "budget.wall_clock", &raw.wall_clock, Duration::ZERO).as_millis() as u64
+        positive_duration(
+            p,
+            "budget.wall_clock",
+            &raw.wall_clock,
+            Duration::ZERO,
+            "every task would be over its budget at its first call; leave it unset for no limit",
+        )
+        .as_millis() as u64
     });
     for (i, m) in raw.downgrade_models.iter().enumerate() {
         if !providers
@@ -1090,7 +1147,13 @@ fn tools(raw: &raw::Config, p: &mut Problems) -> Vec<Tool> {
             );
         }
         let base_url = url(p, &at("base_url"), &rt.base_url);
-        let timeout = duration(p, &at("timeout"), &rt.timeout, Duration::from_secs(30));
+        let timeout = positive_duration(
+            p,
+            &at("timeout"),
+            &rt.timeout,
+            Duration::from_secs(30),
+            "every call would time out at once (an unsafe tool's call then stays in doubt)",
+        );
         if let (Some(kind), Some(class), Some(base_url)) = (kind, class, base_url) {
             out.push(Tool {
                 name: rt.name.clone(),

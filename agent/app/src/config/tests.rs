@@ -257,3 +257,101 @@ fn every_wrong_type_is_reported_with_its_path() {
         ]
     );
 }
+
+#[test]
+fn a_zero_duration_is_refused_wherever_zero_breaks_something() {
+    let err = load_str(
+        r#"
+[limits]
+connect_timeout = "0s"
+first_byte_timeout = "0ms"
+client_stall_timeout = "0s"
+
+[drain]
+deadline = "0s"
+
+[journal]
+tombstone_retention = "0s"
+stream_retention = "0s"
+
+[policies]
+deadline = "0ms"
+max_retry_delay = "0s"
+
+[resilience]
+retry_budget_window = "0s"
+breaker_min_penalty = "0s"
+breaker_max_penalty = "0s"
+queue_timeout = "0s"
+
+[budget]
+wall_clock = "0s"
+
+[streams]
+detach_timeout = "0s"
+
+[tasks]
+idle_timeout = "0s"
+retention = "0s"
+
+[[tools]]
+name = "payments"
+kind = "http"
+base_url = "http://127.0.0.1:9000"
+timeout = "0s"
+"#,
+        &[],
+    )
+    .unwrap_err();
+    let mut got = paths(&err);
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        [
+            "budget.wall_clock",
+            "drain.deadline",
+            "journal.stream_retention",
+            "journal.tombstone_retention",
+            "limits.client_stall_timeout",
+            "limits.connect_timeout",
+            "limits.first_byte_timeout",
+            "policies.deadline",
+            "policies.max_retry_delay",
+            "resilience.breaker_max_penalty",
+            "resilience.breaker_min_penalty",
+            "resilience.queue_timeout",
+            "resilience.retry_budget_window",
+            "streams.detach_timeout",
+            "tasks.idle_timeout",
+            "tasks.retention",
+            "tools[0].timeout",
+        ]
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("tools[0].timeout: must be greater than 0: every call would time out"),
+        "{text}"
+    );
+    assert!(
+        text.contains("streams.cancel_on_disconnect = true"),
+        "the detach timeout says what to set instead: {text}"
+    );
+}
+
+#[test]
+fn a_bad_duration_is_one_problem_not_two() {
+    let err = load_str("[budget]\nwall_clock = \"soon\"\n", &[]).unwrap_err();
+    assert_eq!(paths(&err), ["budget.wall_clock"]);
+    assert!(err.to_string().contains("is not a duration"), "{err}");
+}
+
+#[test]
+fn the_first_breaker_penalty_cannot_exceed_the_longest() {
+    let err = load_str(
+        "[resilience]\nbreaker_min_penalty = \"2m\"\nbreaker_max_penalty = \"1m\"\n",
+        &[],
+    )
+    .unwrap_err();
+    assert_eq!(paths(&err), ["resilience.breaker_min_penalty"]);
+    assert!(err.to_string().contains("2m is longer than"), "{err}");
+}
