@@ -1087,8 +1087,8 @@ fn gpu(raw: &raw::Gpu, p: &mut Problems) -> outrigger_gpu::Options {
         expected_count: raw.expected_count.or(d.expected_count),
         ..d
     };
-    for problem in options.problems() {
-        p.add("gpu", problem);
+    for (field, problem) in options.problems() {
+        p.add(format!("gpu.{field}"), problem);
     }
     options
 }

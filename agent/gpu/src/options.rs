@@ -80,7 +80,8 @@ pub struct Options {
     pub degraded_is_ready: bool,
     /// XIDs that make a GPU unhealthy.
     pub fatal_xids: BTreeSet<u64>,
-    /// XIDs that are only counted.
+    /// XIDs that are only counted. An XID in both sets is fatal: the fatal set is
+    /// what an operator asks for, the ignore list a default.
     pub ignored_xids: BTreeSet<u64>,
     /// Consecutive bad samples before a gauge condition (temperature, clock slowdown,
     /// PCIe width, unreadable power) makes a GPU degraded.
@@ -111,35 +112,31 @@ impl Default for Options {
 }
 
 impl Options {
-    /// Every problem with these options at once, each naming its field; empty when valid.
-    pub fn problems(&self) -> Vec<String> {
+    /// Every problem with these options at once, as (field, what is wrong); empty when
+    /// valid.
+    pub fn problems(&self) -> Vec<(&'static str, String)> {
         let mut problems = Vec::new();
         if self.sample_interval.is_zero() {
-            problems.push("sample_interval: must be greater than zero".to_owned());
+            problems.push(("sample_interval", "must be greater than zero".to_owned()));
         }
         if self.event_wait.is_zero() {
-            problems.push("event_wait: must be greater than zero".to_owned());
+            problems.push(("event_wait", "must be greater than zero".to_owned()));
         }
         if self.degraded_enter_samples == 0 {
-            problems.push("degraded_enter_samples: must be at least 1".to_owned());
-        }
-        let both: Vec<String> = self
-            .fatal_xids
-            .intersection(&self.ignored_xids)
-            .map(u64::to_string)
-            .collect();
-        if !both.is_empty() {
-            problems.push(format!(
-                "fatal_xids, ignored_xids: XID {} cannot be both fatal and ignored",
-                both.join(", ")
-            ));
+            problems.push(("degraded_enter_samples", "must be at least 1".to_owned()));
         }
         match &self.watch {
             Watch::Uuids(uuids) if uuids.is_empty() => {
-                problems.push("watch: an empty UUID list watches nothing; use all".to_owned());
+                problems.push((
+                    "watch",
+                    "an empty UUID list watches nothing; use all".to_owned(),
+                ));
             }
             Watch::Indices(indices) if indices.is_empty() => {
-                problems.push("watch: an empty index list watches nothing; use all".to_owned());
+                problems.push((
+                    "watch",
+                    "an empty index list watches nothing; use all".to_owned(),
+                ));
             }
             Watch::All | Watch::Uuids(_) | Watch::Indices(_) => {}
         }
@@ -173,7 +170,7 @@ mod tests {
     #[test]
     fn defaults_are_valid_and_follow_the_reference() {
         let options = Options::default();
-        assert_eq!(options.problems(), Vec::<String>::new());
+        assert!(options.problems().is_empty());
         assert!(options.fatal_xids.contains(&79));
         assert!(options.fatal_xids.contains(&48));
         assert!(!options.fatal_xids.contains(&63));
@@ -187,16 +184,26 @@ mod tests {
         let options = Options {
             sample_interval: Duration::ZERO,
             degraded_enter_samples: 0,
-            ignored_xids: [79, 13].into_iter().collect(),
             watch: Watch::Uuids(Vec::new()),
             ..Options::default()
         };
-        let problems = options.problems();
-        assert_eq!(problems.len(), 4, "{problems:?}");
-        assert!(problems[0].starts_with("sample_interval:"));
-        assert!(problems[1].starts_with("degraded_enter_samples:"));
-        assert!(problems[2].contains("XID 79"));
-        assert!(problems[3].starts_with("watch:"));
+        let fields: Vec<&str> = options.problems().iter().map(|(field, _)| *field).collect();
+        assert_eq!(
+            fields,
+            ["sample_interval", "degraded_enter_samples", "watch"],
+            "{:?}",
+            options.problems()
+        );
+    }
+
+    #[test]
+    fn a_fatal_xid_may_be_on_the_ignore_list() {
+        let options = Options {
+            fatal_xids: [13, 79].into_iter().collect(),
+            ..Options::default()
+        };
+        assert!(options.ignored_xids.contains(&13));
+        assert!(options.problems().is_empty(), "{:?}", options.problems());
     }
 
     #[test]

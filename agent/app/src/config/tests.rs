@@ -355,3 +355,16 @@ fn the_first_breaker_penalty_cannot_exceed_the_longest() {
     assert_eq!(paths(&err), ["resilience.breaker_min_penalty"]);
     assert!(err.to_string().contains("2m is longer than"), "{err}");
 }
+
+#[test]
+fn a_configured_fatal_xid_wins_over_the_built_in_ignore_list() {
+    let c = load_str("[gpu]\nfatal_xids = [13, 79]\n", &[]).unwrap();
+    assert!(c.gpu.fatal_xids.contains(&13));
+    assert!(
+        c.gpu.ignored_xids.contains(&13),
+        "the ignore list is not edited"
+    );
+    let err = load_str("[gpu]\nwatch = []\nsample_interval = \"0s\"\n", &[]);
+    // An empty watch list is "all"; a zero interval is named by its own key.
+    assert_eq!(paths(&err.unwrap_err()), ["gpu.sample_interval"]);
+}

@@ -272,6 +272,19 @@ fn xid_classes_follow_the_configured_sets() {
     assert_eq!(run.xid(Some(79)).state, GpuState::Healthy);
     assert_eq!(run.xid(Some(48)).state, GpuState::Degraded);
     assert_eq!(run.xid(Some(94)).state, GpuState::Unhealthy);
+
+    // A configured fatal XID wins over the built-in ignore list.
+    let strict = Options {
+        fatal_xids: [13].into_iter().collect(),
+        ..Options::default()
+    };
+    assert!(strict.ignored_xids.contains(&13));
+    let mut run = Run::with(&strict);
+    run.sample(healthy_sample());
+    assert_eq!(run.xid(Some(31)).state, GpuState::Healthy, "still ignored");
+    let health = run.xid(Some(13));
+    assert_eq!(health.state, GpuState::Unhealthy);
+    assert_eq!(health.reason_codes(), vec![ReasonCode::XidFatal]);
 }
 
 #[test]
