@@ -397,12 +397,7 @@ fn validate(
             "the admin plane must not share the data plane's address",
         );
     }
-    let admin_token = raw
-        .admin
-        .token
-        .clone()
-        .filter(|t| !t.is_empty())
-        .map(Secret::new);
+    let admin_token = admin_token(raw.admin.token.as_deref(), p);
     if !admin_addr.ip().is_loopback() && admin_token.is_none() {
         p.add(
             "admin.token",
@@ -575,6 +570,32 @@ fn validate(
         faults,
         source,
     })
+}
+
+/// The admin token as configured, without the whitespace around it: a token read
+/// from a secret file usually ends in a newline, which no client sends (and the
+/// admin plane trims what it is sent). An empty value means no token; one that is
+/// only whitespace, or holds a control character, is refused.
+fn admin_token(token: Option<&str>, p: &mut Problems) -> Option<Secret> {
+    let token = token.filter(|t| !t.is_empty())?;
+    let trimmed = token.trim();
+    if trimmed.is_empty() {
+        p.add(
+            "admin.token",
+            "is only whitespace: set a real token, or leave it empty for none \
+             (which requires a loopback listen.admin)",
+        );
+        return None;
+    }
+    if trimmed.chars().any(char::is_control) {
+        p.add(
+            "admin.token",
+            "contains a control character, which no client can send in an Authorization \
+             header: use printable characters only",
+        );
+        return None;
+    }
+    Some(Secret::new(trimmed.to_owned()))
 }
 
 fn telemetry(raw: &raw::Telemetry, env: &[(String, String)], p: &mut Problems) -> TelemetryConfig {

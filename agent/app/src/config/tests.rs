@@ -368,3 +368,35 @@ fn a_configured_fatal_xid_wins_over_the_built_in_ignore_list() {
     // An empty watch list is "all"; a zero interval is named by its own key.
     assert_eq!(paths(&err.unwrap_err()), ["gpu.sample_interval"]);
 }
+
+#[test]
+fn the_admin_token_is_trimmed_and_a_blank_one_refused() {
+    // As a Kubernetes secret created from a file hands it over: newline included.
+    let c = load_str("[admin]\ntoken = \"s3cret\\n\"\n", &[]).unwrap();
+    assert_eq!(c.admin_token.as_ref().map(|t| t.expose()), Some("s3cret"));
+    let c = load(None, &env(&[("OUTRIGGER_ADMIN_TOKEN", " s3cret\r\n")])).unwrap();
+    assert_eq!(c.admin_token.as_ref().map(|t| t.expose()), Some("s3cret"));
+
+    for blank in ["[admin]\ntoken = \" \"\n", "[admin]\ntoken = \"\\n\\t\"\n"] {
+        let err = load_str(blank, &[]).unwrap_err();
+        assert_eq!(paths(&err), ["admin.token"], "{blank:?}");
+        assert!(err.to_string().contains("only whitespace"), "{err}");
+    }
+    // A blank token does not count as set: a public admin bind still needs one.
+    let err = load_str(
+        "[listen]\nadmin = \"0.0.0.0:7071\"\n[admin]\ntoken = \" \"\n",
+        &[],
+    )
+    .unwrap_err();
+    assert_eq!(paths(&err), ["admin.token", "admin.token"]);
+
+    let err = load_str("[admin]\ntoken = \"ab\\u0000cd\"\n", &[]).unwrap_err();
+    assert!(err.to_string().contains("control character"), "{err}");
+    // Empty is "no token", as before.
+    assert!(
+        load_str("[admin]\ntoken = \"\"\n", &[])
+            .unwrap()
+            .admin_token
+            .is_none()
+    );
+}
