@@ -46,7 +46,10 @@ pub use nvml::{
     Check, CheckStatus, DEFAULT_LIBRARY, NvmlBackend, SampleCost, SelfTestDevice, SelfTestReport,
     self_test,
 };
-pub use options::{DEFAULT_FATAL_XIDS, DEFAULT_IGNORED_XIDS, Options, Watch};
+pub use options::{
+    DEFAULT_FATAL_XIDS, DEFAULT_IGNORED_XIDS, MAX_SAMPLE_INTERVAL, MIN_SAMPLE_INTERVAL, Options,
+    STALE_DEGRADED_AFTER, STALE_UNHEALTHY_AFTER, Watch,
+};
 pub use probe::{probe, probe_once};
 pub use sample::{
     CLOCK_EVENT_REASONS, EccCounts, NvLink, Pcie, RemappedRows, RetiredPages, SLOWDOWN_REASONS,

@@ -20,6 +20,19 @@ pub const DEFAULT_FATAL_XIDS: [u64; 19] = [
 /// default ignore list, minus 109, which the catalog says needs a GPU reset).
 pub const DEFAULT_IGNORED_XIDS: [u64; 5] = [13, 31, 43, 45, 68];
 
+/// The shortest `sample_interval`: sampling faster would keep a sampler with several
+/// GPUs busy all the time.
+pub const MIN_SAMPLE_INTERVAL: Duration = Duration::from_millis(100);
+/// The longest `sample_interval`: at least three samples must fit in
+/// [`STALE_DEGRADED_AFTER`], so one slow sample is never taken for a hung NVML.
+pub const MAX_SAMPLE_INTERVAL: Duration = Duration::from_secs(5);
+/// No successful sample for longer than this makes a GPU degraded (the sampler is
+/// stuck in NVML): the reference's 15 s, whatever the interval.
+pub const STALE_DEGRADED_AFTER: Duration = Duration::from_secs(15);
+/// No successful sample for longer than this makes a GPU unhealthy while it lasts:
+/// the reference's 60 s, whatever the interval.
+pub const STALE_UNHEALTHY_AFTER: Duration = Duration::from_secs(60);
+
 /// Which GPUs count for readiness and the node summary. All visible GPUs are always
 /// reported; unwatched ones just do not gate readiness.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
@@ -69,7 +82,8 @@ pub struct Options {
     pub enabled: bool,
     /// Where `libnvidia-ml` lives; `None` lets the dynamic loader find `libnvidia-ml.so.1`.
     pub library_path: Option<PathBuf>,
-    /// How often every signal is read.
+    /// How often every signal is read, from [`MIN_SAMPLE_INTERVAL`] to
+    /// [`MAX_SAMPLE_INTERVAL`].
     pub sample_interval: Duration,
     /// How long one event wait blocks; bounds how fast the event thread notices a stop.
     pub event_wait: Duration,
@@ -116,8 +130,19 @@ impl Options {
     /// valid.
     pub fn problems(&self) -> Vec<(&'static str, String)> {
         let mut problems = Vec::new();
-        if self.sample_interval.is_zero() {
-            problems.push(("sample_interval", "must be greater than zero".to_owned()));
+        if !(MIN_SAMPLE_INTERVAL..=MAX_SAMPLE_INTERVAL).contains(&self.sample_interval) {
+            problems.push((
+                "sample_interval",
+                format!(
+                    "{} is outside {}..={}: sampling must be fast enough that three samples \
+                     fit in the {} after which a GPU without one is degraded, and no faster \
+                     than a sampler can keep up with",
+                    humantime::format_duration(self.sample_interval),
+                    humantime::format_duration(MIN_SAMPLE_INTERVAL),
+                    humantime::format_duration(MAX_SAMPLE_INTERVAL),
+                    humantime::format_duration(STALE_DEGRADED_AFTER),
+                ),
+            ));
         }
         if self.event_wait.is_zero() {
             problems.push(("event_wait", "must be greater than zero".to_owned()));
@@ -143,14 +168,17 @@ impl Options {
         problems
     }
 
-    /// A sample older than this makes a GPU degraded (the sampler is stuck in NVML).
+    /// A sample older than this makes a GPU degraded (the sampler is stuck in NVML):
+    /// [`STALE_DEGRADED_AFTER`], fixed, so that a fast interval does not turn one slow
+    /// NVML call into a degraded GPU.
     pub fn stale_degraded_after(&self) -> Duration {
-        self.sample_interval.saturating_mul(3)
+        STALE_DEGRADED_AFTER
     }
 
-    /// A sample older than this makes a GPU unhealthy (while it stays stale).
+    /// A sample older than this makes a GPU unhealthy (while it stays stale):
+    /// [`STALE_UNHEALTHY_AFTER`], fixed.
     pub fn stale_unhealthy_after(&self) -> Duration {
-        self.sample_interval.saturating_mul(12)
+        STALE_UNHEALTHY_AFTER
     }
 }
 
@@ -193,6 +221,38 @@ mod tests {
             ["sample_interval", "degraded_enter_samples", "watch"],
             "{:?}",
             options.problems()
+        );
+    }
+
+    #[test]
+    fn the_sample_interval_is_bounded_and_staleness_does_not_follow_it() {
+        for (interval, valid) in [
+            (Duration::ZERO, false),
+            (Duration::from_millis(99), false),
+            (MIN_SAMPLE_INTERVAL, true),
+            (Duration::from_secs(1), true),
+            (MAX_SAMPLE_INTERVAL, true),
+            (Duration::from_secs(6), false),
+        ] {
+            let options = Options {
+                sample_interval: interval,
+                ..Options::default()
+            };
+            let fields: Vec<&str> = options.problems().iter().map(|(f, _)| *f).collect();
+            let want: &[&str] = if valid { &[] } else { &["sample_interval"] };
+            assert_eq!(fields, want, "{interval:?}: {:?}", options.problems());
+            assert_eq!(options.stale_degraded_after(), Duration::from_secs(15));
+            assert_eq!(options.stale_unhealthy_after(), Duration::from_secs(60));
+        }
+        let slow = Options {
+            sample_interval: Duration::from_secs(30),
+            ..Options::default()
+        };
+        assert_eq!(
+            slow.problems()[0].1,
+            "30s is outside 100ms..=5s: sampling must be fast enough that three samples fit \
+             in the 15s after which a GPU without one is degraded, and no faster than a \
+             sampler can keep up with"
         );
     }
 

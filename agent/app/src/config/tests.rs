@@ -400,3 +400,18 @@ fn the_admin_token_is_trimmed_and_a_blank_one_refused() {
             .is_none()
     );
 }
+
+#[test]
+fn the_gpu_sample_interval_is_bounded() {
+    let c = load_str("[gpu]\nsample_interval = \"200ms\"\n", &[]).unwrap();
+    assert_eq!(c.gpu.sample_interval, Duration::from_millis(200));
+    for outside in ["50ms", "10s"] {
+        let err = load_str(&format!("[gpu]\nsample_interval = {outside:?}\n"), &[]).unwrap_err();
+        assert_eq!(paths(&err), ["gpu.sample_interval"]);
+        assert!(
+            err.to_string()
+                .contains(&format!("{outside} is outside 100ms..=5s")),
+            "{err}"
+        );
+    }
+}

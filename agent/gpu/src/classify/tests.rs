@@ -425,6 +425,28 @@ fn staleness_grows_without_any_call_while_the_sampler_is_stuck() {
 }
 
 #[test]
+fn a_fast_interval_does_not_make_one_slow_sample_stale() {
+    let fast = Options {
+        sample_interval: Duration::from_millis(200),
+        ..Options::default()
+    };
+    let mut run = Run::with(&fast);
+    run.sample(healthy_sample());
+    let uuid = run.device.uuid.clone();
+    let at = |run: &mut Run, millis| {
+        run.classifier
+            .health(run.now.after(Duration::from_millis(millis)), &uuid)
+            .map(|health| health.state)
+    };
+    // A 3 s NVML call is slow, not hung: the limits are the reference's 15 s and 60 s.
+    assert_eq!(at(&mut run, 3_000), Some(GpuState::Healthy));
+    assert_eq!(at(&mut run, 14_000), Some(GpuState::Healthy));
+    assert_eq!(at(&mut run, 16_000), Some(GpuState::Degraded));
+    assert_eq!(at(&mut run, 59_000), Some(GpuState::Degraded));
+    assert_eq!(at(&mut run, 61_000), Some(GpuState::Unhealthy));
+}
+
+#[test]
 fn unknown_until_the_first_good_sample() {
     let mut classifier = Classifier::new(&Options::default());
     let now = Moment::now();
