@@ -82,6 +82,32 @@ impl Event {
     }
 }
 
+/// Whether asynchronous GPU events (XIDs, double-bit ECC errors) reach the monitor.
+///
+/// Without them a fatal XID that leaves no persistent state behind goes unseen while
+/// sampling still reports the GPU as healthy; the signals that do persist (recovery
+/// action, row-remap flags, volatile ECC counts, a lost GPU) are still sampled.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+#[serde(tag = "status", content = "reason", rename_all = "snake_case")]
+pub enum EventStatus {
+    /// No event source: NVML is loading, unavailable, or monitoring is disabled.
+    #[default]
+    Inactive,
+    /// Events of every GPU are delivered.
+    Up,
+    /// Events of some GPUs only; the reason names the others.
+    Partial(String),
+    /// No events are delivered; the reason says why.
+    Down(String),
+}
+
+impl EventStatus {
+    /// Whether events of every GPU are delivered.
+    pub fn is_up(&self) -> bool {
+        matches!(self, Self::Up)
+    }
+}
+
 /// A source of GPU telemetry. Implementations block (NVML calls can hang on a wedged
 /// GPU), so they are only ever called from the monitor's own threads, never from an
 /// async runtime or a request path.
@@ -99,4 +125,11 @@ pub trait Backend: Send + Sync {
     /// Waits up to `timeout` for the next event; `Ok(None)` when none arrived.
     /// `Err(Error::NotSupported(_))` means this backend cannot deliver events at all.
     fn next_event(&self, timeout: Duration) -> Result<Option<Event>, Error>;
+
+    /// Whether events are delivered, as far as the backend knows before waiting (a
+    /// GPU whose registration failed, say). The monitor also marks them down when a
+    /// wait fails.
+    fn event_status(&self) -> EventStatus {
+        EventStatus::Up
+    }
 }

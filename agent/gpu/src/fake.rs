@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use crate::backend::{Backend, DeviceInfo, DriverInfo, Error, Event};
+use crate::backend::{Backend, DeviceInfo, DriverInfo, Error, Event, EventStatus};
 use crate::clock::lock;
 use crate::sample::{EccCounts, Pcie, RemappedRows, Sample};
 
@@ -30,6 +30,10 @@ struct Script {
     gpus: BTreeMap<String, FakeGpu>,
     events: VecDeque<Result<Event, Error>>,
     events_unsupported: bool,
+    /// Why some GPUs' events are not delivered (a partial registration).
+    events_partial: Option<String>,
+    /// While set, every `next_event` fails with it.
+    events_failing: Option<Error>,
     samples_taken: u64,
     /// While set, `sample` blocks, like NVML on a wedged GPU.
     samples_held: bool,
@@ -163,6 +167,19 @@ impl FakeBackend {
         self.inner.event_pushed.notify_all();
     }
 
+    /// Makes every `next_event` fail with `error` until called with `None`, like an
+    /// event set on a wedged driver.
+    pub fn set_events_failing(&self, error: Option<Error>) {
+        lock(&self.inner.script).events_failing = error;
+        self.inner.event_pushed.notify_all();
+    }
+
+    /// Reports events as delivered for some GPUs only, as NVML does when one GPU's
+    /// registration failed; events still flow.
+    pub fn partial_events(&self, reason: &str) {
+        lock(&self.inner.script).events_partial = Some(reason.to_owned());
+    }
+
     /// Makes every `sample` call block until [`FakeBackend::release_samples`], like an
     /// NVML call on a wedged GPU.
     pub fn hold_samples(&self) {
@@ -222,7 +239,9 @@ impl Backend for FakeBackend {
             .inner
             .event_pushed
             .wait_timeout_while(script, timeout, |script| {
-                script.events.is_empty() && !script.events_unsupported
+                script.events.is_empty()
+                    && !script.events_unsupported
+                    && script.events_failing.is_none()
             })
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if script.events_unsupported {
@@ -230,6 +249,20 @@ impl Backend for FakeBackend {
                 "the fake has events disabled".to_owned(),
             ));
         }
+        if let Some(error) = &script.events_failing {
+            return Err(error.clone());
+        }
         script.events.pop_front().transpose()
+    }
+
+    fn event_status(&self) -> EventStatus {
+        let script = lock(&self.inner.script);
+        if script.events_unsupported {
+            EventStatus::Down("the fake has events disabled".to_owned())
+        } else if let Some(reason) = &script.events_partial {
+            EventStatus::Partial(reason.clone())
+        } else {
+            EventStatus::Up
+        }
     }
 }

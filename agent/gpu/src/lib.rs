@@ -34,7 +34,7 @@ mod sample;
 mod snapshot;
 mod time;
 
-pub use backend::{Backend, DeviceInfo, DriverInfo, Error, Event};
+pub use backend::{Backend, DeviceInfo, DriverInfo, Error, Event, EventStatus};
 pub use classify::{
     Classifier, GpuHealth, Reason, ReasonCode, XID_HISTORY_LEN, XidRecord, describe_xid,
     pcie_replay_limit, recovery_action_name,

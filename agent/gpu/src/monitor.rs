@@ -12,7 +12,7 @@ use std::time::{Duration, Instant, SystemTime};
 use outrigger_types::GpuState;
 use tokio::sync::watch;
 
-use crate::backend::{Backend, DeviceInfo, Error, Event};
+use crate::backend::{Backend, DeviceInfo, Error, Event, EventStatus};
 use crate::classify::{Classifier, GpuHealth, Reason, ReasonCode};
 use crate::clock::{Clock, Moment, Stop, SystemClock, lock};
 use crate::nvml::NvmlBackend;
@@ -29,6 +29,7 @@ pub(crate) struct Engine {
     options: Options,
     classifier: Classifier,
     nvml: NvmlStatus,
+    events: EventStatus,
     devices: Vec<DeviceInfo>,
     health: BTreeMap<String, GpuHealth>,
     problems: Vec<Reason>,
@@ -49,6 +50,7 @@ impl Engine {
             options,
             classifier,
             nvml,
+            events: EventStatus::Inactive,
             devices: Vec::new(),
             health: BTreeMap::new(),
             problems: Vec::new(),
@@ -64,6 +66,10 @@ impl Engine {
 
     pub(crate) fn set_nvml(&mut self, nvml: NvmlStatus) {
         self.nvml = nvml;
+    }
+
+    pub(crate) fn set_events(&mut self, events: EventStatus) {
+        self.events = events;
     }
 
     /// Records the GPU inventory and the node-level problems it implies.
@@ -189,6 +195,7 @@ impl Engine {
         Snapshot::from_parts(
             Parts {
                 nvml: self.nvml.clone(),
+                events: self.events.clone(),
                 gpus,
                 problems: self.problems.clone(),
                 sampled_at: self.sampled_at,
@@ -267,8 +274,10 @@ impl Shared {
         options: Options,
         clock: Arc<dyn Clock>,
         nvml: NvmlStatus,
+        events: EventStatus,
     ) -> (Arc<Self>, watch::Receiver<Arc<Snapshot>>) {
         let mut engine = Engine::new(options.clone(), Classifier::new(&options), nvml);
+        engine.set_events(events);
         let first = engine.snapshot(clock.now());
         let (snapshots, receiver) = watch::channel(Arc::new(first));
         let shared = Arc::new(Self {
@@ -286,6 +295,18 @@ impl Shared {
         let mut engine = lock(&self.engine);
         let now = self.clock.now();
         change(&mut engine, now);
+        let snapshot = engine.snapshot(now);
+        self.snapshots.send_replace(Arc::new(snapshot));
+    }
+
+    /// Publishes a new event status, if it changed.
+    fn set_events(&self, events: EventStatus) {
+        let mut engine = lock(&self.engine);
+        if engine.events == events {
+            return;
+        }
+        let now = self.clock.now();
+        engine.set_events(events);
         let snapshot = engine.snapshot(now);
         self.snapshots.send_replace(Arc::new(snapshot));
     }
@@ -326,7 +347,12 @@ impl Monitor {
         } else {
             NvmlStatus::Disabled
         };
-        let (shared, receiver) = Shared::new(options, Arc::new(SystemClock), initial);
+        let (shared, receiver) = Shared::new(
+            options,
+            Arc::new(SystemClock),
+            initial,
+            EventStatus::Inactive,
+        );
         let monitor = Self { shared, receiver };
         if !monitor.shared.options.enabled {
             return (monitor, Vec::new());
@@ -365,7 +391,7 @@ impl Monitor {
             driver_version: driver.driver_version,
             nvml_version: driver.nvml_version,
         };
-        let (shared, receiver) = Shared::new(options, clock, nvml);
+        let (shared, receiver) = Shared::new(options, clock, nvml, backend.event_status());
         let mut handles = Vec::new();
         let sampler_shared = Arc::clone(&shared);
         let sampler_backend = Arc::clone(&backend);
@@ -423,11 +449,13 @@ fn load_and_run(shared: &Arc<Shared>) {
         }
     };
     let driver = backend.driver();
+    let events = backend.event_status();
     shared.publish(|engine, _| {
         engine.set_nvml(NvmlStatus::Up {
             driver_version: driver.driver_version,
             nvml_version: driver.nvml_version,
         });
+        engine.set_events(events);
     });
     let helpers: Vec<JoinHandle<()>> = spawn_events(shared, &backend)
         .into_iter()
@@ -498,25 +526,46 @@ fn run_sampler(shared: &Shared, backend: &dyn Backend) {
     }
 }
 
+/// Takes events until stopped. Event delivery that fails is published (the snapshot's
+/// `events`, the `outrigger_gpu_events_up` metric) and logged at WARN: it does not
+/// change any GPU's health, but without it fatal XIDs that leave no persistent state
+/// go unseen.
 fn run_events(shared: &Shared, backend: &dyn Backend) {
     let wait = shared.options.event_wait;
+    // What a working wait means: all GPUs, or only those whose registration worked.
+    let working = backend.event_status();
     // A wedged GPU can fail every wait; say so once per distinct error, not per second.
     let mut last_error: Option<Error> = None;
     while !shared.stop.is_raised() {
         match backend.next_event(wait) {
             Ok(Some(event)) => {
-                last_error = None;
+                if last_error.take().is_some() {
+                    shared.set_events(working.clone());
+                }
                 tracing::warn!(?event, "GPU event");
                 shared.publish(|engine, now| engine.record_events(now, &[event]));
             }
-            Ok(None) => last_error = None,
+            Ok(None) => {
+                if last_error.take().is_some() {
+                    tracing::info!("GPU events are delivered again");
+                    shared.set_events(working.clone());
+                }
+            }
             Err(Error::NotSupported(why) | Error::Unavailable(why)) => {
-                tracing::info!(%why, "no GPU event delivery; XIDs will not be seen, sampling goes on");
+                tracing::warn!(
+                    %why,
+                    "GPU events are not delivered: XIDs that leave no persistent state will \
+                     not be seen; sampling goes on"
+                );
+                shared.set_events(EventStatus::Down(why));
                 return;
             }
             Err(error) => {
                 if last_error.as_ref() != Some(&error) {
                     tracing::warn!(%error, "waiting for GPU events failed");
+                    shared.set_events(EventStatus::Down(format!(
+                        "waiting for events failed: {error}"
+                    )));
                     last_error = Some(error);
                 }
                 // Do not spin on a persistent error.

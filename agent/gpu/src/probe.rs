@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Error, EventStatus};
 use crate::classify::Classifier;
 use crate::clock::Moment;
 use crate::monitor::Engine;
@@ -32,6 +32,7 @@ pub fn probe_once(options: &Options) -> Snapshot {
 /// sample are reported at once (see [`Classifier::one_shot`]).
 pub fn probe(backend: &dyn Backend, options: &Options) -> Snapshot {
     let driver = backend.driver();
+    let mut events_status = backend.event_status();
     let mut engine = Engine::new(
         options.clone(),
         Classifier::one_shot(options),
@@ -54,12 +55,18 @@ pub fn probe(backend: &dyn Backend, options: &Options) -> Snapshot {
         match backend.next_event(EVENT_POLL) {
             Ok(Some(event)) => events.push(event),
             Ok(None) => break,
+            Err(Error::NotSupported(why) | Error::Unavailable(why)) => {
+                events_status = EventStatus::Down(why);
+                break;
+            }
             Err(error) => {
                 tracing::debug!(%error, "no GPU events for the probe");
+                events_status = EventStatus::Down(format!("waiting for events failed: {error}"));
                 break;
             }
         }
     }
+    engine.set_events(events_status);
     engine.record_events(Moment::now(), &events);
 
     let started = Instant::now();

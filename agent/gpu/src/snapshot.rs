@@ -8,7 +8,7 @@ use std::time::SystemTime;
 use outrigger_types::{GpuState, GpuSummary};
 use serde::Serialize;
 
-use crate::backend::Error;
+use crate::backend::{Error, EventStatus};
 use crate::classify::{GpuHealth, Reason, ReasonCode, recovery_action_name};
 use crate::options::Options;
 use crate::sample::{CLOCK_EVENT_REASONS, clock_event_names};
@@ -65,6 +65,10 @@ impl Incident {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Snapshot {
     pub nvml: NvmlStatus,
+    /// Whether XID and ECC events reach the monitor. Not a health verdict: without
+    /// events, fatal XIDs that leave no persistent state go unseen, so this is shown
+    /// (and exported as `outrigger_gpu_events_up`) for operators to alert on.
+    pub events: EventStatus,
     /// Every visible GPU, by NVML index.
     pub gpus: Vec<GpuHealth>,
     /// Node-level problems: missing GPUs, enumeration failures.
@@ -122,6 +126,7 @@ impl MetricSample {
 #[derive(Debug, Clone)]
 pub(crate) struct Parts {
     pub nvml: NvmlStatus,
+    pub events: EventStatus,
     pub gpus: Vec<GpuHealth>,
     pub problems: Vec<Reason>,
     pub sampled_at: Option<SystemTime>,
@@ -137,6 +142,7 @@ impl Snapshot {
         let (ready, ready_reason) = readiness(&parts.nvml, &parts.gpus, &parts.problems, options);
         Self {
             nvml: parts.nvml,
+            events: parts.events,
             gpus: parts.gpus,
             problems: parts.problems,
             summary,
@@ -155,6 +161,7 @@ impl Snapshot {
         Self::from_parts(
             Parts {
                 nvml,
+                events: EventStatus::Inactive,
                 gpus: Vec::new(),
                 problems: Vec::new(),
                 sampled_at: None,
@@ -216,6 +223,23 @@ impl Snapshot {
             self.summary.state.as_str(),
             self.ready_reason
         );
+        match &self.events {
+            EventStatus::Up | EventStatus::Inactive => {}
+            EventStatus::Partial(reason) => {
+                let _ = writeln!(
+                    out,
+                    "XID events: NOT delivered for some GPUs ({reason}); their XIDs that \
+                     leave no persistent state go unseen"
+                );
+            }
+            EventStatus::Down(reason) => {
+                let _ = writeln!(
+                    out,
+                    "XID events: NOT delivered ({reason}); XIDs that leave no persistent \
+                     state go unseen"
+                );
+            }
+        }
         for problem in &self.problems {
             let _ = writeln!(
                 out,
@@ -246,6 +270,17 @@ impl Snapshot {
             Vec::new(),
             flag(up),
         );
+        if up {
+            push(
+                &mut out,
+                "outrigger_gpu_events_up",
+                MetricKind::Gauge,
+                "Whether XID and ECC events of every GPU reach the monitor (1) or not (0); \
+                 while 0, XIDs that leave no persistent state go unseen.",
+                Vec::new(),
+                flag(self.events.is_up()),
+            );
+        }
         push(
             &mut out,
             "outrigger_gpu_ready",

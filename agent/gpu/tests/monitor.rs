@@ -8,8 +8,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use outrigger_gpu::{
-    DeviceInfo, Error, Event, FakeBackend, GpuHealth, ManualClock, Monitor, NvmlStatus, Options,
-    ReasonCode, Sample, Snapshot, Watch, fake_uuid, healthy_sample, probe,
+    DeviceInfo, Error, Event, EventStatus, FakeBackend, GpuHealth, ManualClock, Monitor,
+    NvmlStatus, Options, ReasonCode, Sample, Snapshot, Watch, fake_uuid, healthy_sample, probe,
 };
 use outrigger_types::GpuState;
 use tokio::sync::watch;
@@ -428,12 +428,36 @@ async fn an_xid_before_the_gpus_are_listed_is_not_lost() {
     h.stop();
 }
 
+fn events_up(snapshot: &Snapshot) -> Option<f64> {
+    snapshot
+        .metrics()
+        .iter()
+        .find(|metric| metric.name == "outrigger_gpu_events_up")
+        .map(|metric| metric.value)
+}
+
 #[tokio::test]
 async fn without_event_support_sampling_goes_on() {
     let backend = FakeBackend::with_gpus(1);
     backend.disable_events();
     let mut h = Harness::start(backend, options());
-    h.until("the first round", |s| s.rounds >= 1).await;
+    let first = h.until("the first round", |s| s.rounds >= 1).await;
+    // Shown, exported and explained, but not a health verdict: the GPU stays healthy
+    // and the pod ready.
+    assert_eq!(
+        first.events,
+        EventStatus::Down("the fake has events disabled".to_owned())
+    );
+    assert_eq!(events_up(&first), Some(0.0));
+    assert!(first.ready, "{}", first.ready_reason);
+    assert_eq!(gpu(&first, 0).state, GpuState::Healthy);
+    assert!(
+        first.render_text().contains("XID events: NOT delivered"),
+        "{}",
+        first.render_text()
+    );
+    let json = serde_json::to_value(&*first).unwrap_or_default();
+    assert_eq!(json["events"]["status"], "down");
     h.backend.set_sample(
         &fake_uuid(0),
         Ok(Sample {
@@ -446,6 +470,58 @@ async fn without_event_support_sampling_goes_on() {
         gpu(&snapshot, 0).reason_codes(),
         vec![ReasonCode::RecoveryAction]
     );
+    h.stop();
+}
+
+#[tokio::test]
+async fn failing_event_waits_are_shown_until_events_flow_again() {
+    let mut h = Harness::start(FakeBackend::with_gpus(1), options());
+    let first = h.until("the first round", |s| s.rounds >= 1).await;
+    assert_eq!(first.events, EventStatus::Up);
+    assert_eq!(events_up(&first), Some(1.0));
+
+    h.backend
+        .set_events_failing(Some(Error::Other("Unknown Error".to_owned())));
+    let failing = h.until("events to be down", |s| !s.events.is_up()).await;
+    assert_eq!(
+        failing.events,
+        EventStatus::Down("waiting for events failed: Unknown Error".to_owned())
+    );
+    assert_eq!(events_up(&failing), Some(0.0));
+    assert!(failing.ready);
+
+    h.backend.set_events_failing(None);
+    let back = h.until("events to be up again", |s| s.events.is_up()).await;
+    assert_eq!(events_up(&back), Some(1.0));
+
+    // A backend that stops delivering events altogether: the event thread ends, and
+    // says so.
+    h.backend.disable_events();
+    let gone = h.until("events to be gone", |s| !s.events.is_up()).await;
+    assert_eq!(
+        gone.events,
+        EventStatus::Down("the fake has events disabled".to_owned())
+    );
+    h.stop();
+}
+
+#[tokio::test]
+async fn a_partial_event_registration_is_shown() {
+    let backend = FakeBackend::with_gpus(2);
+    backend.partial_events("GPU-1: cannot register for events");
+    let mut h = Harness::start(backend, options());
+    let first = h.until("the first round", |s| s.rounds >= 1).await;
+    assert_eq!(
+        first.events,
+        EventStatus::Partial("GPU-1: cannot register for events".to_owned())
+    );
+    assert_eq!(events_up(&first), Some(0.0));
+    // Events of the other GPUs still flow.
+    h.backend.push_event(Event::Xid {
+        uuid: fake_uuid(0),
+        xid: Some(79),
+    });
+    h.until("the XID to arrive", |s| !s.ready).await;
     h.stop();
 }
 

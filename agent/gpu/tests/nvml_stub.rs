@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outrigger_gpu::{
-    Backend, CheckStatus, Classifier, Error, Moment, Monitor, NvmlBackend, NvmlStatus, Options,
-    ReasonCode, Snapshot, Watch, probe_once, self_test,
+    Backend, CheckStatus, Classifier, Error, EventStatus, Moment, Monitor, NvmlBackend, NvmlStatus,
+    Options, ReasonCode, Snapshot, Watch, probe_once, self_test,
 };
 use outrigger_types::GpuState;
 
@@ -273,6 +273,7 @@ fn stub_healthy() -> TestResult {
         let sampled = wait_for(&monitor, "the first round", |s| s.rounds >= 1)?;
         assert_eq!(gpu_state(&sampled, GPU0), Some(GpuState::Healthy));
         assert!(sampled.ready);
+        assert_eq!(sampled.events, EventStatus::Up);
         stop(monitor, handles);
         Ok(())
     })

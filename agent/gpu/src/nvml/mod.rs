@@ -29,7 +29,7 @@ use nvml_wrapper::{Device, EventSet, Nvml};
 
 pub use self_test::{Check, CheckStatus, SampleCost, SelfTestDevice, SelfTestReport, self_test};
 
-use crate::backend::{Backend, DeviceInfo, DriverInfo, Error, Event};
+use crate::backend::{Backend, DeviceInfo, DriverInfo, Error, Event, EventStatus};
 use crate::clock::lock;
 use crate::sample::{NvLink, Sample, SignalFailure};
 
@@ -371,6 +371,17 @@ impl Backend for NvmlBackend {
             }
             Err(NvmlError::Timeout) => Ok(None),
             Err(error) => Err(map_error(error)),
+        }
+    }
+
+    fn event_status(&self) -> EventStatus {
+        let registered = lock(&self.events).is_some();
+        match (&self.event_problem, registered) {
+            (None, true) => EventStatus::Up,
+            (Some(problem), true) => EventStatus::Partial(problem.clone()),
+            (problem, false) => {
+                EventStatus::Down(problem.clone().unwrap_or_else(|| "no event set".to_owned()))
+            }
         }
     }
 }

@@ -52,6 +52,7 @@ fn snapshot(nvml: NvmlStatus, gpus: Vec<GpuHealth>, options: &Options) -> Snapsh
     Snapshot::from_parts(
         Parts {
             nvml,
+            events: EventStatus::Up,
             gpus,
             problems: Vec::new(),
             sampled_at: Some(at(10)),
@@ -370,6 +371,30 @@ fn without_nvml_no_hw_status_is_emitted() {
         Some(0.0)
     );
     assert!(find(&metrics, "hw_status", &[]).is_none());
+    assert!(
+        find(&metrics, "outrigger_gpu_events_up", &[]).is_none(),
+        "no NVML, no event metric to alert on"
+    );
+}
+
+#[test]
+fn event_delivery_is_exported_and_shown() {
+    let mut snapshot = snapshot(up(), vec![gpu(0, GpuState::Healthy)], &Options::default());
+    let events_up = |snapshot: &Snapshot| {
+        find(&snapshot.metrics(), "outrigger_gpu_events_up", &[]).map(|m| m.value)
+    };
+    assert_eq!(events_up(&snapshot), Some(1.0));
+    assert!(!snapshot.render_text().contains("XID events"));
+    snapshot.events = EventStatus::Down("cannot create an NVML event set: Not Supported".into());
+    assert_eq!(events_up(&snapshot), Some(0.0));
+    assert!(
+        snapshot
+            .render_text()
+            .contains("XID events: NOT delivered (cannot create an NVML event set"),
+        "{}",
+        snapshot.render_text()
+    );
+    assert!(snapshot.ready, "event delivery is not a health verdict");
 }
 
 #[test]
