@@ -259,6 +259,10 @@ impl Snapshot {
     /// Every metric this snapshot implies: Outrigger's own `outrigger_gpu_*` health
     /// metrics and the OpenTelemetry hardware semantic conventions (`hw.*`) in their
     /// Prometheus form. GPUs are labelled by UUID (`gpu`, `hw_id`).
+    ///
+    /// The samples of one family are contiguous (families in the order they first
+    /// appear, GPUs by index within each), as the OpenMetrics text `/metrics` serves
+    /// requires.
     pub fn metrics(&self) -> Vec<MetricSample> {
         let mut out = Vec::new();
         let up = matches!(self.nvml, NvmlStatus::Up { .. });
@@ -338,6 +342,7 @@ impl Snapshot {
         for gpu in &self.gpus {
             gpu_metrics(&mut out, gpu);
         }
+        group_by_family(&mut out);
         out
     }
 }
@@ -348,6 +353,23 @@ const STATES: [GpuState; 4] = [
     GpuState::Degraded,
     GpuState::Unhealthy,
 ];
+
+/// Puts the samples of each family together, families in the order they first appear
+/// and samples in their order within a family.
+fn group_by_family(samples: &mut [MetricSample]) {
+    let mut first_seen: Vec<&'static str> = Vec::new();
+    for sample in samples.iter() {
+        if !first_seen.contains(&sample.family()) {
+            first_seen.push(sample.family());
+        }
+    }
+    // A stable sort: within a family the order is kept.
+    samples.sort_by_key(|sample| {
+        first_seen
+            .iter()
+            .position(|family| *family == sample.family())
+    });
+}
 
 fn flag(value: bool) -> f64 {
     if value { 1.0 } else { 0.0 }

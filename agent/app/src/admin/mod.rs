@@ -356,6 +356,41 @@ mod tests {
     }
 
     #[test]
+    fn gpu_metric_families_are_contiguous_in_the_exposition() {
+        let backend = outrigger_gpu::FakeBackend::with_gpus(2);
+        backend.push_event(outrigger_gpu::Event::Xid {
+            uuid: outrigger_gpu::fake_uuid(1),
+            xid: Some(94),
+        });
+        let snapshot = outrigger_gpu::probe(&backend, &outrigger_gpu::Options::default());
+        let mut text =
+            "# TYPE outrigger_http_inflight gauge\noutrigger_http_inflight 0\n# EOF\n".to_owned();
+        append_samples(&mut text, &snapshot.metrics());
+        assert!(text.ends_with("\n# EOF\n"), "{text}");
+
+        // Every sample line belongs to the family of the last # TYPE line, and each
+        // family has one # TYPE line.
+        let mut families: Vec<&str> = Vec::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let family = rest.split(' ').next().unwrap_or_default();
+                assert!(!families.contains(&family), "{family} twice:\n{text}");
+                families.push(family);
+            } else if !line.starts_with('#') {
+                let name = line.split(['{', ' ']).next().unwrap_or_default();
+                let family = families.last().copied().unwrap_or_default();
+                assert!(
+                    name == family || name.strip_suffix("_total") == Some(family),
+                    "{name} is not in family {family}:\n{text}"
+                );
+            }
+        }
+        for family in ["outrigger_gpu_health_state", "hw_status", "hw_errors"] {
+            assert!(families.contains(&family), "{family} missing:\n{text}");
+        }
+    }
+
+    #[test]
     fn token_compare() {
         assert!(constant_time_eq(b"abc", b"abc"));
         assert!(!constant_time_eq(b"abc", b"abd"));

@@ -378,6 +378,50 @@ fn without_nvml_no_hw_status_is_emitted() {
 }
 
 #[test]
+fn each_metric_family_is_contiguous() {
+    let mut first = gpu(0, GpuState::Unhealthy);
+    first.xid_counts.insert("79".to_owned(), 1);
+    first.signals.ecc.corrected_volatile = Some(2);
+    let mut second = gpu(1, GpuState::Degraded);
+    second.xid_counts.insert("94".to_owned(), 3);
+    let snapshot = snapshot(up(), vec![first, second], &Options::default());
+    let metrics = snapshot.metrics();
+    let mut finished: Vec<&str> = Vec::new();
+    let mut current = "";
+    for metric in &metrics {
+        if metric.family() != current {
+            assert!(
+                !finished.contains(&metric.family()),
+                "{} comes back after other families: {:?}",
+                metric.family(),
+                metrics.iter().map(MetricSample::family).collect::<Vec<_>>()
+            );
+            finished.push(current);
+            current = metric.family();
+        }
+    }
+    // Both GPUs' states, then both GPUs' hw_status: one family after the other.
+    let families: Vec<&str> = metrics
+        .iter()
+        .map(MetricSample::family)
+        .filter(|family| ["outrigger_gpu_health_state", "hw_status"].contains(family))
+        .collect();
+    assert_eq!(families.len(), 16);
+    assert!(
+        families[..8]
+            .iter()
+            .all(|f| *f == "outrigger_gpu_health_state")
+    );
+    let gpus: Vec<&str> = metrics
+        .iter()
+        .filter(|metric| metric.name == "outrigger_gpu_health_state")
+        .map(|metric| metric.labels[0].1.as_str())
+        .collect();
+    assert_eq!(gpus[0], fake_uuid(0));
+    assert_eq!(gpus[7], fake_uuid(1), "GPUs in index order within a family");
+}
+
+#[test]
 fn event_delivery_is_exported_and_shown() {
     let mut snapshot = snapshot(up(), vec![gpu(0, GpuState::Healthy)], &Options::default());
     let events_up = |snapshot: &Snapshot| {
