@@ -83,6 +83,9 @@ pub struct LogOptions {
 pub struct Problem {
     /// Dotted key path, e.g. `providers[1].base_url`.
     pub path: String,
+    /// The environment variable the key's value came from, e.g.
+    /// `OUTRIGGER_GPU_SAMPLE_INTERVAL`; `None` for the file (or a default).
+    pub from_env: Option<String>,
     pub message: String,
 }
 
@@ -103,7 +106,10 @@ impl fmt::Display for Error {
             if self.problems.len() == 1 { "" } else { "s" }
         )?;
         for p in &self.problems {
-            writeln!(f, "  - {}: {}", p.path, p.message)?;
+            match &p.from_env {
+                Some(var) => writeln!(f, "  - {} (from {var}): {}", p.path, p.message)?,
+                None => writeln!(f, "  - {}: {}", p.path, p.message)?,
+            }
         }
         Ok(())
     }
@@ -113,14 +119,40 @@ impl std::error::Error for Error {}
 
 /// Collects problems while validating.
 #[derive(Default)]
-pub(crate) struct Problems(Vec<Problem>);
+pub(crate) struct Problems {
+    list: Vec<Problem>,
+    /// Key paths whose value came from the environment, with the variable.
+    from_env: Vec<(String, String)>,
+}
 
 impl Problems {
+    /// A problem with the key at `path`; one whose value came from the environment
+    /// names its variable too.
     pub(crate) fn add(&mut self, path: impl Into<String>, message: impl Into<String>) {
-        self.0.push(Problem {
-            path: path.into(),
+        let path = path.into();
+        let from_env = self
+            .from_env
+            .iter()
+            .find(|(key, _)| *key == path)
+            .map(|(_, var)| var.clone());
+        self.list.push(Problem {
+            path,
+            from_env,
             message: message.into(),
         });
+    }
+
+    /// Records that the value of `path` came from the environment variable `var`.
+    pub(crate) fn set_from_env(&mut self, path: impl Into<String>, var: &str) {
+        self.from_env.push((path.into(), var.to_owned()));
+    }
+
+    fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.list.is_empty()
     }
 }
 
@@ -139,6 +171,7 @@ pub fn load(path: Option<&Path>, env: &[(String, String)]) -> Result<Config, Err
         Some(p) => std::fs::read_to_string(p).map_err(|e| {
             fail(vec![Problem {
                 path: "(file)".into(),
+                from_env: None,
                 message: format!("cannot read {}: {e}", p.display()),
             }])
         })?,
@@ -147,6 +180,7 @@ pub fn load(path: Option<&Path>, env: &[(String, String)]) -> Result<Config, Err
     let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| {
         fail(vec![Problem {
             path: "(syntax)".into(),
+            from_env: None,
             message: e.to_string().trim().replace('\n', " "),
         }])
     })?;
@@ -163,7 +197,7 @@ pub fn load(path: Option<&Path>, env: &[(String, String)]) -> Result<Config, Err
                 // Deserializing stops at the first wrong type: go key by key to report
                 // every one of them (and every unknown key) with its path.
                 type_problems(&table, &mut problems);
-                return Err(fail(problems.0));
+                return Err(fail(problems.list));
             }
         };
     for key in unknown {
@@ -173,10 +207,10 @@ pub fn load(path: Option<&Path>, env: &[(String, String)]) -> Result<Config, Err
         );
     }
     let config = validate(raw, env, source.clone(), &mut problems);
-    if problems.0.is_empty() {
+    if problems.is_empty() {
         config.ok_or_else(|| fail(Vec::new()))
     } else {
-        Err(fail(problems.0))
+        Err(fail(problems.list))
     }
 }
 
@@ -237,7 +271,7 @@ fn type_problems(table: &toml::Table, problems: &mut Problems) {
             other => check(section, other.clone(), section.clone(), problems),
         }
     }
-    if problems.0.is_empty() {
+    if problems.is_empty() {
         problems.add(
             "(types)",
             "the configuration does not have the expected shape",
@@ -265,6 +299,7 @@ fn apply_env_overrides(table: &mut toml::Table, env: &[(String, String)], proble
         {
             toml::Value::Table(t) => {
                 t.insert(key.to_string(), parsed);
+                problems.set_from_env(format!("{section}.{key}"), name);
             }
             _ => problems.add(
                 format!("{section} (from {name})"),
@@ -337,10 +372,10 @@ pub(crate) fn positive_duration(
     default: Duration,
     zero: &str,
 ) -> Duration {
-    let before = p.0.len();
+    let before = p.len();
     let parsed = duration(p, path, value, default);
     // A value that is not a duration at all has its problem already.
-    if parsed.is_zero() && p.0.len() == before {
+    if parsed.is_zero() && p.len() == before {
         p.add(path, format!("must be greater than 0: {zero}"));
     }
     parsed
@@ -599,6 +634,13 @@ fn admin_token(token: Option<&str>, p: &mut Problems) -> Option<Secret> {
 }
 
 fn telemetry(raw: &raw::Telemetry, env: &[(String, String)], p: &mut Problems) -> TelemetryConfig {
+    if raw
+        .otlp_endpoint
+        .as_deref()
+        .is_none_or(|e| e.trim().is_empty())
+    {
+        p.set_from_env("telemetry.otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT");
+    }
     let mut otlp = outrigger_telemetry::OtlpOptions::resolve(raw.otlp_endpoint.as_deref(), env);
     if let Some(o) = &mut otlp {
         match o.endpoint.parse::<Uri>() {

@@ -415,3 +415,69 @@ fn the_gpu_sample_interval_is_bounded() {
         );
     }
 }
+
+#[test]
+fn a_problem_with_a_value_from_the_environment_names_the_variable() {
+    let err = load_str(
+        "[gpu]\nsample_interval = \"5s\"\n[limits]\nconnect_timeout = \"0s\"\n",
+        &env(&[
+            ("OUTRIGGER_GPU_SAMPLE_INTERVAL", "10s"),
+            ("OUTRIGGER_LIMITS_MAX_BODY_BYTES", "lots"),
+            ("OUTRIGGER_TOOLS_TIMEOUT", "1s"),
+        ]),
+    );
+    let err = err.unwrap_err();
+    // Type errors stop validation: the wrong type alone is reported, with its variable.
+    assert_eq!(paths(&err), ["limits.max_body_bytes"]);
+    assert_eq!(
+        err.problems[0].from_env.as_deref(),
+        Some("OUTRIGGER_LIMITS_MAX_BODY_BYTES")
+    );
+    assert!(
+        err.to_string()
+            .contains("  - limits.max_body_bytes (from OUTRIGGER_LIMITS_MAX_BODY_BYTES): "),
+        "{err}"
+    );
+
+    let err = load_str(
+        "[gpu]\nsample_interval = \"5s\"\n[limits]\nconnect_timeout = \"0s\"\n",
+        &env(&[
+            ("OUTRIGGER_GPU_SAMPLE_INTERVAL", "10s"),
+            ("OUTRIGGER_ADMIN_TOKEN", " "),
+            ("OUTRIGGER_LIMITS_MAX_BODY", "1"),
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318"),
+        ]),
+    )
+    .unwrap_err();
+    let text = err.to_string();
+    for line in [
+        "  - gpu.sample_interval (from OUTRIGGER_GPU_SAMPLE_INTERVAL): 10s is outside",
+        "  - admin.token (from OUTRIGGER_ADMIN_TOKEN): is only whitespace",
+        "  - limits.max_body (from OUTRIGGER_LIMITS_MAX_BODY): unknown key",
+        "  - telemetry.otlp_endpoint (from OTEL_EXPORTER_OTLP_ENDPOINT): ",
+        // From the file: no variable.
+        "  - limits.connect_timeout: must be greater than 0",
+    ] {
+        assert!(text.contains(line), "{line:?} missing in:\n{text}");
+    }
+}
+
+#[test]
+fn every_section_with_scalar_keys_takes_overrides_of_any_scalar_type() {
+    let c = load_str(
+        "",
+        &env(&[
+            ("OUTRIGGER_STREAMS_DETACH_TIMEOUT", "2m"),
+            ("OUTRIGGER_STREAMS_MAX_STREAM_BYTES", "1048576"),
+            ("OUTRIGGER_BUDGET_COST", "1.5"),
+            ("OUTRIGGER_GPU_ENABLED", "false"),
+            ("OUTRIGGER_TASKS_RETENTION", "1h"),
+        ]),
+    )
+    .unwrap();
+    assert_eq!(c.proxy.streams.detach_timeout, Duration::from_secs(120));
+    assert_eq!(c.proxy.streams.max_stream_bytes, 1 << 20);
+    assert_eq!(c.proxy.budget.limits.cost_micros, Some(1_500_000));
+    assert!(!c.gpu.enabled);
+    assert_eq!(c.tasks.retention, Duration::from_secs(3600));
+}
