@@ -4,7 +4,7 @@
 //! limit by sending many calls at once.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use outrigger_types::Usage;
 
@@ -26,10 +26,12 @@ impl Default for Account {
     }
 }
 
-/// Usage per task.
+/// Usage per task. Each task's account has a lock of its own: a budget decision runs
+/// a policy under it (so two calls of one task cannot both slip under the limit),
+/// and a slow policy holds up only its own task's calls.
 #[derive(Debug, Default)]
 pub struct Ledger {
-    accounts: Mutex<HashMap<String, Account>>,
+    accounts: Mutex<HashMap<String, Arc<Mutex<Account>>>>,
 }
 
 /// A reservation; settle it with what was really used, or drop it to release it
@@ -42,47 +44,64 @@ pub struct Reservation {
     settled: bool,
 }
 
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 impl Ledger {
+    /// The task's account, if it has one.
+    fn find(&self, task: &str) -> Option<Arc<Mutex<Account>>> {
+        lock(&self.accounts).get(task).cloned()
+    }
+
+    /// The task's account, opened on first use.
+    fn account(&self, task: &str) -> Arc<Mutex<Account>> {
+        let mut accounts = lock(&self.accounts);
+        match accounts.get(task) {
+            Some(acc) => acc.clone(),
+            None => {
+                let acc = Arc::new(Mutex::new(Account::default()));
+                accounts.insert(task.to_string(), acc.clone());
+                acc
+            }
+        }
+    }
+
     /// Committed plus reserved usage of `task`.
     pub fn usage(&self, task: &str) -> Usage {
-        self.accounts
-            .lock()
-            .ok()
-            .and_then(|a| a.get(task).map(|acc| acc.committed.plus(&acc.reserved)))
+        self.find(task)
+            .map(|acc| {
+                let acc = lock(&acc);
+                acc.committed.plus(&acc.reserved)
+            })
             .unwrap_or_default()
     }
 
     /// How long the task has been known.
     pub fn wall_clock(&self, task: &str) -> std::time::Duration {
-        self.accounts
-            .lock()
-            .ok()
-            .and_then(|a| a.get(task).map(|acc| acc.since.elapsed()))
+        self.find(task)
+            .map(|acc| lock(&acc).since.elapsed())
             .unwrap_or_default()
     }
 
     /// Usage that has really happened (without reservations).
     pub fn committed(&self, task: &str) -> Usage {
-        self.accounts
-            .lock()
-            .ok()
-            .and_then(|a| a.get(task).map(|acc| acc.committed))
+        self.find(task)
+            .map(|acc| lock(&acc).committed)
             .unwrap_or_default()
     }
 
     /// Reserves `estimate` if `admit` (given the usage including all reservations)
-    /// says so, atomically: two calls deciding at once cannot both slip under the
-    /// limit.
+    /// says so, atomically for the task: two of its calls deciding at once cannot
+    /// both slip under the limit. Other tasks' calls do not wait for `admit`.
     pub fn reserve_if<T>(
         self: &Arc<Self>,
         task: &str,
         estimate: Usage,
         admit: impl FnOnce(&Usage) -> (bool, T),
     ) -> (Option<Reservation>, T) {
-        let Ok(mut accounts) = self.accounts.lock() else {
-            return (None, admit(&Usage::default()).1);
-        };
-        let acc = accounts.entry(task.to_string()).or_default();
+        let acc = self.account(task);
+        let mut acc = lock(&acc);
         let (ok, value) = admit(&acc.committed.plus(&acc.reserved));
         if !ok {
             return (None, value);
@@ -101,19 +120,17 @@ impl Ledger {
 
     /// Adds usage that was not reserved (e.g. a retry's extra attempt).
     pub fn add(&self, task: &str, usage: &Usage) {
-        if let Ok(mut a) = self.accounts.lock() {
-            let acc = a.entry(task.to_string()).or_default();
-            acc.committed = acc.committed.plus(usage);
-        }
+        let acc = self.account(task);
+        let mut acc = lock(&acc);
+        acc.committed = acc.committed.plus(usage);
     }
 
     fn release(&self, task: &str, estimate: &Usage, actual: Option<&Usage>) {
-        if let Ok(mut a) = self.accounts.lock() {
-            let acc = a.entry(task.to_string()).or_default();
-            acc.reserved = acc.reserved.minus(estimate);
-            if let Some(actual) = actual {
-                acc.committed = acc.committed.plus(actual);
-            }
+        let acc = self.account(task);
+        let mut acc = lock(&acc);
+        acc.reserved = acc.reserved.minus(estimate);
+        if let Some(actual) = actual {
+            acc.committed = acc.committed.plus(actual);
         }
     }
 }
@@ -205,6 +222,45 @@ mod tests {
         }
         assert_eq!(ledger.usage("t").tokens_total(), 600);
         assert_eq!(ledger.committed("t").calls, 4);
+    }
+
+    /// A budget decision that takes its time holds up its own task's calls only.
+    #[test]
+    fn a_slow_decision_does_not_hold_up_other_tasks() {
+        let ledger = Arc::new(Ledger::default());
+        let (inside_tx, inside_rx) = std::sync::mpsc::channel();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let slow = {
+            let ledger = ledger.clone();
+            std::thread::spawn(move || {
+                ledger.reserve_if("slow", Usage::default(), |_| {
+                    inside_tx.send(()).unwrap();
+                    let _ = go_rx.recv_timeout(std::time::Duration::from_secs(10));
+                    (true, ())
+                })
+            })
+        };
+        inside_rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the slow decision started");
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let other = {
+            let ledger = ledger.clone();
+            std::thread::spawn(move || {
+                let (r, ()) = ledger.reserve_if("other", Usage::default(), |_| (true, ()));
+                ledger.add("slow-other", &Usage::default());
+                done_tx.send(r.is_some()).unwrap();
+            })
+        };
+        let admitted = done_rx.recv_timeout(std::time::Duration::from_secs(2));
+        go_tx.send(()).unwrap();
+        assert_eq!(
+            admitted,
+            Ok(true),
+            "another task's call waited for the slow decision"
+        );
+        other.join().unwrap();
+        assert!(slow.join().unwrap().0.is_some());
     }
 
     #[test]
