@@ -623,7 +623,20 @@ impl Registry {
         // built-in is looked at only when it must stand in.
         let active = slot.active.load();
         let Some(active) = active.as_deref() else {
-            // Nothing could be loaded for this binding: the built-in stands in.
+            // Nothing could be loaded for this binding. Failing closed, that is the
+            // strict decision, as for a policy that fails; else the built-in
+            // stands in.
+            if lock(&slot.meta).on_error == OnError::FailClosed {
+                slot.counters.failed_closed.fetch_add(1, Ordering::Relaxed);
+                let reason = format!(
+                    "no version of the {hook} policy is loaded (see GET /v1/policies); failing closed"
+                );
+                return Decided {
+                    value: strict(reason),
+                    version: PolicyVersion::host_default(hook.as_str()),
+                    source: DecisionSource::Contained,
+                };
+            }
             if let Some(builtin) = slot.builtin.load().as_deref()
                 && let Ok(value) = ask(&builtin.loaded)
             {

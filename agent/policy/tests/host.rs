@@ -605,6 +605,31 @@ fn the_previous_version_decides_before_the_builtin() {
     assert_eq!(trapped.source, DecisionSource::Contained);
 }
 
+/// A fail-closed binding whose policy could not be loaded at all gives the strict
+/// decision too: the built-in does not stand in for what the operator wanted closed.
+#[test]
+fn fail_closed_holds_while_nothing_is_loaded() {
+    let f = Fixture::new(
+        vec![Binding {
+            on_error: OnError::FailClosed,
+            ..named(Hook::Budget, "missing")
+        }],
+        |_| {},
+    );
+    let b = f
+        .registry
+        .budget(&budget_request("r", Usage::default(), Limits::default()));
+    assert_eq!(b.source, DecisionSource::Contained);
+    match b.value {
+        BudgetDecision::Reject(reason) => {
+            assert!(reason.contains("failing closed"), "{reason}")
+        }
+        other => panic!("the built-in admitted: {other:?}"),
+    }
+    let status = f.registry.binding_status(Hook::Budget).expect("status");
+    assert_eq!(status.failed_closed, 1, "{status:?}");
+}
+
 #[test]
 fn fail_closed_gives_the_strict_decision() {
     let closed = |hook| Binding {
