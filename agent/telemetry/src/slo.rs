@@ -975,9 +975,11 @@ impl Slos {
         state
             .iter()
             .map(|t| {
+                // The current bucket is partial: `span` whole buckets before it, so
+                // a window never covers less than its length (1h: 60 to 65 minutes).
                 let sum = |window: Duration| {
                     let span = window.as_secs().div_ceil(BUCKET.as_secs());
-                    let from = now_bucket.saturating_sub(span.saturating_sub(1));
+                    let from = now_bucket.saturating_sub(span);
                     let mut total = Counts::default();
                     for (_, c) in t.buckets.range(from..=now_bucket) {
                         total.add(c);

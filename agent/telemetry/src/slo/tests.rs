@@ -442,6 +442,38 @@ fn burn_windows_see_only_their_own_buckets() {
 }
 
 #[test]
+fn a_window_covers_at_least_its_length() {
+    let slos = Slos::new(vec![slo("availability", None, 0.9, &[])], Metrics::new());
+    // Two and a half minutes into a bucket.
+    let now = t0() + Duration::from_secs(150);
+    let ago = |secs: u64| now - Duration::from_secs(secs);
+    for _ in 0..9 {
+        slos.record(&model_event(Outcome::Good, now));
+    }
+    // An hour old: inside "1h", which covers 60 to 65 minutes.
+    slos.record(&model_event(Outcome::Bad(Cause::Network), ago(3600)));
+    // 66 minutes old: outside it.
+    slos.record(&model_event(Outcome::Bad(Cause::Capacity), ago(66 * 60)));
+    let r = report_of(&slos, "availability", now);
+    assert!(
+        close(r.burn_rates.h1, (1.0 / 10.0) / 0.1),
+        "{:?}",
+        r.burn_rates
+    );
+    assert!(close(r.burn_rates.h6, (2.0 / 11.0) / 0.1));
+
+    // The SLO's own window is whole buckets too: a "1h" SLO sees the hour-old event.
+    let mut hourly = slo("availability", None, 0.9, &[]);
+    hourly.window = Duration::from_secs(3600);
+    let slos = Slos::new(vec![hourly], Metrics::new());
+    slos.record(&model_event(Outcome::Bad(Cause::Network), ago(3600)));
+    slos.record(&model_event(Outcome::Bad(Cause::Capacity), ago(66 * 60)));
+    let r = report_of(&slos, "availability", now);
+    assert_eq!(r.bad_by_cause.get("network"), Some(&1));
+    assert_eq!(r.bad_by_cause.get("capacity"), None);
+}
+
+#[test]
 fn each_sli_judges_its_own_events() {
     let at = t0();
     let ttft = slo("ttft_p95", Some("2s"), 0.95, &["client_cancelled"]);
