@@ -707,10 +707,15 @@ impl Slo {
                 return self.applies(event).then_some(Verdict::Excluded(why));
             }
             // An exclusion the SLO did not declare: the sidecar handled the event as
-            // it should (refused bad input, let a leaving client go), so it is good.
+            // it should (refused bad input, let a leaving client go), so it is good
+            // for every SLI that judges outcomes: a stream its client cancelled is
+            // not an abort, a tool call the agent got wrong not a tool failure, a
+            // task the agent gave up not a failed recovery. Latency SLIs still judge
+            // the latency they measured.
             Outcome::Excluded(_) | Outcome::Good => None,
             Outcome::Bad(cause) => Some(cause),
         };
+        let handled = matches!(event.outcome, Outcome::Excluded(_));
         let within = |value: Option<Duration>, limit: Duration| {
             value.map(|v| {
                 if v <= limit {
@@ -726,19 +731,19 @@ impl Slo {
             Sli::InterTokenLatency(t) => within(event.inter_token, t),
             Sli::TaskWallClock(t) => within(event.wall_clock, t),
             Sli::AbortRate => event.stream.then(|| {
-                if event.aborted {
+                if event.aborted && !handled {
                     Verdict::Bad(failed_cause.unwrap_or(Cause::Unknown))
                 } else {
                     Verdict::Good
                 }
             }),
-            Sli::ToolSuccess => Some(if event.definitive {
+            Sli::ToolSuccess => Some(if event.definitive || handled {
                 Verdict::Good
             } else {
                 Verdict::Bad(failed_cause.unwrap_or(Cause::Unknown))
             }),
             Sli::RecoverySuccess => event.recovered.map(|ok| {
-                if ok {
+                if ok || handled {
                     Verdict::Good
                 } else {
                     Verdict::Bad(failed_cause.unwrap_or(Cause::Unknown))

@@ -473,6 +473,46 @@ fn a_window_covers_at_least_its_length() {
     assert_eq!(r.bad_by_cause.get("capacity"), None);
 }
 
+/// An exclusion an SLO does not declare counts as good, whatever the SLI.
+#[test]
+fn undeclared_exclusions_are_good_for_every_sli() {
+    let at = t0();
+    let aborts = slo("abort_rate", None, 0.999, &[]);
+    let mut cancelled = model_event(Outcome::Excluded(Exclusion::ClientCancelled), at);
+    cancelled.stream = true;
+    cancelled.aborted = true;
+    assert_eq!(aborts.judge(&cancelled), Some(Verdict::Good));
+    let declared = slo("abort_rate", None, 0.999, &["client_cancelled"]);
+    assert_eq!(
+        declared.judge(&cancelled),
+        Some(Verdict::Excluded(Exclusion::ClientCancelled))
+    );
+
+    let tools = slo("tool_success", None, 0.999, &[]);
+    let mut refused = SloEvent::new(
+        ObjectKind::ToolCalls,
+        Outcome::Excluded(Exclusion::InvalidClient),
+        at,
+    );
+    refused.tool = Some("payments");
+    assert_eq!(tools.judge(&refused), Some(Verdict::Good));
+
+    let recovery = slo("recovery_success", None, 0.99, &[]);
+    let mut given_up = SloEvent::new(
+        ObjectKind::Tasks,
+        Outcome::Excluded(Exclusion::ClientCancelled),
+        at,
+    );
+    given_up.recovered = Some(false);
+    assert_eq!(recovery.judge(&given_up), Some(Verdict::Good));
+
+    // A latency SLI still judges the latency it measured.
+    let ttft = slo("ttft_p95", Some("2s"), 0.95, &[]);
+    let mut slow = cancelled;
+    slow.ttft = Some(Duration::from_secs(3));
+    assert_eq!(ttft.judge(&slow), Some(Verdict::Bad(Cause::UpstreamModel)));
+}
+
 #[test]
 fn each_sli_judges_its_own_events() {
     let at = t0();
