@@ -17,6 +17,7 @@ use http::header::RETRY_AFTER;
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use outrigger_journal::{Begin, Intent, Journal, Record, State, StoredResponse, Ticket};
+use outrigger_telemetry::slo::Failed;
 use outrigger_types::{IdempotencyKey, ToolClass};
 
 use crate::Shared;
@@ -71,17 +72,30 @@ pub(crate) struct Settled {
     pub state: &'static str,
     /// Answered from the journal rather than executed.
     pub replayed: bool,
+    /// What went wrong, for the SLOs; `None` when the tool did what it was asked.
+    /// The journal state says what may be done with the call, this says whose
+    /// failure it was: a tool's 429 and a refused connection are both "not
+    /// executed", but one is capacity and the other the network.
+    pub failed: Option<Failed>,
 }
 
 impl Settled {
-    /// Refused by the sidecar before anything was journaled.
+    /// Refused by the sidecar before anything was journaled: the agent's request
+    /// was wrong.
     pub(crate) const REFUSED: Settled = Settled {
         outcome: ToolCallOutcome::Refused,
         state: "none",
         replayed: false,
+        failed: Some(Failed::InvalidRequest),
     };
 
-    pub(crate) fn of(state: State) -> Self {
+    /// Refused because the journal cannot record the call: the sidecar's failure.
+    pub(crate) const UNAVAILABLE: Settled = Settled {
+        failed: Some(Failed::Internal),
+        ..Self::REFUSED
+    };
+
+    pub(crate) fn of(state: State, failed: Option<Failed>) -> Self {
         let outcome = match state {
             State::Completed | State::Tombstone => ToolCallOutcome::Completed,
             State::FailedBeforeSend | State::Claimed => ToolCallOutcome::NotExecuted,
@@ -93,21 +107,34 @@ impl Settled {
             outcome,
             state: state.as_str(),
             replayed: false,
+            failed,
         }
     }
 
+    /// The tool answered with `status` and the call rests in `state`.
+    fn answered(state: State, status: StatusCode) -> Self {
+        Self::of(state, Failed::of_tool_status(status.as_u16()))
+    }
+
+    /// Refused by the journal's rules (a call in flight, a key reused or expired, a
+    /// call already in doubt asked about again): nothing new went wrong.
     fn refused(state: State) -> Self {
         Self {
             outcome: ToolCallOutcome::Refused,
             state: state.as_str(),
             replayed: false,
+            failed: Some(Failed::InvalidRequest),
         }
     }
 
-    fn replayed(state: State) -> Self {
+    fn replayed(record: &Record) -> Self {
+        let failed = match &record.response {
+            Some(stored) => Failed::of_tool_status(stored.status),
+            None => Some(Failed::Internal),
+        };
         Self {
             replayed: true,
-            ..Self::of(state)
+            ..Self::of(record.state, failed)
         }
     }
 }
@@ -133,7 +160,7 @@ pub(crate) async fn run(
                 return execute(shared, journal, tool, &ticket, &downstream, resend, proto).await;
             }
             Begin::Replay(record) => {
-                return Ok((proto.replay(&record), Settled::replayed(record.state)));
+                return Ok((proto.replay(&record), Settled::replayed(&record)));
             }
             Begin::InFlight { record } => match (wait, &again) {
                 (Some(wait), Some(intent)) if !waited => {
@@ -172,7 +199,7 @@ pub(crate) async fn run(
                         .reconciled(&ticket, None)
                         .await
                         .map_err(Error::Journal)?,
-                    Probed::Failed(detail) => {
+                    Probed::Failed(detail, failed) => {
                         tracing::warn!(tool = %tool.name, %key, %detail, "probe failed; the call stays in doubt");
                         // Back to in doubt (not left reconciling): the next request probes again.
                         let state = journal
@@ -181,7 +208,7 @@ pub(crate) async fn run(
                             .map_err(Error::Journal)?;
                         return Ok((
                             proto.in_doubt(&key, &detail, state.as_str()),
-                            Settled::of(state),
+                            Settled::of(state, Some(failed)),
                         ));
                     }
                 }
@@ -236,7 +263,7 @@ enum Reached {
     /// The attempt never left: provably not executed.
     NotSent(crate::upstream::Error),
     /// The attempt may have reached the tool, but no whole answer came back.
-    Lost(String),
+    Lost(String, Failed),
 }
 
 /// Sends one attempt and reads its answer whole, each within the tool's `timeout`.
@@ -277,25 +304,33 @@ async fn dispatch(
             Some(FaultKind::ToolTimeout) => {
                 drop(resp);
                 tokio::time::sleep_until(sent_at + timeout).await;
-                return Reached::Lost(format!("fault injected: no answer within {timeout:?}"));
+                return Reached::Lost(
+                    format!("fault injected: no answer within {timeout:?}"),
+                    Failed::Timeout,
+                );
             }
             Some(FaultKind::ToolResetAfterEffect) => {
                 return Reached::Lost(
                     "fault injected: the connection was reset after the request was sent".into(),
+                    Failed::Transport,
                 );
             }
             _ => resp,
         },
         Err(e) if !e.may_have_been_sent() => return Reached::NotSent(e),
-        Err(e) => return Reached::Lost(e.to_string()),
+        Err(e) => return Reached::Lost(e.to_string(), crate::observe::failed_of_upstream(&e)),
     };
     let (parts, body) = resp.into_parts();
     match tokio::time::timeout(timeout, body::read_limited(body, max_body)).await {
         Ok(Ok(bytes)) => Reached::Answer(parts.status, parts.headers, bytes),
-        Ok(Err(e)) => Reached::Lost(format!("the response body broke off: {e}")),
-        Err(_) => Reached::Lost(format!(
-            "the response body did not arrive within {timeout:?}"
-        )),
+        Ok(Err(e)) => Reached::Lost(
+            format!("the response body broke off: {e}"),
+            Failed::Transport,
+        ),
+        Err(_) => Reached::Lost(
+            format!("the response body did not arrive within {timeout:?}"),
+            Failed::Timeout,
+        ),
     }
 }
 
@@ -379,7 +414,7 @@ where
                 Recorded::NotSent(e) => {
                     tracing::info!(%key, error = %e, "the agent went away; its call was never sent");
                 }
-                Recorded::InDoubt { cause, state } => {
+                Recorded::InDoubt { cause, state, .. } => {
                     tracing::info!(%key, %cause, state = state.as_str(), "the agent went away; its call ended in doubt");
                 }
                 Recorded::Unrecorded(e) | Recorded::Failed(e) => {
@@ -399,6 +434,8 @@ enum Recorded {
     InDoubt {
         cause: String,
         state: State,
+        /// Why no answer came back.
+        failed: Failed,
     },
     /// The tool may have acted, but the journal could not record how the call ended.
     Unrecorded(outrigger_journal::Error),
@@ -413,8 +450,12 @@ async fn record(
     reached: Reached,
     answer: impl FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered,
 ) -> Recorded {
-    let lost = async |cause: String| match journal.in_doubt(ticket, &cause).await {
-        Ok(state) => Recorded::InDoubt { cause, state },
+    let lost = async |cause: String, failed: Failed| match journal.in_doubt(ticket, &cause).await {
+        Ok(state) => Recorded::InDoubt {
+            cause,
+            state,
+            failed,
+        },
         Err(e) => Recorded::Unrecorded(e),
     };
     let (status, headers, bytes) = match reached {
@@ -425,7 +466,7 @@ async fn record(
                 Err(e) => Recorded::Failed(e),
             };
         }
-        Reached::Lost(cause) => return lost(cause).await,
+        Reached::Lost(cause, failed) => return lost(cause, failed).await,
     };
     match answer(status, &headers, bytes) {
         Answered::Outcome(stored, resp) => match journal.complete(ticket, stored).await {
@@ -438,7 +479,8 @@ async fn record(
                 Err(e) => Recorded::Failed(e),
             }
         }
-        Answered::Unknown(cause) => lost(cause).await,
+        // A success that holds no answer: the server's stream was not what it owed.
+        Answered::Unknown(cause) => lost(cause, Failed::UpstreamStream).await,
     }
 }
 
@@ -450,14 +492,21 @@ fn respond(
     proto: &impl Protocol,
 ) -> Result<(Response<Body>, Settled), Error> {
     match recorded {
-        Recorded::Answered(resp, state) => Ok((resp, Settled::of(state))),
+        Recorded::Answered(resp, state) => {
+            let settled = Settled::answered(state, resp.status());
+            Ok((resp, settled))
+        }
         Recorded::NotSent(source) => Err(Error::Upstream {
             target: tool.name.clone(),
             source,
         }),
-        Recorded::InDoubt { cause, state } => Ok((
+        Recorded::InDoubt {
+            cause,
+            state,
+            failed,
+        } => Ok((
             proto.in_doubt(ticket.key(), &cause, state.as_str()),
-            Settled::of(state),
+            Settled::of(state, Some(failed)),
         )),
         Recorded::Unrecorded(e) => Ok(unrecorded(ticket, proto, &e)),
         Recorded::Failed(e) => Err(Error::Journal(e)),
@@ -476,7 +525,8 @@ fn unrecorded(
     tracing::error!(key = %ticket.key(), error = %e, "the call's outcome could not be journaled; it may have executed");
     let cause = format!("its outcome could not be journaled ({e})");
     let resp = proto.in_doubt(ticket.key(), &cause, State::Dispatched.as_str());
-    (resp, Settled::of(State::Dispatched))
+    // The tool may well have done its part: what failed is the sidecar's journal.
+    (resp, Settled::of(State::Dispatched, Some(Failed::Internal)))
 }
 
 /// Calls going on without their agents, counted so that a drain waits for them.
@@ -519,7 +569,8 @@ pub(crate) mod detached {
 enum Probed {
     Found(StoredResponse),
     NotFound,
-    Failed(String),
+    /// The probe could not tell, and why (for the SLOs).
+    Failed(String, Failed),
 }
 
 /// Asks a probe tool whether the call with `downstream` happened: 2xx = yes (the
@@ -529,7 +580,10 @@ enum Probed {
 /// happened". An answer whose body cannot be read whole is no answer.
 async fn probe(shared: &Shared, tool: &Tool, downstream: &str, agent: &HeaderMap) -> Probed {
     let Some(path) = &tool.probe_path else {
-        return Probed::Failed(format!("tool {} has no probe_path", tool.name));
+        return Probed::Failed(
+            format!("tool {} has no probe_path", tool.name),
+            Failed::Internal,
+        );
     };
     let rest = path.replace("{key}", &encode_segment(downstream));
     // What described the call's own body does not describe the probe's (none).
@@ -550,7 +604,7 @@ async fn probe(shared: &Shared, tool: &Tool, downstream: &str, agent: &HeaderMap
         Some(downstream),
     ) {
         Ok(r) => r,
-        Err(e) => return Probed::Failed(e.to_string()),
+        Err(e) => return Probed::Failed(e.to_string(), Failed::Internal),
     };
     match shared.upstream.send(req, tool.timeout).await {
         Ok(resp) => {
@@ -559,12 +613,20 @@ async fn probe(shared: &Shared, tool: &Tool, downstream: &str, agent: &HeaderMap
             let read = body::read_limited(body, shared.options.limits.max_body_bytes);
             let bytes = match tokio::time::timeout(tool.timeout, read).await {
                 Ok(Ok(bytes)) => bytes,
-                Ok(Err(e)) => return Probed::Failed(format!("the probe's answer broke off: {e}")),
+                Ok(Err(e)) => {
+                    return Probed::Failed(
+                        format!("the probe's answer broke off: {e}"),
+                        Failed::Transport,
+                    );
+                }
                 Err(_) => {
-                    return Probed::Failed(format!(
-                        "the probe's answer did not arrive whole within {:?}",
-                        tool.timeout
-                    ));
+                    return Probed::Failed(
+                        format!(
+                            "the probe's answer did not arrive whole within {:?}",
+                            tool.timeout
+                        ),
+                        Failed::Timeout,
+                    );
                 }
             };
             if status.is_success() {
@@ -576,10 +638,16 @@ async fn probe(shared: &Shared, tool: &Tool, downstream: &str, agent: &HeaderMap
             } else if status == StatusCode::NOT_FOUND {
                 Probed::NotFound
             } else {
-                Probed::Failed(format!("the probe answered {status}"))
+                Probed::Failed(
+                    format!("the probe answered {status}"),
+                    Failed::of_tool_status(status.as_u16()).unwrap_or(Failed::Unclassified),
+                )
             }
         }
-        Err(e) => Probed::Failed(format!("the probe failed: {e}")),
+        Err(e) => Probed::Failed(
+            format!("the probe failed: {e}"),
+            crate::observe::failed_of_upstream(&e),
+        ),
     }
 }
 

@@ -182,8 +182,9 @@ async fn tool_call(
         let settled = tools::unjournaled(resp.status());
         return Ok((resp, settled, None));
     };
+    let unavailable = |resp| Ok((resp, Settled::UNAVAILABLE, None));
     let Some(journal) = shared.journal.as_ref() else {
-        return refused(journal_unavailable(&id, "the journal is not open"));
+        return unavailable(journal_unavailable(&id, "the journal is not open"));
     };
     let intent = Intent {
         key: journal_key,
@@ -211,7 +212,7 @@ async fn tool_call(
     match journaled::run(shared, journal, server, intent, wait, &proto).await {
         Ok((resp, settled)) => Ok((resp, settled, Some(journal_key))),
         Err(Error::Journal(journal::Error::Unavailable(detail))) => {
-            refused(journal_unavailable(&id, &detail))
+            unavailable(journal_unavailable(&id, &detail))
         }
         Err(e) => Err(e),
     }

@@ -285,18 +285,24 @@ pub(crate) fn failed_of(e: &Error) -> Failed {
         | Error::StreamKeyReused { .. }
         | Error::UnknownStream { .. } => Failed::InvalidRequest,
         Error::BudgetExceeded { .. } => Failed::PolicyDenied,
-        Error::Upstream { source, .. } => match source {
-            crate::upstream::Error::Timeout { .. } => Failed::Timeout,
-            crate::upstream::Error::Connect { .. } | crate::upstream::Error::AfterSend { .. } => {
-                Failed::Transport
-            }
-        },
+        Error::Upstream { source, .. } => failed_of_upstream(source),
         Error::StreamBroke { .. } => Failed::Transport,
         Error::NoCandidate { .. }
         | Error::CircuitOpen { .. }
         | Error::Overloaded { .. }
         | Error::StreamInProgress { .. } => Failed::Admission,
         Error::BuildRequest(_) | Error::Journal(_) => Failed::Internal,
+    }
+}
+
+/// The SLO failure class of an upstream exchange that got no answer: no response
+/// head in time is a deadline with the connection up; the rest is the network.
+pub(crate) fn failed_of_upstream(e: &crate::upstream::Error) -> Failed {
+    match e {
+        crate::upstream::Error::Timeout { .. } => Failed::Timeout,
+        crate::upstream::Error::Connect { .. } | crate::upstream::Error::AfterSend { .. } => {
+            Failed::Transport
+        }
     }
 }
 
@@ -324,6 +330,9 @@ pub(crate) struct ToolEnd<'a> {
     pub key: Option<&'a str>,
     pub replayed: bool,
     pub error_type: Option<&'a str>,
+    /// What went wrong, for the SLOs (`None`: the tool did what it was asked). The
+    /// outcome says what became of the call, this whose failure it was.
+    pub failed: Option<Failed>,
 }
 
 impl ToolCall {
@@ -366,13 +375,8 @@ impl ToolCall {
 
     pub fn finish(self, end: ToolEnd<'_>) {
         let now = SystemTime::now();
-        let failed = match end.outcome {
-            ToolCallOutcome::Completed | ToolCallOutcome::NotExecuted => None,
-            ToolCallOutcome::InDoubt => Some(Failed::Transport),
-            ToolCallOutcome::Refused => Some(Failed::InvalidRequest),
-        };
         let outcome = classify(&Signals {
-            failure: failed,
+            failure: end.failed,
             gpu_unhealthy: false,
             client_cancelled: false,
             synthetic: false,

@@ -131,6 +131,7 @@ pub(crate) fn finish(
                 key: key.as_deref(),
                 replayed: settled.replayed,
                 error_type: (!status.is_success()).then(|| status.as_str()),
+                failed: settled.failed,
             })
         }
         Err(e) => rec.finish(ToolEnd {
@@ -145,6 +146,7 @@ pub(crate) fn finish(
             key: None,
             replayed: false,
             error_type: Some(crate::observe::error_type_of(e)),
+            failed: Some(crate::observe::failed_of(e)),
         }),
     }
 }
@@ -159,6 +161,7 @@ pub(crate) fn unjournaled(status: StatusCode) -> Settled {
         },
         state: "unjournaled",
         replayed: false,
+        failed: outrigger_telemetry::slo::Failed::of_tool_status(status.as_u16()),
     }
 }
 

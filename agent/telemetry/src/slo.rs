@@ -84,7 +84,7 @@ impl Failed {
         }
     }
 
-    /// A non-success status the upstream (provider or tool) answered with.
+    /// A non-success status a provider answered with (a tool's: [`Failed::of_tool_status`]).
     pub fn from_upstream_status(status: u16) -> Self {
         match status {
             429 => Self::RateLimited,
@@ -94,6 +94,22 @@ impl Failed {
             400 | 404 | 413 | 422 => Self::InvalidRequest,
             500..=599 => Self::UpstreamStatus(status),
             _ => Self::Unclassified,
+        }
+    }
+
+    /// What a tool's answer with `status` means, `None` when the tool did what it
+    /// was asked (2xx, or a 1xx/3xx the proxy passed on). A tool holds the agent's
+    /// own credentials and answers the agent's own request, so a 4xx other than 408
+    /// and 429 is the tool refusing that request: invalid client traffic, like the
+    /// agent's invalid requests to a model.
+    pub fn of_tool_status(status: u16) -> Option<Self> {
+        match status {
+            0..=399 => None,
+            429 => Some(Self::RateLimited),
+            408 => Some(Self::Timeout),
+            400..=499 => Some(Self::InvalidRequest),
+            500..=599 => Some(Self::UpstreamStatus(status)),
+            _ => Some(Self::Unclassified),
         }
     }
 }

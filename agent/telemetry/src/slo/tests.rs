@@ -271,6 +271,21 @@ fn cause_precedence_table() {
     for (status, expected) in from_status {
         assert_eq!(Failed::from_upstream_status(status), expected, "{status}");
     }
+    let from_tool_status = [
+        (200, None),
+        (201, None),
+        (304, None),
+        (429, Some(RateLimited)),
+        (408, Some(Timeout)),
+        // The agent's own credentials and arguments: the agent's request.
+        (401, Some(InvalidRequest)),
+        (409, Some(InvalidRequest)),
+        (422, Some(InvalidRequest)),
+        (502, Some(UpstreamStatus(502))),
+    ];
+    for (status, expected) in from_tool_status {
+        assert_eq!(Failed::of_tool_status(status), expected, "{status}");
+    }
     assert_eq!(
         Failed::from_failure(&Failure::Connect { sent: true }),
         Transport
