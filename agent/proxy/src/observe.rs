@@ -244,7 +244,8 @@ impl ModelCall {
                     fallbacks: self.fallbacks,
                     policy_versions: &self.policy_versions,
                     replayed: self.replayed,
-                    ok: end.failed.is_none() && !end.aborted,
+                    // A call its agent gave up on never completed, stream or not.
+                    ok: end.failed.is_none() && !end.aborted && !end.client_cancelled,
                     interrupted: end.aborted,
                 },
             );
@@ -426,5 +427,61 @@ impl ToolCall {
                 slo: Some(outcome),
             },
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use outrigger_telemetry::Metrics;
+    use outrigger_types::RequestId;
+
+    use super::*;
+    use crate::tasks::{FaultKind, Tasks, TasksOptions, TimelineEvent};
+    use crate::{Components, Options, Proxy};
+
+    /// A plain (not streamed) call its agent gave up on never completed: it is no
+    /// progress for its task and clears none of the task's faults.
+    #[test]
+    fn a_call_its_agent_gave_up_on_is_no_progress() -> Result<(), Box<dyn std::error::Error>> {
+        let metrics = Metrics::new();
+        let now = SystemTime::now();
+        let tasks = Tasks::open(TasksOptions::default(), None, metrics.clone(), None, now)?;
+        let proxy = Proxy::new(
+            Options::default(),
+            Components {
+                tasks: Some(tasks.clone()),
+                ..Components::new(metrics, None)
+            },
+        );
+        let task = TaskId::new("gave-up")?;
+        tasks.fault(&task, "r0", FaultKind::StreamInterrupted, now);
+        let ctx = RequestContext {
+            request_id: RequestId::from_generated("r1".into()),
+            task_id: Some(task.clone()),
+            peer: SocketAddr::from(([127, 0, 0, 1], 1)),
+        };
+        let mut call = ModelCall::start(
+            &proxy.shared,
+            &ctx,
+            Dialect::OpenAi,
+            &http::HeaderMap::new(),
+            "m",
+        );
+        call.routed("p", false, "m", false);
+        // The agent goes away before the answer: the call is dropped unfinished.
+        drop(call);
+        let report = tasks.get(&task, SystemTime::now()).ok_or("no task")?;
+        assert_eq!((report.task.recoveries, report.task.open_faults), (0, 1));
+        assert!(
+            matches!(
+                report.task.timeline.last(),
+                Some(TimelineEvent::ModelCall { ok: false, .. })
+            ),
+            "{:?}",
+            report.task.timeline
+        );
+        Ok(())
     }
 }
