@@ -594,6 +594,13 @@ fn verdict(outcome: TaskOutcome, side_effects: Option<SideEffects>) -> RecoveryV
     }
 }
 
+/// What [`Tasks::side_effects_if_open`] found.
+enum Open {
+    Ended(Box<Task>),
+    /// Open, with its journal's side effects (`None`: no journal).
+    Open(Option<SideEffects>),
+}
+
 struct Entry {
     task: Task,
     dirty: bool,
@@ -796,8 +803,10 @@ impl Tasks {
     }
 
     /// Ends the task (`POST /v1/tasks/{id}/end`, or idle expiry): decides recovery
-    /// from the journal, persists the task, and records its metrics, SLO event and
-    /// `invoke_agent` span. Ending an ended task returns it unchanged.
+    /// from the journal, records its metrics, SLO event and `invoke_agent` span, and
+    /// persists the task. Ending an ended task returns it unchanged, also when two
+    /// ends race (the idle sweep and the agent, a retried request): only the one
+    /// that ended it records anything.
     pub async fn end(
         &self,
         id: &TaskId,
@@ -805,32 +814,53 @@ impl Tasks {
         now: SystemTime,
     ) -> Result<TaskReport, Error> {
         let at = Timestamp::from_system(now);
+        match self.side_effects_if_open(id)? {
+            Open::Ended(task) => Ok(self.report(*task, at)),
+            Open::Open(side_effects) => self.close(id, outcome, at, side_effects).await,
+        }
+    }
+
+    /// The first half of [`Tasks::end`]: the task as it is if it has ended, else
+    /// what its journal says about its side effects. The journal is read without
+    /// holding the lock (it is a disk scan), so another end may come between this
+    /// and [`Tasks::close`].
+    fn side_effects_if_open(&self, id: &TaskId) -> Result<Open, Error> {
         {
             let tasks = self.lock();
             let entry = tasks
                 .get(id)
                 .ok_or_else(|| Error::UnknownTask(id.clone()))?;
             if entry.task.ended_at.is_some() {
-                let task = entry.task.clone();
-                drop(tasks);
-                return Ok(self.report(task, at));
+                return Ok(Open::Ended(Box::new(entry.task.clone())));
             }
         }
-        // Read the journal without holding the lock: it is a disk scan.
-        let side_effects = match &self.inner.journal {
+        Ok(Open::Open(match &self.inner.journal {
             Some(j) => Some(check_side_effects(&j.list(&Filter {
                 task: Some(id.clone()),
                 ..Filter::default()
             })?)),
             None => None,
-        };
-        let task = {
+        }))
+    }
+
+    /// The second half of [`Tasks::end`]: ends the task unless another end came
+    /// first, and only then records and saves it.
+    async fn close(
+        &self,
+        id: &TaskId,
+        outcome: TaskOutcome,
+        at: Timestamp,
+        side_effects: Option<SideEffects>,
+    ) -> Result<TaskReport, Error> {
+        let (task, ended_here) = {
             let mut tasks = self.lock();
             let entry = tasks
                 .get_mut(id)
                 .ok_or_else(|| Error::UnknownTask(id.clone()))?;
             let t = &mut entry.task;
-            if t.ended_at.is_none() {
+            // Another end may have come first while the journal was read.
+            let ended_here = t.ended_at.is_none();
+            if ended_here {
                 let at = at.max(t.last_activity);
                 t.ended_at = Some(at);
                 t.outcome = Some(outcome);
@@ -841,10 +871,14 @@ impl Tasks {
                 }
                 entry.dirty = true;
             }
-            entry.task.clone()
+            (entry.task.clone(), ended_here)
         };
-        self.save(&task).await?;
-        self.observe_end(&task);
+        if ended_here {
+            // Observed before it is saved: a failed save is retried by the next
+            // persist (the task stays dirty), and the end must be counted once.
+            self.observe_end(&task);
+            self.save(&task).await?;
+        }
         Ok(self.report(task, at))
     }
 
@@ -1547,6 +1581,96 @@ mod tests {
             .await?;
         assert!(tasks.get(&idle, t(0)).is_none());
         assert!(j.journal.kv_get(NAMESPACE, idle.as_str())?.is_none());
+        Ok(())
+    }
+
+    /// The idle sweep and the agent's own end (or a retried one) race: the task is
+    /// ended, counted, observed and saved once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_racing_ends_count_the_task_once() -> TestResult {
+        let j = TempJournal::open()?;
+        let metrics = Metrics::new();
+        let tasks = tracker(Some(j.journal.clone()), metrics.clone())?;
+        const ROUNDS: u32 = 200;
+        let runtime = tokio::runtime::Handle::current();
+        for round in 0..ROUNDS {
+            let id = TaskId::new(format!("race-{round}"))?;
+            tasks.fault(&id, "req", FaultKind::SidecarRestart, t(0));
+            // Two threads of their own, released together: the race is real.
+            let barrier = Arc::new(std::sync::Barrier::new(2));
+            let ends: Vec<_> = [TaskOutcome::Success, TaskOutcome::IdleTimeout]
+                .into_iter()
+                .map(|outcome| {
+                    let (tasks, id, barrier) = (tasks.clone(), id.clone(), barrier.clone());
+                    let runtime = runtime.clone();
+                    tokio::task::spawn_blocking(move || {
+                        barrier.wait();
+                        runtime.block_on(tasks.end(&id, outcome, t(10)))
+                    })
+                })
+                .collect();
+            let mut outcomes = Vec::new();
+            for end in ends {
+                outcomes.push(end.await??.task.outcome);
+            }
+            assert!(
+                outcomes[0] == outcomes[1],
+                "both callers see the one end: {outcomes:?}"
+            );
+        }
+        let text = metrics.encode();
+        let counted: f64 = text
+            .lines()
+            .filter(|l| l.starts_with("outrigger_task_duration_seconds_count{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        let verdicts: f64 = text
+            .lines()
+            .filter(|l| l.starts_with("outrigger_task_recoveries_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        assert_eq!(
+            (counted, verdicts),
+            (f64::from(ROUNDS), f64::from(ROUNDS)),
+            "{text}"
+        );
+        Ok(())
+    }
+
+    /// Both ends read the journal before either closes the task (the interleaving
+    /// the race above hits by chance): the second finds it ended and records
+    /// nothing.
+    #[tokio::test]
+    async fn an_end_that_lost_the_race_records_nothing() -> TestResult {
+        let j = TempJournal::open()?;
+        let metrics = Metrics::new();
+        let tasks = tracker(Some(j.journal.clone()), metrics.clone())?;
+        let id = task();
+        tasks.fault(&id, "req", FaultKind::SidecarRestart, t(0));
+        let (Open::Open(first), Open::Open(second)) = (
+            tasks.side_effects_if_open(&id)?,
+            tasks.side_effects_if_open(&id)?,
+        ) else {
+            return Err("the task was open".into());
+        };
+        let at = Timestamp::from_system(t(10));
+        let won = tasks.close(&id, TaskOutcome::Success, at, first).await?;
+        let lost = tasks
+            .close(&id, TaskOutcome::IdleTimeout, at, second)
+            .await?;
+        assert_eq!(lost.task, won.task, "the second end changes nothing");
+        let text = metrics.encode();
+        assert!(
+            text.contains(
+                "outrigger_task_duration_seconds_count{outcome=\"success\",recovered=\"true\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("outcome=\"idle_timeout\""), "{text}");
+        assert!(
+            text.contains("outrigger_task_recoveries_total{result=\"success\"} 1"),
+            "{text}"
+        );
         Ok(())
     }
 
