@@ -806,7 +806,8 @@ impl Tasks {
     /// from the journal, records its metrics, SLO event and `invoke_agent` span, and
     /// persists the task. Ending an ended task returns it unchanged, also when two
     /// ends race (the idle sweep and the agent, a retried request): only the one
-    /// that ended it records anything.
+    /// that ended it records anything. A task ended as idle ends at its last
+    /// activity: the idle period is not part of its wall-clock.
     pub async fn end(
         &self,
         id: &TaskId,
@@ -861,7 +862,10 @@ impl Tasks {
             // Another end may have come first while the journal was read.
             let ended_here = t.ended_at.is_none();
             if ended_here {
-                let at = at.max(t.last_activity);
+                let at = match outcome {
+                    TaskOutcome::IdleTimeout => t.last_activity,
+                    _ => at.max(t.last_activity),
+                };
                 t.ended_at = Some(at);
                 t.outcome = Some(outcome);
                 t.push(TimelineEvent::Ended { at, outcome });
@@ -1669,6 +1673,35 @@ mod tests {
         assert!(!text.contains("outcome=\"idle_timeout\""), "{text}");
         assert!(
             text.contains("outrigger_task_recoveries_total{result=\"success\"} 1"),
+            "{text}"
+        );
+        Ok(())
+    }
+
+    /// A task its agent never ended is ended by the sweep at its last activity: the
+    /// idle timeout it waited out is not part of its wall-clock.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_task_ends_at_its_last_activity() -> TestResult {
+        let metrics = Metrics::new();
+        let tasks = tracker(None, metrics.clone())?;
+        let id = task();
+        tasks.touch(&id, "r1", t(0));
+        tasks.model_call(&id, &model(t(60), true, false, false));
+        tokio::time::advance(Duration::from_secs(31 * 60)).await;
+        let ended = tasks
+            .sweep(t(60 + 31 * 60), Duration::from_secs(30 * 60))
+            .await?;
+        let [report] = ended.as_slice() else {
+            return Err(format!("expected one idle task, got {}", ended.len()).into());
+        };
+        assert_eq!(report.task.outcome, Some(TaskOutcome::IdleTimeout));
+        assert_eq!(report.task.ended_at, Some(Timestamp::from_system(t(60))));
+        assert_eq!(report.wall_clock_ms, 60_000);
+        let text = metrics.encode();
+        assert!(
+            text.contains(
+                "outrigger_task_duration_seconds_sum{outcome=\"idle_timeout\",recovered=\"none\"} 60"
+            ),
             "{text}"
         );
         Ok(())
