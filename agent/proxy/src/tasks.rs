@@ -686,13 +686,16 @@ impl Tasks {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn with_task<R>(
+    /// Runs `f` on the open task `id` (created on its first call). An ended task's
+    /// books are final: a call that arrives after its end is noted in its timeline,
+    /// and `f` does not run.
+    fn with_task(
         &self,
         id: &TaskId,
         request_id: &str,
         at: SystemTime,
-        f: impl FnOnce(&mut Task, Timestamp) -> R,
-    ) -> R {
+        f: impl FnOnce(&mut Task, Timestamp),
+    ) {
         let at = Timestamp::from_system(at);
         let mut tasks = self.lock();
         let entry = tasks.entry(id.clone()).or_insert_with(|| Entry {
@@ -709,12 +712,12 @@ impl Tasks {
                 at,
                 request_id: request_id.to_owned(),
             });
+        } else {
+            entry.task.activity(at);
+            f(&mut entry.task, at);
         }
-        entry.task.activity(at);
-        let out = f(&mut entry.task, at);
         drop(tasks);
         self.inner.changed.notify_one();
-        out
     }
 
     /// Resolves when a task changed since the last call: the owner then calls
@@ -1704,6 +1707,36 @@ mod tests {
             ),
             "{text}"
         );
+        Ok(())
+    }
+
+    /// An ended task's books are final: a late call is noted, and changes nothing
+    /// else (no calls, tokens, cost, faults or recoveries).
+    #[tokio::test]
+    async fn calls_after_the_end_are_noted_and_change_nothing_else() -> TestResult {
+        let tasks = tracker(None, Metrics::new())?;
+        let id = task();
+        tasks.model_call(&id, &model(t(0), false, true, false));
+        let ended = tasks.end(&id, TaskOutcome::Failure, t(5)).await?.task;
+        tasks.touch(&id, "late", t(6));
+        tasks.model_call(&id, &model(t(7), false, true, false));
+        tasks.model_call(&id, &model(t(8), true, false, false));
+        tasks.tool_call(
+            &id,
+            &tools_summary(t(9), "k9", ToolCallOutcome::InDoubt, false),
+        );
+        tasks.fault(&id, "late", FaultKind::SidecarRestart, t(10));
+        let after = tasks.get(&id, t(11)).ok_or("task lost")?.task;
+        let late = after.timeline.len() - ended.timeline.len();
+        assert_eq!(late, 5, "each late call noted: {:?}", after.timeline);
+        assert!(
+            after.timeline[ended.timeline.len()..]
+                .iter()
+                .all(|e| matches!(e, TimelineEvent::AfterEnd { .. }))
+        );
+        let mut unchanged = after.clone();
+        unchanged.timeline = ended.timeline.clone();
+        assert_eq!(unchanged, ended);
         Ok(())
     }
 
