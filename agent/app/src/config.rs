@@ -70,6 +70,7 @@ pub struct TelemetryConfig {
 pub struct TasksConfig {
     pub idle_timeout: Duration,
     pub retention: Duration,
+    pub max_tasks: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -567,7 +568,11 @@ fn validate(
             td.retention,
             "an ended task would be gone before its outcome could be read",
         ),
+        max_tasks: raw.tasks.max_tasks.unwrap_or(td.max_tasks),
     };
+    if tasks.max_tasks == 0 {
+        p.add("tasks.max_tasks", "must be greater than 0");
+    }
 
     let proxy = popts::Options {
         providers,

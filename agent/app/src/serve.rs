@@ -233,6 +233,7 @@ fn open_tasks(
     let options = TasksOptions {
         prices,
         retention: config.tasks.retention,
+        max_tasks: config.tasks.max_tasks,
     };
     match Tasks::open(
         options,

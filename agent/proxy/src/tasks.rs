@@ -14,6 +14,11 @@
 //! effect exactly once (see [`check_side_effects`] for the exact rule). "HTTP 200" is
 //! not the test: the journal is.
 //!
+//! **Bounded.** At most [`TasksOptions::max_tasks`] tasks are kept: a new one beyond
+//! it makes room by forgetting the task that ended longest ago, else the open task
+//! idle longest, so an agent that sends a fresh task id per request cannot grow
+//! memory without bound.
+//!
 //! Nothing here runs on a timer of its own: the application calls [`Tasks::sweep`]
 //! (idle expiry, retention) and [`Tasks::persist`] periodically.
 
@@ -141,6 +146,10 @@ pub struct TasksOptions {
     pub prices: Prices,
     /// How long an ended task stays listed (and stored) after it ended.
     pub retention: Duration,
+    /// The most tasks kept. A new task beyond it makes room by forgetting one: the
+    /// task that ended longest ago, or, with none ended, the open task idle longest.
+    /// It bounds the memory of an agent that sends a fresh task id per request.
+    pub max_tasks: usize,
 }
 
 impl Default for TasksOptions {
@@ -148,6 +157,7 @@ impl Default for TasksOptions {
         Self {
             prices: Prices::default(),
             retention: Duration::from_secs(24 * 60 * 60),
+            max_tasks: 10_000,
         }
     }
 }
@@ -621,6 +631,11 @@ struct Inner {
     metrics: Metrics,
     slos: Option<Arc<Slos>>,
     tasks: Mutex<HashMap<TaskId, Entry>>,
+    /// Tasks forgotten to make room, still to be deleted from the store (the data
+    /// plane cannot wait for the store; [`Tasks::persist`] deletes them).
+    forgotten: Mutex<Vec<TaskId>>,
+    /// How many tasks were forgotten to make room (the first is logged at WARN).
+    forgotten_total: std::sync::atomic::AtomicU64,
     changed: tokio::sync::Notify,
 }
 
@@ -667,16 +682,58 @@ impl Tasks {
                 );
             }
         }
-        Ok(Self {
+        let tracker = Self {
             inner: Arc::new(Inner {
                 options,
                 journal,
                 metrics,
                 slos,
-                tasks: Mutex::new(tasks),
+                tasks: Mutex::new(HashMap::new()),
+                forgotten: Mutex::new(Vec::new()),
+                forgotten_total: std::sync::atomic::AtomicU64::new(0),
                 changed: tokio::sync::Notify::new(),
             }),
-        })
+        };
+        // A previous process may have kept more (a larger cap): the newest stay.
+        while tasks.len() > tracker.inner.options.max_tasks.max(1) {
+            tracker.make_room(&mut tasks);
+        }
+        *tracker.lock() = tasks;
+        Ok(tracker)
+    }
+
+    /// Forgets one task: the one that ended longest ago, or with none ended the
+    /// open task idle longest. Its stored copy goes at the next [`Tasks::persist`].
+    fn make_room(&self, tasks: &mut HashMap<TaskId, Entry>) {
+        let oldest_ended = tasks
+            .values()
+            .filter_map(|e| e.task.ended_at.map(|end| (end, &e.task.id)))
+            .min()
+            .map(|(_, id)| id.clone());
+        let victim = oldest_ended.or_else(|| {
+            tasks
+                .values()
+                .min_by_key(|e| (e.seen, e.task.last_activity))
+                .map(|e| e.task.id.clone())
+        });
+        let Some(id) = victim.and_then(|id| tasks.remove(&id).map(|e| e.task.id)) else {
+            return;
+        };
+        let before = self
+            .inner
+            .forgotten_total
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if before == 0 {
+            tracing::warn!(task = %id, max_tasks = self.inner.options.max_tasks,
+                "the task tracker is full: the oldest tasks are forgotten to make room (further ones are logged at debug)");
+        } else {
+            tracing::debug!(task = %id, "task forgotten to make room");
+        }
+        self.inner
+            .forgotten
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(id);
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<TaskId, Entry>> {
@@ -698,6 +755,9 @@ impl Tasks {
     ) {
         let at = Timestamp::from_system(at);
         let mut tasks = self.lock();
+        if !tasks.contains_key(id) && tasks.len() >= self.inner.options.max_tasks.max(1) {
+            self.make_room(&mut tasks);
+        }
         let entry = tasks.entry(id.clone()).or_insert_with(|| Entry {
             task: Task::new(id.clone(), request_id, at),
             dirty: true,
@@ -994,13 +1054,53 @@ impl Tasks {
         }
         let mut ended = Vec::with_capacity(idle.len());
         for id in idle {
-            ended.push(self.end(&id, TaskOutcome::IdleTimeout, now).await?);
+            match self.end(&id, TaskOutcome::IdleTimeout, now).await {
+                Ok(report) => ended.push(report),
+                // Forgotten meanwhile to make room for a new task.
+                Err(Error::UnknownTask(_)) => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(ended)
     }
 
-    /// Writes the tasks changed since the last call. Returns how many.
+    /// Writes the tasks changed since the last call, and deletes from the store
+    /// those forgotten to make room. Returns how many tasks it wrote.
     pub async fn persist(&self) -> Result<usize, Error> {
+        let written = self.persist_changed().await?;
+        self.delete_forgotten().await?;
+        Ok(written)
+    }
+
+    async fn delete_forgotten(&self) -> Result<(), Error> {
+        let forgotten = std::mem::take(
+            &mut *self
+                .inner
+                .forgotten
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        let Some(j) = &self.inner.journal else {
+            return Ok(());
+        };
+        for (i, id) in forgotten.iter().enumerate() {
+            // Back since it was forgotten: its new record is saved instead.
+            if self.lock().contains_key(id) {
+                continue;
+            }
+            if let Err(e) = j.kv_delete(NAMESPACE, id.as_str()).await {
+                self.inner
+                    .forgotten
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .extend_from_slice(&forgotten[i..]);
+                return Err(e.into());
+            }
+        }
+        Ok(())
+    }
+
+    async fn persist_changed(&self) -> Result<usize, Error> {
         let changed: Vec<Task> = {
             let mut tasks = self.lock();
             tasks
@@ -1737,6 +1837,77 @@ mod tests {
         let mut unchanged = after.clone();
         unchanged.timeline = ended.timeline.clone();
         assert_eq!(unchanged, ended);
+        Ok(())
+    }
+
+    /// With `max_tasks` tasks kept, a new one makes room: the task that ended
+    /// longest ago goes first, then the open task idle longest; the store forgets
+    /// them too, and a restart keeps no more than the cap.
+    #[tokio::test(start_paused = true)]
+    async fn the_tracker_keeps_at_most_max_tasks() -> TestResult {
+        let j = TempJournal::open()?;
+        let options = || TasksOptions {
+            max_tasks: 3,
+            ..TasksOptions::default()
+        };
+        let tasks = Tasks::open(
+            options(),
+            Some(j.journal.clone()),
+            Metrics::new(),
+            None,
+            t(0),
+        )?;
+        let id = |n: &str| TaskId::new(format!("cap-{n}"));
+        let step = Duration::from_secs(1);
+        for (i, n) in ["a", "b", "c"].into_iter().enumerate() {
+            tasks.touch(&id(n)?, "r", t(i as u64));
+            tokio::time::advance(step).await;
+        }
+        tasks.end(&id("c")?, TaskOutcome::Success, t(3)).await?;
+        tasks.end(&id("b")?, TaskOutcome::Success, t(4)).await?;
+        tasks.persist().await?;
+        // Full: the task that ended first (c) goes.
+        tasks.touch(&id("d")?, "r", t(5));
+        tokio::time::advance(step).await;
+        // Then b, the only ended one left.
+        tasks.touch(&id("e")?, "r", t(6));
+        tokio::time::advance(step).await;
+        // None ended: a, idle longest, goes (d and e came later).
+        tasks.touch(&id("d")?, "r", t(7));
+        tasks.touch(&id("f")?, "r", t(8));
+        let mut kept: Vec<String> = tasks
+            .list(t(9))
+            .into_iter()
+            .map(|s| s.id.to_string())
+            .collect();
+        kept.sort();
+        assert_eq!(kept, ["cap-d", "cap-e", "cap-f"]);
+        assert!(matches!(
+            tasks.end(&id("a")?, TaskOutcome::Success, t(9)).await,
+            Err(Error::UnknownTask(_))
+        ));
+        tasks.persist().await?;
+        let mut stored: Vec<String> = j
+            .journal
+            .kv_scan(NAMESPACE)?
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
+        stored.sort();
+        assert_eq!(stored, ["cap-d", "cap-e", "cap-f"]);
+
+        // A smaller cap after a restart keeps the newest.
+        let fewer = Tasks::open(
+            TasksOptions {
+                max_tasks: 2,
+                ..options()
+            },
+            Some(j.journal.clone()),
+            Metrics::new(),
+            None,
+            t(10),
+        )?;
+        assert_eq!(fewer.list(t(10)).len(), 2);
         Ok(())
     }
 

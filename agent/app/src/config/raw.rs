@@ -45,6 +45,9 @@ pub struct Tasks {
     pub idle_timeout: Option<String>,
     /// How long an ended task stays listed.
     pub retention: Option<String>,
+    /// The most tasks kept; a new one beyond it makes room by forgetting the
+    /// oldest ended task, else the open task idle longest.
+    pub max_tasks: Option<usize>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -39,6 +39,17 @@ fn embedded_defaults() {
     assert_eq!(c.data_dir, PathBuf::from("./outrigger-data"));
     assert!(c.proxy.providers.is_empty());
     assert_eq!(c.workers, 0, "one data-plane worker per core");
+    assert_eq!(c.tasks.max_tasks, 10_000);
+}
+
+#[test]
+fn the_task_cap_from_the_file_or_the_environment() {
+    let c = load_str("[tasks]\nmax_tasks = 500\n", &[]).unwrap();
+    assert_eq!(c.tasks.max_tasks, 500);
+    let c = load(None, &env(&[("OUTRIGGER_TASKS_MAX_TASKS", "20")])).unwrap();
+    assert_eq!(c.tasks.max_tasks, 20);
+    let err = load_str("[tasks]\nmax_tasks = 0\n", &[]).unwrap_err();
+    assert_eq!(paths(&err), ["tasks.max_tasks"]);
 }
 
 #[test]
