@@ -34,8 +34,8 @@ pub(crate) trait Protocol {
     /// The request for one attempt, carrying `downstream` as its idempotency key.
     fn build(&self, downstream: &str) -> Result<Request<Full<Bytes>>, Error>;
     /// What the tool's answer means for the call: what to journal and what to send
-    /// the agent.
-    fn answer(&self, status: StatusCode, headers: &HeaderMap, body: Bytes) -> Answered;
+    /// the agent. It owns what it needs, so that a call can finish without its agent.
+    fn answerer(&self) -> impl FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static;
     fn replay(&self, record: &Record) -> Response<Body>;
     /// The agent's request headers (its credentials for the tool among them).
     fn agent_headers(&self) -> &HeaderMap;
@@ -45,9 +45,6 @@ pub(crate) trait Protocol {
     fn tombstoned(&self, record: &Record) -> Response<Body>;
     /// The attempt reached the tool but no answer came back; the call is now `state`.
     fn in_doubt(&self, key: &IdempotencyKey, cause: &str, state: &str) -> Response<Body>;
-    /// [`Protocol::answer`] for a call whose agent has gone: it owns what it needs
-    /// (the response it builds is dropped; what it journals is what counts).
-    fn detached(&self) -> impl FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static;
 }
 
 /// What a tool's answer means for the call.
@@ -236,23 +233,20 @@ async fn execute(
             "re-sending a call whose earlier attempt may have reached the tool (same downstream key)");
     }
     let req = proto.build(downstream)?;
+    let upstream = shared.upstream.clone();
+    let (timeout, max_body) = (tool.timeout, shared.options.limits.max_body_bytes);
+    let fault = shared.faults.tool(&tool.name);
+    let (owned_journal, owned_ticket) = (journal.clone(), ticket.clone());
+    let answer = proto.answerer();
     let at_tool = AtTool {
-        running: Some(Box::pin(dispatch(
-            shared.upstream.clone(),
-            req,
-            tool.timeout,
-            shared.options.limits.max_body_bytes,
-            shared.faults.tool(&tool.name),
-        ))),
-        detach: Some(Detach {
-            journal: journal.clone(),
-            ticket: ticket.clone(),
-            answer: proto.detached(),
-            _counted: shared.detached.count(),
-        }),
+        running: Some(Box::pin(async move {
+            let reached = dispatch(upstream, req, timeout, max_body, fault).await;
+            record(&owned_journal, &owned_ticket, reached, answer).await
+        })),
+        key: ticket.key().clone(),
+        counted: Some(shared.detached.count()),
     };
-    let reached = at_tool.await;
-    let recorded = record(journal, ticket, reached, |s, h, b| proto.answer(s, h, b)).await;
+    let recorded = at_tool.await;
     respond(recorded, tool, ticket, proto)
 }
 
@@ -334,63 +328,44 @@ async fn dispatch(
     }
 }
 
-/// A call at the tool. Dropped before it finished (the agent went away, and its
-/// request with it), it is not cancelled: it goes on as a task of its own and
-/// journals its outcome, so that the agent's retry with the same key replays the
-/// answer (or waits for it) rather than finding in doubt a call the tool completed.
-/// Only that case spawns; an attached call costs the box of its dispatch.
-struct AtTool<F, A>
+/// A call at the tool, up to its outcome's journaling. Dropped before it finished
+/// (the agent went away, and its request with it), it is not cancelled: it goes on
+/// as a task of its own and journals its outcome, so that the agent's retry with the
+/// same key replays the answer (or waits for it) rather than finding in doubt a call
+/// the tool completed. Only that case spawns; an attached call costs one box.
+struct AtTool<F>
 where
-    F: Future<Output = Reached> + Send + 'static,
-    A: FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static,
+    F: Future<Output = Recorded> + Send + 'static,
 {
     running: Option<Pin<Box<F>>>,
-    detach: Option<Detach<A>>,
+    key: IdempotencyKey,
+    /// Keeps a drain waiting for the call, here and then in its own task.
+    counted: Option<detached::Counted>,
 }
 
-/// What a call going on without its agent needs to journal its outcome.
-struct Detach<A> {
-    journal: Journal,
-    ticket: Ticket,
-    answer: A,
-    /// Keeps the drain waiting for the call.
-    _counted: detached::Counted,
-}
-
-// Only `running` is ever pinned, and it is boxed.
-impl<F, A> Unpin for AtTool<F, A>
+impl<F> Future for AtTool<F>
 where
-    F: Future<Output = Reached> + Send + 'static,
-    A: FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static,
+    F: Future<Output = Recorded> + Send + 'static,
 {
-}
+    type Output = Recorded;
 
-impl<F, A> Future for AtTool<F, A>
-where
-    F: Future<Output = Reached> + Send + 'static,
-    A: FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static,
-{
-    type Output = Reached;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Reached> {
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Recorded> {
         // Polled again after it finished: it stays finished.
         let Some(running) = self.running.as_mut() else {
             return Poll::Pending;
         };
-        let reached = std::task::ready!(running.as_mut().poll(cx));
+        let recorded = std::task::ready!(running.as_mut().poll(cx));
         self.running = None;
-        self.detach = None;
-        Poll::Ready(reached)
+        Poll::Ready(recorded)
     }
 }
 
-impl<F, A> Drop for AtTool<F, A>
+impl<F> Drop for AtTool<F>
 where
-    F: Future<Output = Reached> + Send + 'static,
-    A: FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static,
+    F: Future<Output = Recorded> + Send + 'static,
 {
     fn drop(&mut self) {
-        let (Some(running), Some(detach)) = (self.running.take(), self.detach.take()) else {
+        let Some(running) = self.running.take() else {
             return;
         };
         // Without a runtime (it is shutting down) the call stays in flight, as after
@@ -398,16 +373,11 @@ where
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
+        let key = self.key.clone();
+        let counted = self.counted.take();
         runtime.spawn(async move {
-            let Detach {
-                journal,
-                ticket,
-                answer,
-                _counted,
-            } = detach;
-            let reached = running.await;
-            let key = ticket.key();
-            match record(&journal, &ticket, reached, answer).await {
+            let _counted = counted;
+            match running.await {
                 Recorded::Answered(_, state) => {
                     tracing::info!(%key, state = state.as_str(), "the agent went away; its call finished and was journaled");
                 }
@@ -700,6 +670,43 @@ pub(crate) fn prefer_wait(h: &HeaderMap) -> Option<Duration> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A call dropped at any point before its outcome is journaled (at the tool, or
+    /// waiting for the journal) goes on by itself to the end, and a drain waits
+    /// for it.
+    #[tokio::test]
+    async fn a_call_dropped_before_its_end_finishes_on_its_own() {
+        let detached = detached::Detached::default();
+        let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+        let call = AtTool {
+            running: Some(Box::pin(async move {
+                let _ = go_rx.await;
+                let _ = done_tx.send(());
+                Recorded::NotSent(crate::upstream::Error::Connect {
+                    authority: "tool".into(),
+                    detail: "refused".into(),
+                })
+            })),
+            key: IdempotencyKey::new("k").expect("a key"),
+            counted: Some(detached.count()),
+        };
+        // The agent goes away while the call is pending.
+        let pending = tokio::time::timeout(Duration::from_millis(10), call).await;
+        assert!(pending.is_err(), "the call was still pending");
+        let settled = tokio::spawn(detached.clone().settled());
+        tokio::task::yield_now().await;
+        assert!(!settled.is_finished(), "the drain waits for the call");
+        go_tx.send(()).expect("the call is still there to go on");
+        tokio::time::timeout(Duration::from_secs(5), done_rx)
+            .await
+            .expect("the call finished")
+            .expect("the call ran to its end");
+        tokio::time::timeout(Duration::from_secs(5), settled)
+            .await
+            .expect("the drain's wait ended")
+            .expect("no panic");
+    }
 
     #[test]
     fn probe_keys_stay_one_segment() {

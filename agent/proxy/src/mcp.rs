@@ -283,13 +283,9 @@ impl Protocol for McpCall<'_> {
         Ok(req)
     }
 
-    fn detached(&self) -> impl FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static {
+    fn answerer(&self) -> impl FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static {
         let id = self.id.clone();
         move |status, h, body| answer(&id, status, h, body)
-    }
-
-    fn answer(&self, status: StatusCode, h: &HeaderMap, body: Bytes) -> Answered {
-        answer(self.id, status, h, body)
     }
 
     fn replay(&self, record: &Record) -> Response<Body> {
@@ -546,24 +542,8 @@ mod tests {
 
     #[test]
     fn a_success_without_the_calls_response_is_no_outcome() {
-        let server = Tool {
-            name: "m".into(),
-            kind: ToolKind::Mcp,
-            base_url: http::Uri::from_static("http://127.0.0.1:1"),
-            class: outrigger_types::ToolClass::Unsafe,
-            key_required: false,
-            journal_get: false,
-            timeout: std::time::Duration::from_secs(1),
-            probe_path: None,
-        };
-        let agent = HeaderMap::new();
         let message = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call"});
-        let call = McpCall {
-            server: &server,
-            agent: &agent,
-            message: &message,
-            id: &message["id"],
-        };
+        let id = &message["id"];
         let mut sse = HeaderMap::new();
         sse.insert(
             header::CONTENT_TYPE,
@@ -574,20 +554,20 @@ mod tests {
             b"event: message\ndata: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/progress\"}\n\n",
         );
         assert!(matches!(
-            call.answer(StatusCode::OK, &sse, progress),
+            answer(id, StatusCode::OK, &sse, progress),
             Answered::Unknown(_)
         ));
         assert!(matches!(
-            call.answer(StatusCode::ACCEPTED, &HeaderMap::new(), Bytes::new()),
+            answer(id, StatusCode::ACCEPTED, &HeaderMap::new(), Bytes::new()),
             Answered::Unknown(_)
         ));
         // A transport refusal was not applied; a 5xx goes to the journal's rules.
         assert!(matches!(
-            call.answer(StatusCode::NOT_FOUND, &HeaderMap::new(), Bytes::new()),
+            answer(id, StatusCode::NOT_FOUND, &HeaderMap::new(), Bytes::new()),
             Answered::NotApplied(..)
         ));
         assert!(matches!(
-            call.answer(StatusCode::BAD_GATEWAY, &HeaderMap::new(), Bytes::new()),
+            answer(id, StatusCode::BAD_GATEWAY, &HeaderMap::new(), Bytes::new()),
             Answered::Outcome(..)
         ));
     }

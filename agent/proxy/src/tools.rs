@@ -431,11 +431,7 @@ impl Protocol for Http<'_> {
         )
     }
 
-    fn answer(&self, status: StatusCode, h: &HeaderMap, body: Bytes) -> Answered {
-        answer(status, h, body)
-    }
-
-    fn detached(&self) -> impl FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static {
+    fn answerer(&self) -> impl FnOnce(StatusCode, &HeaderMap, Bytes) -> Answered + Send + 'static {
         answer
     }
 
