@@ -182,6 +182,25 @@ async fn a_non_loopback_admin_bind_without_a_token_is_refused_at_start_up() {
     assert!(!ready.exists(), "it never became ready");
 }
 
+/// The journal CLI sends the admin token from `OUTRIGGER_ADMIN_TOKEN` trimmed, as
+/// the sidecar reads its own: a token from a secret file ends in a newline.
+#[tokio::test]
+async fn the_journal_cli_trims_the_admin_token_like_the_sidecar() {
+    let token = canary("admin");
+    let sidecar = Sidecar::start(&format!("[admin]\ntoken = \"{token}\"\n"), &[]).await;
+    let out = Command::new(outrigger_bin())
+        .args(["journal", "list", "--admin"])
+        .arg(format!("http://{}", sidecar.admin))
+        .arg("--data-dir")
+        .arg(sidecar.dir.path().join("data"))
+        .env("OUTRIGGER_ADMIN_TOKEN", format!("{token}\n"))
+        .output()
+        .expect("run the cli");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("through its admin API"), "{err}");
+}
+
 /// Routes that read: each needs the token.
 const READ_ROUTES: &[&str] = &[
     "/metrics",

@@ -143,8 +143,11 @@ fn open(common: &Common) -> anyhow::Result<Source> {
             );
             Ok(Source::Admin {
                 base: common.admin.trim_end_matches('/').to_string(),
+                // Trimmed as the sidecar trims its own (a token read from a file
+                // ends in a newline).
                 token: std::env::var("OUTRIGGER_ADMIN_TOKEN")
                     .ok()
+                    .map(|t| t.trim().to_owned())
                     .filter(|t| !t.is_empty()),
             })
         }
