@@ -154,13 +154,13 @@ impl Proxy {
         }
     }
 
-    /// Updates the GPU health the data plane sees (fallback input, hardware cause).
     /// Resolves once no tool call is going on without its agent (see
     /// `journaled`): a drain waits for it, so such calls end journaled.
     pub fn detached_calls_settled(&self) -> impl Future<Output = ()> + Send + 'static {
         self.shared.detached.clone().settled()
     }
 
+    /// Updates the GPU health the data plane sees (fallback input, hardware cause).
     pub fn set_gpu(&self, summary: outrigger_types::GpuSummary) {
         self.shared.gpu.store(Arc::new(summary));
     }

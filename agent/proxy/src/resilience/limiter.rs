@@ -355,8 +355,6 @@ fn remove(s: &mut State, task: &str, id: u64) {
     }
 }
 
-/// A reset in OpenAI's style (`6m0s`, `1s`, `20ms`, `1h2m3.5s`) or seconds, or an
-/// RFC 3339 time (Anthropic).
 /// The longest a provider's rate-limit header is taken to ask for: a longer wait (a
 /// pause of weeks, `inf`, a number past what a clock can hold) is taken as this one.
 pub const MAX_PROVIDER_WAIT: Duration = Duration::from_secs(24 * 3600);
@@ -371,6 +369,8 @@ pub fn provider_wait(secs: f64) -> Option<Duration> {
     Some(wait.min(MAX_PROVIDER_WAIT))
 }
 
+/// A reset in OpenAI's style (`6m0s`, `1s`, `20ms`, `1h2m3.5s`) or seconds, or an
+/// RFC 3339 time (Anthropic), capped at [`MAX_PROVIDER_WAIT`].
 fn parse_reset(v: &str) -> Option<Duration> {
     if let Ok(secs) = v.parse::<f64>() {
         return provider_wait(secs);
