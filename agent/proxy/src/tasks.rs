@@ -290,6 +290,20 @@ pub enum TimelineEvent {
     },
 }
 
+impl TimelineEvent {
+    pub fn at(&self) -> Timestamp {
+        match self {
+            Self::Started { at, .. }
+            | Self::ModelCall { at, .. }
+            | Self::ToolCall { at, .. }
+            | Self::Fault { at, .. }
+            | Self::Recovered { at, .. }
+            | Self::AfterEnd { at, .. }
+            | Self::Ended { at, .. } => *at,
+        }
+    }
+}
+
 /// A side effect that happened more than once.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Duplicate {
@@ -655,33 +669,52 @@ impl Tasks {
         slos: Option<Arc<Slos>>,
         now: SystemTime,
     ) -> Result<Self, Error> {
-        let mut tasks = HashMap::new();
+        let mut stored = Vec::new();
         if let Some(j) = &journal {
-            let at = Timestamp::from_system(now);
             for (key, bytes) in j.kv_scan(NAMESPACE)? {
-                let mut task: Task = match serde_json::from_slice(&bytes) {
-                    Ok(task) => task,
+                match serde_json::from_slice::<Task>(&bytes) {
+                    Ok(task) => stored.push(task),
+                    // One unreadable task must not keep the sidecar from starting.
                     Err(e) => {
-                        // One unreadable task must not keep the sidecar from starting.
                         tracing::warn!(task = %key, error = %e, "a persisted task could not be decoded; skipped");
-                        continue;
                     }
-                };
+                }
+            }
+        }
+        // A previous process may have kept more (a larger cap). Those kept are the
+        // ones `make_room` would keep: open tasks, the most recently active first,
+        // then the ended ones, the most recently ended first.
+        let max = options.max_tasks.max(1);
+        let mut forgotten = Vec::new();
+        if stored.len() > max {
+            stored.sort_by_key(|t| {
+                std::cmp::Reverse((t.ended_at.is_none(), t.ended_at.unwrap_or(t.last_activity)))
+            });
+            forgotten = stored.split_off(max).into_iter().map(|t| t.id).collect();
+            tracing::warn!(
+                forgotten = forgotten.len(),
+                max_tasks = max,
+                "more tasks were stored than [tasks] max_tasks allows: the oldest are forgotten"
+            );
+        }
+        let at = Timestamp::from_system(now);
+        let seen = tokio::time::Instant::now();
+        let tasks = stored
+            .into_iter()
+            .map(|mut task| {
                 let reopened = task.ended_at.is_none();
                 if reopened {
                     let at = at.max(task.last_activity);
                     task.fault(FaultKind::SidecarRestart, at);
                 }
-                tasks.insert(
-                    task.id.clone(),
-                    Entry {
-                        task,
-                        dirty: reopened,
-                        seen: tokio::time::Instant::now(),
-                    },
-                );
-            }
-        }
+                let entry = Entry {
+                    task,
+                    dirty: reopened,
+                    seen,
+                };
+                (entry.task.id.clone(), entry)
+            })
+            .collect();
         let tracker = Self {
             inner: Arc::new(Inner {
                 options,
@@ -689,15 +722,11 @@ impl Tasks {
                 metrics,
                 slos,
                 tasks: Mutex::new(HashMap::new()),
-                forgotten: Mutex::new(Vec::new()),
-                forgotten_total: std::sync::atomic::AtomicU64::new(0),
+                forgotten_total: std::sync::atomic::AtomicU64::new(forgotten.len() as u64),
+                forgotten: Mutex::new(forgotten),
                 changed: tokio::sync::Notify::new(),
             }),
         };
-        // A previous process may have kept more (a larger cap): the newest stay.
-        while tasks.len() > tracker.inner.options.max_tasks.max(1) {
-            tracker.make_room(&mut tasks);
-        }
         *tracker.lock() = tasks;
         Ok(tracker)
     }
@@ -713,7 +742,7 @@ impl Tasks {
         let victim = oldest_ended.or_else(|| {
             tasks
                 .values()
-                .min_by_key(|e| (e.seen, e.task.last_activity))
+                .min_by_key(|e| (e.task.last_activity, e.seen))
                 .map(|e| e.task.id.clone())
         });
         let Some(id) = victim.and_then(|id| tasks.remove(&id).map(|e| e.task.id)) else {
@@ -925,9 +954,12 @@ impl Tasks {
             // Another end may have come first while the journal was read.
             let ended_here = t.ended_at.is_none();
             if ended_here {
+                // An idle task ends at its last activity, or at what happened to it
+                // since (the restart that charged it a fault), whichever is later.
+                let latest = t.timeline.last().map_or(t.last_activity, TimelineEvent::at);
                 let at = match outcome {
-                    TaskOutcome::IdleTimeout => t.last_activity,
-                    _ => at.max(t.last_activity),
+                    TaskOutcome::IdleTimeout => t.last_activity.max(latest),
+                    _ => at.max(t.last_activity).max(latest),
                 };
                 t.ended_at = Some(at);
                 t.outcome = Some(outcome);
@@ -1907,7 +1939,84 @@ mod tests {
             None,
             t(10),
         )?;
-        assert_eq!(fewer.list(t(10)).len(), 2);
+        let mut kept: Vec<String> = fewer
+            .list(t(10))
+            .into_iter()
+            .map(|s| s.id.to_string())
+            .collect();
+        kept.sort();
+        assert_eq!(kept, ["cap-d", "cap-f"], "e was active least recently");
+        fewer.persist().await?;
+        assert_eq!(j.journal.kv_scan(NAMESPACE)?.len(), 2, "e's copy is gone");
+        Ok(())
+    }
+
+    /// Trimming many stored tasks to the cap at start-up is one sort, not a scan per
+    /// task: 20,000 stored tasks down to 100 open in well under a second's work,
+    /// and those kept are the most recently active, whatever their ids.
+    #[tokio::test]
+    async fn trimming_stored_tasks_at_start_up_keeps_the_most_recent() -> TestResult {
+        let j = TempJournal::open()?;
+        let many = Tasks::open(
+            TasksOptions::default(),
+            Some(j.journal.clone()),
+            Metrics::new(),
+            None,
+            t(0),
+        )?;
+        // Ids in the reverse order of their activity.
+        for i in 0..20_000u64 {
+            many.touch(&TaskId::new(format!("bulk-{:05}", 20_000 - i))?, "r", t(i));
+        }
+        many.persist().await?;
+        let started = std::time::Instant::now();
+        let few = Tasks::open(
+            TasksOptions {
+                max_tasks: 100,
+                ..TasksOptions::default()
+            },
+            Some(j.journal.clone()),
+            Metrics::new(),
+            None,
+            t(30_000),
+        )?;
+        let took = started.elapsed();
+        let kept = few.list(t(30_000));
+        assert_eq!(kept.len(), 100);
+        assert!(
+            kept.iter().all(|s| s.id.as_str() <= "bulk-00100"),
+            "the most recently active (the lowest ids) are kept"
+        );
+        assert!(took < Duration::from_secs(20), "{took:?}");
+        Ok(())
+    }
+
+    /// A task reopened after a restart and then ended as idle ends no earlier than the
+    /// restart's fault: its timeline never goes back in time.
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_end_after_a_restart_comes_after_the_restart() -> TestResult {
+        let j = TempJournal::open()?;
+        let id = task();
+        let before = tracker(Some(j.journal.clone()), Metrics::new())?;
+        before.touch(&id, "r1", t(10));
+        before.persist().await?;
+        let after = Tasks::open(
+            TasksOptions::default(),
+            Some(j.journal.clone()),
+            Metrics::new(),
+            None,
+            t(100),
+        )?;
+        tokio::time::advance(Duration::from_secs(31 * 60)).await;
+        let ended = after
+            .sweep(t(100 + 31 * 60), Duration::from_secs(30 * 60))
+            .await?;
+        let [report] = ended.as_slice() else {
+            return Err(format!("expected one idle task, got {}", ended.len()).into());
+        };
+        assert_eq!(report.task.ended_at, Some(Timestamp::from_system(t(100))));
+        let stamps: Vec<Timestamp> = report.task.timeline.iter().map(TimelineEvent::at).collect();
+        assert!(stamps.windows(2).all(|w| w[0] <= w[1]), "{stamps:?}");
         Ok(())
     }
 
