@@ -26,20 +26,33 @@ impl Default for Account {
     }
 }
 
+/// The most tasks the ledger keeps accounts for. A new task beyond it takes the place
+/// of the task whose account was used longest ago and holds no reservation: an agent
+/// that sends a fresh task id per request cannot grow the ledger without bound. The
+/// task that lost its account starts its budget over if it comes back.
+pub const MAX_ACCOUNTS: usize = 10_000;
+
+#[derive(Debug)]
+struct Kept {
+    account: Arc<Mutex<Account>>,
+    /// When the account was last looked up.
+    used: std::time::Instant,
+}
+
 /// Usage per task. Each task's account has a lock of its own: a budget decision runs
 /// a policy under it (so two calls of one task cannot both slip under the limit),
 /// and a slow policy holds up only its own task's calls.
 #[derive(Debug, Default)]
 pub struct Ledger {
-    accounts: Mutex<HashMap<String, Arc<Mutex<Account>>>>,
+    accounts: Mutex<HashMap<String, Kept>>,
 }
 
 /// A reservation; settle it with what was really used, or drop it to release it
 /// (a call that never ran costs nothing).
 #[derive(Debug)]
 pub struct Reservation {
-    ledger: Arc<Ledger>,
-    task: String,
+    /// Held, so the account is not given up while a call has a reservation on it.
+    account: Arc<Mutex<Account>>,
     estimate: Usage,
     settled: bool,
 }
@@ -51,20 +64,44 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Ledger {
     /// The task's account, if it has one.
     fn find(&self, task: &str) -> Option<Arc<Mutex<Account>>> {
-        lock(&self.accounts).get(task).cloned()
+        lock(&self.accounts).get(task).map(|k| k.account.clone())
     }
 
-    /// The task's account, opened on first use.
+    /// The task's account, opened on first use (making room if the ledger is full).
     fn account(&self, task: &str) -> Arc<Mutex<Account>> {
+        let now = std::time::Instant::now();
         let mut accounts = lock(&self.accounts);
-        match accounts.get(task) {
-            Some(acc) => acc.clone(),
-            None => {
-                let acc = Arc::new(Mutex::new(Account::default()));
-                accounts.insert(task.to_string(), acc.clone());
-                acc
+        if let Some(kept) = accounts.get_mut(task) {
+            kept.used = now;
+            return kept.account.clone();
+        }
+        if accounts.len() >= MAX_ACCOUNTS {
+            // Held by no call (no reservation, no decision under way).
+            let idle = accounts
+                .iter()
+                .filter(|(_, k)| Arc::strong_count(&k.account) == 1)
+                .min_by_key(|(_, k)| k.used)
+                .map(|(task, _)| task.clone());
+            if let Some(idle) = idle {
+                accounts.remove(&idle);
             }
         }
+        let account = Arc::new(Mutex::new(Account::default()));
+        let kept = Kept {
+            account: account.clone(),
+            used: now,
+        };
+        accounts.insert(task.to_string(), kept);
+        account
+    }
+
+    /// How many tasks have an account.
+    pub fn len(&self) -> usize {
+        lock(&self.accounts).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// Committed plus reserved usage of `task`.
@@ -100,17 +137,17 @@ impl Ledger {
         estimate: Usage,
         admit: impl FnOnce(&Usage) -> (bool, T),
     ) -> (Option<Reservation>, T) {
-        let acc = self.account(task);
-        let mut acc = lock(&acc);
+        let account = self.account(task);
+        let mut acc = lock(&account);
         let (ok, value) = admit(&acc.committed.plus(&acc.reserved));
         if !ok {
             return (None, value);
         }
         acc.reserved = acc.reserved.plus(&estimate);
+        drop(acc);
         (
             Some(Reservation {
-                ledger: self.clone(),
-                task: task.to_string(),
+                account,
                 estimate,
                 settled: false,
             }),
@@ -123,15 +160,6 @@ impl Ledger {
         let acc = self.account(task);
         let mut acc = lock(&acc);
         acc.committed = acc.committed.plus(usage);
-    }
-
-    fn release(&self, task: &str, estimate: &Usage, actual: Option<&Usage>) {
-        let acc = self.account(task);
-        let mut acc = lock(&acc);
-        acc.reserved = acc.reserved.minus(estimate);
-        if let Some(actual) = actual {
-            acc.committed = acc.committed.plus(actual);
-        }
     }
 }
 
@@ -160,15 +188,22 @@ impl Reservation {
     /// Replaces the estimate with what the call really used.
     pub fn settle(mut self, actual: &Usage) {
         self.settled = true;
-        self.ledger
-            .release(&self.task, &self.estimate, Some(actual));
+        self.release(Some(actual));
+    }
+
+    fn release(&self, actual: Option<&Usage>) {
+        let mut acc = lock(&self.account);
+        acc.reserved = acc.reserved.minus(&self.estimate);
+        if let Some(actual) = actual {
+            acc.committed = acc.committed.plus(actual);
+        }
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
         if !self.settled {
-            self.ledger.release(&self.task, &self.estimate, None);
+            self.release(None);
         }
     }
 }
@@ -261,6 +296,39 @@ mod tests {
         );
         other.join().unwrap();
         assert!(slow.join().unwrap().0.is_some());
+    }
+
+    /// The ledger keeps at most `MAX_ACCOUNTS` tasks: a new one takes the place of
+    /// the one used longest ago, never of one a call holds a reservation on.
+    #[test]
+    fn accounts_are_bounded_and_a_reserved_one_is_kept() {
+        let ledger = Arc::new(Ledger::default());
+        let spent = Usage {
+            tokens_in: 10,
+            calls: 1,
+            ..Usage::default()
+        };
+        let (held, ()) = ledger.reserve_if("held", spent, |_| (true, ()));
+        let held = held.expect("admitted");
+        ledger.add("old", &spent);
+        for i in 0..MAX_ACCOUNTS + 50 {
+            ledger.add(&format!("task-{i}"), &spent);
+        }
+        assert_eq!(ledger.len(), MAX_ACCOUNTS);
+        assert_eq!(
+            ledger.usage("held").tokens_in,
+            10,
+            "the reserved account stays"
+        );
+        assert_eq!(ledger.committed("old").calls, 0, "the oldest went first");
+        held.settle(&spent);
+        assert_eq!(ledger.committed("held").tokens_in, 10);
+        assert_eq!(
+            ledger
+                .committed(&format!("task-{}", MAX_ACCOUNTS + 49))
+                .calls,
+            1
+        );
     }
 
     #[test]
