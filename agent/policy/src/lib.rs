@@ -34,7 +34,7 @@ pub use registry::{
     Binding, BindingReload, BindingStatus, BuiltinComponent, OnError, Options, Registry,
     ReloadOutcome, ReloadReport, Source,
 };
-pub use runtime::{Fault, Hook, Loaded, Runtime, RuntimeOptions, TICK};
+pub use runtime::{Fault, Hook, Loaded, MAX_LOG_LINES_PER_CALL, Runtime, RuntimeOptions, TICK};
 
 /// The version of the WIT package this host implements.
 pub const WIT_PACKAGE_VERSION: &str = "0.1.0";

@@ -38,6 +38,10 @@ const PARKED_RECHECK: Duration = Duration::from_secs(1);
 /// The longest log line a policy may write; the rest is cut.
 const MAX_LOG_LINE: usize = 1_000;
 
+/// The most log lines one policy call may write; the rest of the call's are dropped
+/// (a guest logging in a loop must not flood the sidecar's log).
+pub const MAX_LOG_LINES_PER_CALL: u32 = 16;
+
 /// A policy hook (a WIT interface a component may export).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -948,6 +952,8 @@ pub(crate) struct State {
     /// kept in buffers reused from call to call.
     task_id: Option<String>,
     request_id: String,
+    /// Log lines the call being decided has written.
+    logged: u32,
 }
 
 impl State {
@@ -979,6 +985,7 @@ impl State {
             rng: None,
             task_id: None,
             request_id: String::new(),
+            logged: 0,
         }
     }
 
@@ -988,6 +995,7 @@ impl State {
         self.seed = seed;
         // A refusal an earlier call took in its stride is not this call's fault.
         self.limiter.exceeded = false;
+        self.logged = 0;
         self.rng = None;
         match (task_id, &mut self.task_id) {
             (Some(id), Some(kept)) => {
@@ -1015,6 +1023,18 @@ impl types::Host for State {}
 
 impl host::Host for State {
     fn log(&mut self, level: host::Level, message: String) {
+        self.logged = self.logged.saturating_add(1);
+        if self.logged > MAX_LOG_LINES_PER_CALL {
+            if self.logged == MAX_LOG_LINES_PER_CALL + 1 {
+                tracing::warn!(
+                    policy = &*self.label,
+                    task_id = self.task_id.as_deref(),
+                    request_id = self.request_id.as_str(),
+                    "the policy wrote more than {MAX_LOG_LINES_PER_CALL} log lines in one call; the rest of this call's are dropped"
+                );
+            }
+            return;
+        }
         let mut line = message;
         if line.len() > MAX_LOG_LINE {
             let mut cut = MAX_LOG_LINE;

@@ -936,6 +936,58 @@ fn a_refused_allocation_does_not_colour_the_next_fault() {
     assert_eq!((status.traps, status.memory_exceeded), (1, 0), "{status:?}");
 }
 
+/// What a log subscriber writes, kept for a test to read.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A policy that logs in a loop writes at most `MAX_LOG_LINES_PER_CALL` lines per
+/// call, and the cut is said once per call.
+#[test]
+fn a_policy_logging_in_a_loop_is_cut_off_per_call() {
+    let f = Fixture::new(vec![named(Hook::Retry, "p")], |_| {});
+    f.install("p", misbehave());
+    let report = f
+        .registry
+        .reconfigure(vec![named(Hook::Retry, "p")])
+        .expect("reconfigure");
+    assert!(report.is_ok(), "{report:?}");
+    let captured = Captured::default();
+    let writer = captured.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, || {
+        for _ in 0..2 {
+            let d = f.registry.retry(&ctx("chatty", 1), &Failure::Timeout);
+            assert_eq!(d.source, DecisionSource::Policy);
+        }
+    });
+    let text = String::from_utf8_lossy(&captured.0.lock().expect("log")).into_owned();
+    let lines = text.lines().filter(|l| l.contains(" line ")).count();
+    let cap = usize::try_from(outrigger_policy::MAX_LOG_LINES_PER_CALL).expect("small");
+    assert_eq!(lines, 2 * cap, "{text}");
+    assert_eq!(
+        text.matches("the rest of this call's are dropped").count(),
+        2
+    );
+}
+
 /// A policy that never returns is stopped at its deadline from the very first load:
 /// the registry's start-up smoke tests run before anyone could start a ticker.
 #[test]

@@ -7,6 +7,7 @@
 //! - `loop`: never returns (the deadline must stop it);
 //! - `hog`: allocates until memory runs out (the memory cap must stop it);
 //! - `reserve`: asks for 1 GiB, takes the refusal in its stride and answers normally;
+//! - `chatty`: writes 1,000 log lines, then answers normally;
 //! - `slow:<ms>`: busy-waits that long on the host's clock, then answers normally;
 //! - `invalid`: answers something the host must refuse;
 //! - `jitter`: retries after a random delay below one second;
@@ -71,6 +72,12 @@ fn act() -> Mode {
             let mut wish: Vec<u8> = Vec::new();
             let refused = wish.try_reserve(1 << 30).is_err();
             black_box(refused);
+            Mode::Normal
+        }
+        "chatty" => {
+            for n in 0..1_000 {
+                host::log(host::Level::Info, &format!("line {n}"));
+            }
             Mode::Normal
         }
         "invalid" => Mode::Invalid,
