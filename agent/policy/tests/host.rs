@@ -917,10 +917,9 @@ fn the_epoch_clock_rests_while_idle_and_wakes_for_a_call() {
     assert!(runtime.ticks() > rested, "the clock advanced for the call");
 }
 
-/// A call whose guest was refused memory but carried on leaves no mark on the
-/// instance: a later trap on it is a trap, not a memory blow-up.
-#[test]
-fn a_refused_allocation_does_not_colour_the_next_fault() {
+/// A fixture whose retry hook is the misbehaving guest, loaded, its mode taken from
+/// each call's request id.
+fn misbehaving_retry() -> Fixture {
     let f = Fixture::new(vec![named(Hook::Retry, "p")], |_| {});
     f.install("p", misbehave());
     let report = f
@@ -928,6 +927,14 @@ fn a_refused_allocation_does_not_colour_the_next_fault() {
         .reconfigure(vec![named(Hook::Retry, "p")])
         .expect("reconfigure");
     assert!(report.is_ok(), "{report:?}");
+    f
+}
+
+/// A call whose guest was refused memory but carried on leaves no mark on the
+/// instance: a later trap on it is a trap, not a memory blow-up.
+#[test]
+fn a_refused_allocation_does_not_colour_the_next_fault() {
+    let f = misbehaving_retry();
     let d = f.registry.retry(&ctx("reserve", 1), &Failure::Timeout);
     assert_eq!(d.source, DecisionSource::Policy, "the refusal was handled");
     let d = f.registry.retry(&ctx("trap", 1), &Failure::Timeout);
@@ -958,13 +965,7 @@ impl std::io::Write for Captured {
 /// call, and the cut is said once per call.
 #[test]
 fn a_policy_logging_in_a_loop_is_cut_off_per_call() {
-    let f = Fixture::new(vec![named(Hook::Retry, "p")], |_| {});
-    f.install("p", misbehave());
-    let report = f
-        .registry
-        .reconfigure(vec![named(Hook::Retry, "p")])
-        .expect("reconfigure");
-    assert!(report.is_ok(), "{report:?}");
+    let f = misbehaving_retry();
     let captured = Captured::default();
     let writer = captured.clone();
     let subscriber = tracing_subscriber::fmt()
