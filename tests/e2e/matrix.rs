@@ -1545,6 +1545,22 @@ async fn t6_a_call_whose_agent_goes_away_finishes_and_is_journaled() {
     assert_eq!(waited.header("outrigger-replayed"), Some("true"));
     assert_eq!(waited.json()["effect"], 1, "{}", waited.text());
     assert_eq!(tool.effects().len(), 1, "executed exactly once");
+    // The call that finished without its agent is observed like any other: with
+    // the replay, two calls ended completed.
+    let completed = |text: &str| {
+        series_sum(
+            text,
+            "outrigger_tool_calls_total",
+            &["gen_ai_tool_name=\"payments\"", "state=\"completed\""],
+        )
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut text = metrics(&sidecar).await;
+    while completed(&text) < 2.0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        text = metrics(&sidecar).await;
+    }
+    assert_eq!(completed(&text), 2.0, "{text}");
 }
 
 /// T6: a drain waits for a call whose agent went away, so it ends journaled: after

@@ -45,7 +45,14 @@ pub(crate) trait Protocol {
     fn tombstoned(&self, record: &Record) -> Response<Body>;
     /// The attempt reached the tool but no answer came back; the call is now `state`.
     fn in_doubt(&self, key: &IdempotencyKey, cause: &str, state: &str) -> Response<Body>;
+    /// Who to tell how the call ended if it ends without its agent (the call's
+    /// observer, for metrics, SLOs and the task).
+    fn on_detached(&self) -> DetachedEnd;
 }
+
+/// Told how a call ended that ended without its agent: how it settled and, when it
+/// failed, its `error.type`.
+pub(crate) type DetachedEnd = Box<dyn FnOnce(Settled, Option<String>) + Send>;
 
 /// What a tool's answer means for the call.
 pub(crate) enum Answered {
@@ -245,6 +252,7 @@ async fn execute(
         })),
         key: ticket.key().clone(),
         counted: Some(shared.detached.count()),
+        on_detached: Some(proto.on_detached()),
     };
     let recorded = at_tool.await;
     respond(recorded, tool, ticket, proto)
@@ -341,6 +349,7 @@ where
     key: IdempotencyKey,
     /// Keeps a drain waiting for the call, here and then in its own task.
     counted: Option<detached::Counted>,
+    on_detached: Option<DetachedEnd>,
 }
 
 impl<F> Future for AtTool<F>
@@ -375,9 +384,11 @@ where
         };
         let key = self.key.clone();
         let counted = self.counted.take();
+        let on_detached = self.on_detached.take();
         runtime.spawn(async move {
             let _counted = counted;
-            match running.await {
+            let recorded = running.await;
+            match &recorded {
                 Recorded::Answered(_, state) => {
                     tracing::info!(%key, state = state.as_str(), "the agent went away; its call finished and was journaled");
                 }
@@ -390,6 +401,10 @@ where
                 Recorded::Unrecorded(e) | Recorded::Failed(e) => {
                     tracing::error!(%key, error = %e, "the agent went away; its call's outcome could not be journaled");
                 }
+            }
+            if let Some(tell) = on_detached {
+                let (settled, error_type) = recorded.detached_end();
+                tell(settled, error_type);
             }
         });
     }
@@ -411,6 +426,44 @@ enum Recorded {
     Unrecorded(outrigger_journal::Error),
     /// The journal could not record a call that provably did not execute.
     Failed(outrigger_journal::Error),
+}
+
+impl Recorded {
+    /// How the call settled and its `error.type`, for a call that ended without its
+    /// agent (what [`respond`] and the observer make of it when the agent is there).
+    fn detached_end(self) -> (Settled, Option<String>) {
+        let unknown = || Some("outcome-unknown".to_owned());
+        match self {
+            Recorded::Answered(resp, state) => {
+                let status = resp.status();
+                let error_type = (!status.is_success()).then(|| status.as_str().to_owned());
+                (Settled::answered(state, status), error_type)
+            }
+            Recorded::NotSent(e) => {
+                let settled = Settled::of(
+                    State::FailedBeforeSend,
+                    Some(crate::observe::failed_of_upstream(&e)),
+                );
+                let error = Error::Upstream {
+                    target: String::new(),
+                    source: e,
+                };
+                let error_type = crate::observe::error_type_of(&error).to_owned();
+                (settled, Some(error_type))
+            }
+            Recorded::InDoubt { state, failed, .. } => {
+                (Settled::of(state, Some(failed)), unknown())
+            }
+            Recorded::Unrecorded(_) => (
+                Settled::of(State::Dispatched, Some(Failed::Internal)),
+                unknown(),
+            ),
+            Recorded::Failed(e) => {
+                let error_type = crate::observe::error_type_of(&Error::Journal(e)).to_owned();
+                (Settled::UNAVAILABLE, Some(error_type))
+            }
+        }
+    }
 }
 
 /// Journals what came of an attempt: the outcome is durable before anyone sees it.
@@ -690,6 +743,7 @@ mod tests {
             })),
             key: IdempotencyKey::new("k").expect("a key"),
             counted: Some(detached.count()),
+            on_detached: None,
         };
         // The agent goes away while the call is pending.
         let pending = tokio::time::timeout(Duration::from_millis(10), call).await;

@@ -28,8 +28,8 @@ use tracing::Instrument;
 
 use crate::body::{self, Body};
 use crate::error::Error;
-use crate::journaled::{self, Answered, Protocol, Settled};
-use crate::observe::ToolCall;
+use crate::journaled::{self, Answered, DetachedEnd, Protocol, Settled};
+use crate::observe::{PendingTool, ToolCall};
 use crate::options::{Tool, ToolKind};
 use crate::tools::{self, KeyChoice};
 use crate::{RequestContext, Shared, headers, keys, sse};
@@ -98,10 +98,21 @@ pub async fn call(
     };
     let rec = ToolCall::start(shared, ctx, &server.name, "mcp", &parts.headers);
     let span = rec.span.clone();
-    let result = tool_call(shared, ctx, server, &parts.headers, bytes, &message)
-        .instrument(span)
-        .await;
-    tools::finish(rec, &result);
+    let pending = PendingTool::new(rec);
+    let result = tool_call(
+        shared,
+        ctx,
+        server,
+        &parts.headers,
+        bytes,
+        &message,
+        &pending,
+    )
+    .instrument(span)
+    .await;
+    if let Some(rec) = pending.take() {
+        tools::finish(rec, &result);
+    }
     result.map(|(resp, _, _)| resp)
 }
 
@@ -113,6 +124,7 @@ async fn tool_call(
     agent: &HeaderMap,
     bytes: Bytes,
     message: &Value,
+    pending: &PendingTool,
 ) -> Result<(Response<Body>, Settled, Option<String>), Error> {
     let refused = |resp| Ok((resp, Settled::REFUSED, None));
     let id = message["id"].clone();
@@ -207,6 +219,8 @@ async fn tool_call(
         agent,
         message,
         id: &id,
+        pending,
+        journal_key: &journal_key,
     };
     let wait = journaled::prefer_wait(agent);
     match journaled::run(shared, journal, server, intent, wait, &proto).await {
@@ -252,9 +266,15 @@ struct McpCall<'a> {
     agent: &'a HeaderMap,
     message: &'a Value,
     id: &'a Value,
+    pending: &'a PendingTool,
+    journal_key: &'a str,
 }
 
 impl Protocol for McpCall<'_> {
+    fn on_detached(&self) -> DetachedEnd {
+        tools::finish_detached(self.pending, self.journal_key.to_owned())
+    }
+
     fn agent_headers(&self) -> &HeaderMap {
         self.agent
     }

@@ -336,6 +336,25 @@ pub(crate) struct ToolEnd<'a> {
     pub failed: Option<Failed>,
 }
 
+/// A tool call's observer, shared with the task that finishes the call if its agent
+/// goes away (see `journaled`): whichever ends the call records it, once.
+#[derive(Clone)]
+pub(crate) struct PendingTool(Arc<std::sync::Mutex<Option<ToolCall>>>);
+
+impl PendingTool {
+    pub fn new(rec: ToolCall) -> Self {
+        Self(Arc::new(std::sync::Mutex::new(Some(rec))))
+    }
+
+    /// The observer, unless the call was recorded already.
+    pub fn take(&self) -> Option<ToolCall> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+}
+
 impl ToolCall {
     pub fn start(
         shared: &Arc<Shared>,

@@ -21,9 +21,9 @@ use tracing::Instrument;
 use crate::body::{self, Body};
 use crate::error::Error;
 use crate::headers::{self, IDEMPOTENCY_KEY};
-use crate::journaled::{self, Answered, Protocol, Settled};
+use crate::journaled::{self, Answered, DetachedEnd, Protocol, Settled};
 use crate::keys;
-use crate::observe::{ToolCall, ToolEnd};
+use crate::observe::{PendingTool, ToolCall, ToolEnd};
 use crate::options::{Tool, ToolKind};
 use crate::problem::Problem;
 use crate::tasks::ToolCallOutcome;
@@ -93,8 +93,13 @@ pub async fn call(
     *target = addr.tool.name.clone();
     let rec = ToolCall::start(shared, ctx, &addr.tool.name, "http", req.headers());
     let span = rec.span.clone();
-    let result = journal_call(shared, req, ctx, &addr).instrument(span).await;
-    finish(rec, &result);
+    let pending = PendingTool::new(rec);
+    let result = journal_call(shared, req, ctx, &addr, &pending)
+        .instrument(span)
+        .await;
+    if let Some(rec) = pending.take() {
+        finish(rec, &result);
+    }
     result.map(|(resp, _, _)| resp)
 }
 
@@ -151,6 +156,24 @@ pub(crate) fn finish(
     }
 }
 
+/// Records a call that ended without its agent (see `journaled`), unless it was
+/// recorded already.
+pub(crate) fn finish_detached(pending: &PendingTool, key: String) -> DetachedEnd {
+    let pending = pending.clone();
+    Box::new(move |settled: Settled, error_type: Option<String>| {
+        if let Some(rec) = pending.take() {
+            rec.finish(ToolEnd {
+                outcome: settled.outcome,
+                journal_state: settled.state,
+                key: Some(&key),
+                replayed: settled.replayed,
+                error_type: error_type.as_deref(),
+                failed: settled.failed,
+            });
+        }
+    })
+}
+
 /// An unjournaled call's outcome, from its status.
 pub(crate) fn unjournaled(status: StatusCode) -> Settled {
     Settled {
@@ -170,6 +193,7 @@ async fn journal_call(
     req: Request<Incoming>,
     ctx: &RequestContext,
     addr: &Address<'_>,
+    pending: &PendingTool,
 ) -> Result<(Response<Body>, Settled, Option<String>), Error> {
     let tool = addr.tool;
     let method = req.method().clone();
@@ -271,6 +295,8 @@ async fn journal_call(
         method: &method,
         agent: &parts.headers,
         body: &bytes,
+        pending,
+        journal_key: &journal_key,
     };
     let wait = journaled::prefer_wait(&parts.headers);
     let (resp, settled) = journaled::run(shared, journal, tool, intent, wait, &proto).await?;
@@ -413,9 +439,15 @@ struct Http<'a> {
     method: &'a Method,
     agent: &'a HeaderMap,
     body: &'a Bytes,
+    pending: &'a PendingTool,
+    journal_key: &'a IdempotencyKey,
 }
 
 impl Protocol for Http<'_> {
+    fn on_detached(&self) -> DetachedEnd {
+        finish_detached(self.pending, self.journal_key.to_string())
+    }
+
     fn agent_headers(&self) -> &HeaderMap {
         self.agent
     }
