@@ -51,8 +51,8 @@ pub(crate) trait Protocol {
 }
 
 /// Told how a call ended that ended without its agent: how it settled and, when it
-/// failed, its `error.type`.
-pub(crate) type DetachedEnd = Box<dyn FnOnce(Settled, Option<String>) + Send>;
+/// failed, its `error.type`; or the error it ended in.
+pub(crate) type DetachedEnd = Box<dyn FnOnce(Result<(Settled, Option<String>), Error>) + Send>;
 
 /// What a tool's answer means for the call.
 pub(crate) enum Answered {
@@ -97,6 +97,15 @@ impl Settled {
     pub(crate) const UNAVAILABLE: Settled = Settled {
         failed: Some(Failed::Internal),
         ..Self::REFUSED
+    };
+
+    /// The tool answered (or may have acted) but the journal could not record it:
+    /// the record stays in flight, and what failed is the sidecar's journal.
+    const UNRECORDED: Settled = Settled {
+        outcome: ToolCallOutcome::InDoubt,
+        state: "dispatched",
+        replayed: false,
+        failed: Some(Failed::Internal),
     };
 
     pub(crate) fn of(state: State, failed: Option<Failed>) -> Self {
@@ -389,38 +398,36 @@ where
             let _counted = counted;
             let recorded = running.await;
             match &recorded {
-                Recorded::Answered(_, state) => {
-                    tracing::info!(%key, state = state.as_str(), "the agent went away; its call finished and was journaled");
+                Recorded::Answered(_, settled) => {
+                    tracing::info!(%key, state = settled.state, "the agent went away; its call finished and was journaled");
                 }
                 Recorded::NotSent(e) => {
                     tracing::info!(%key, error = %e, "the agent went away; its call was never sent");
                 }
-                Recorded::InDoubt { cause, state, .. } => {
-                    tracing::info!(%key, %cause, state = state.as_str(), "the agent went away; its call ended in doubt");
+                Recorded::InDoubt { cause, settled } => {
+                    tracing::info!(%key, %cause, state = settled.state, "the agent went away; its call ended in doubt");
                 }
                 Recorded::Unrecorded(e) | Recorded::Failed(e) => {
                     tracing::error!(%key, error = %e, "the agent went away; its call's outcome could not be journaled");
                 }
             }
             if let Some(tell) = on_detached {
-                let (settled, error_type) = recorded.detached_end();
-                tell(settled, error_type);
+                tell(recorded.detached_end());
             }
         });
     }
 }
 
-/// What the journal made of an attempt.
+/// What the journal made of an attempt, and how the call settled when it did not end
+/// in an error (the same whether its agent is there or not).
 enum Recorded {
     /// Journaled as the answer says (done, not applied or in doubt).
-    Answered(Response<Body>, State),
+    Answered(Response<Body>, Settled),
     /// Journaled as never sent.
     NotSent(crate::upstream::Error),
     InDoubt {
         cause: String,
-        state: State,
-        /// Why no answer came back.
-        failed: Failed,
+        settled: Settled,
     },
     /// The tool may have acted, but the journal could not record how the call ended.
     Unrecorded(outrigger_journal::Error),
@@ -429,39 +436,26 @@ enum Recorded {
 }
 
 impl Recorded {
-    /// How the call settled and its `error.type`, for a call that ended without its
-    /// agent (what [`respond`] and the observer make of it when the agent is there).
-    fn detached_end(self) -> (Settled, Option<String>) {
+    /// What the observer of a call that ended without its agent is told: how it
+    /// settled and its `error.type`, or the error it ended in (as [`respond`] would
+    /// have answered).
+    fn detached_end(self) -> Result<(Settled, Option<String>), Error> {
         let unknown = || Some("outcome-unknown".to_owned());
         match self {
-            Recorded::Answered(resp, state) => {
+            Recorded::Answered(resp, settled) => {
                 let status = resp.status();
-                let error_type = (!status.is_success()).then(|| status.as_str().to_owned());
-                (Settled::answered(state, status), error_type)
+                Ok((
+                    settled,
+                    (!status.is_success()).then(|| status.as_str().to_owned()),
+                ))
             }
-            Recorded::NotSent(e) => {
-                let settled = Settled::of(
-                    State::FailedBeforeSend,
-                    Some(crate::observe::failed_of_upstream(&e)),
-                );
-                let error = Error::Upstream {
-                    target: String::new(),
-                    source: e,
-                };
-                let error_type = crate::observe::error_type_of(&error).to_owned();
-                (settled, Some(error_type))
-            }
-            Recorded::InDoubt { state, failed, .. } => {
-                (Settled::of(state, Some(failed)), unknown())
-            }
-            Recorded::Unrecorded(_) => (
-                Settled::of(State::Dispatched, Some(Failed::Internal)),
-                unknown(),
-            ),
-            Recorded::Failed(e) => {
-                let error_type = crate::observe::error_type_of(&Error::Journal(e)).to_owned();
-                (Settled::UNAVAILABLE, Some(error_type))
-            }
+            Recorded::InDoubt { settled, .. } => Ok((settled, unknown())),
+            Recorded::Unrecorded(_) => Ok((Settled::UNRECORDED, unknown())),
+            Recorded::NotSent(source) => Err(Error::Upstream {
+                target: String::new(),
+                source,
+            }),
+            Recorded::Failed(e) => Err(Error::Journal(e)),
         }
     }
 }
@@ -476,8 +470,7 @@ async fn record(
     let lost = async |cause: String, failed: Failed| match journal.in_doubt(ticket, &cause).await {
         Ok(state) => Recorded::InDoubt {
             cause,
-            state,
-            failed,
+            settled: Settled::of(state, Some(failed)),
         },
         Err(e) => Recorded::Unrecorded(e),
     };
@@ -493,12 +486,18 @@ async fn record(
     };
     match answer(status, &headers, bytes) {
         Answered::Outcome(stored, resp) => match journal.complete(ticket, stored).await {
-            Ok(state) => Recorded::Answered(resp, state),
+            Ok(state) => {
+                let settled = Settled::answered(state, resp.status());
+                Recorded::Answered(resp, settled)
+            }
             Err(e) => Recorded::Unrecorded(e),
         },
         Answered::NotApplied(resp, reason) => {
             match journal.failed_before_send(ticket, &reason).await {
-                Ok(_) => Recorded::Answered(resp, State::FailedBeforeSend),
+                Ok(_) => {
+                    let settled = Settled::answered(State::FailedBeforeSend, resp.status());
+                    Recorded::Answered(resp, settled)
+                }
                 Err(e) => Recorded::Failed(e),
             }
         }
@@ -515,22 +514,14 @@ fn respond(
     proto: &impl Protocol,
 ) -> Result<(Response<Body>, Settled), Error> {
     match recorded {
-        Recorded::Answered(resp, state) => {
-            let settled = Settled::answered(state, resp.status());
-            Ok((resp, settled))
-        }
+        Recorded::Answered(resp, settled) => Ok((resp, settled)),
         Recorded::NotSent(source) => Err(Error::Upstream {
             target: tool.name.clone(),
             source,
         }),
-        Recorded::InDoubt {
-            cause,
-            state,
-            failed,
-        } => Ok((
-            proto.in_doubt(ticket.key(), &cause, state.as_str()),
-            Settled::of(state, Some(failed)),
-        )),
+        Recorded::InDoubt { cause, settled } => {
+            Ok((proto.in_doubt(ticket.key(), &cause, settled.state), settled))
+        }
         Recorded::Unrecorded(e) => Ok(unrecorded(ticket, proto, &e)),
         Recorded::Failed(e) => Err(Error::Journal(e)),
     }
@@ -547,9 +538,8 @@ fn unrecorded(
 ) -> (Response<Body>, Settled) {
     tracing::error!(key = %ticket.key(), error = %e, "the call's outcome could not be journaled; it may have executed");
     let cause = format!("its outcome could not be journaled ({e})");
-    let resp = proto.in_doubt(ticket.key(), &cause, State::Dispatched.as_str());
-    // The tool may well have done its part: what failed is the sidecar's journal.
-    (resp, Settled::of(State::Dispatched, Some(Failed::Internal)))
+    let resp = proto.in_doubt(ticket.key(), &cause, Settled::UNRECORDED.state);
+    (resp, Settled::UNRECORDED)
 }
 
 /// Calls going on without their agents, counted so that a drain waits for them.

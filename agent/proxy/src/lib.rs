@@ -67,7 +67,7 @@ pub(crate) struct Shared {
     pub breakers: resilience::Breakers,
     pub limiters: resilience::Limiters,
     pub retry_budgets: resilience::RetryBudgets,
-    pub ledger: Arc<resilience::Ledger>,
+    pub ledger: resilience::Ledger,
     /// The node's GPU health, pushed by the binary's GPU monitor.
     pub gpu: arc_swap::ArcSwap<outrigger_types::GpuSummary>,
     /// Generations running in this process, by stream key.
@@ -142,7 +142,7 @@ impl Proxy {
                 breakers: resilience::Breakers::new(r.breaker),
                 limiters: resilience::Limiters::new(r.limiter),
                 retry_budgets: resilience::RetryBudgets::new(r.retry_budget),
-                ledger: Arc::new(resilience::Ledger::default()),
+                ledger: resilience::Ledger::default(),
                 gpu: arc_swap::ArcSwap::from_pointee(outrigger_types::GpuSummary::default()),
                 streams: streams::Registry::default(),
                 tasks: components.tasks,

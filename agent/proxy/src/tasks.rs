@@ -440,6 +440,16 @@ impl Task {
         self.push(TimelineEvent::Fault { at, kind });
     }
 
+    /// How much a full tracker wants to keep the task: any open task over an ended
+    /// one; among open tasks the most recently active, among ended ones the most
+    /// recently ended.
+    fn keep_rank(&self) -> (bool, Timestamp) {
+        (
+            self.ended_at.is_none(),
+            self.ended_at.unwrap_or(self.last_activity),
+        )
+    }
+
     fn activity(&mut self, at: Timestamp) {
         self.last_activity = self.last_activity.max(at);
     }
@@ -681,15 +691,12 @@ impl Tasks {
                 }
             }
         }
-        // A previous process may have kept more (a larger cap). Those kept are the
-        // ones `make_room` would keep: open tasks, the most recently active first,
-        // then the ended ones, the most recently ended first.
+        // A previous process may have kept more (a larger cap): those kept are the
+        // ones `make_room` would keep (`Task::keep_rank`).
         let max = options.max_tasks.max(1);
         let mut forgotten = Vec::new();
         if stored.len() > max {
-            stored.sort_by_key(|t| {
-                std::cmp::Reverse((t.ended_at.is_none(), t.ended_at.unwrap_or(t.last_activity)))
-            });
+            stored.sort_by_key(|t| std::cmp::Reverse(t.keep_rank()));
             forgotten = stored.split_off(max).into_iter().map(|t| t.id).collect();
             tracing::warn!(
                 forgotten = forgotten.len(),
@@ -734,17 +741,10 @@ impl Tasks {
     /// Forgets one task: the one that ended longest ago, or with none ended the
     /// open task idle longest. Its stored copy goes at the next [`Tasks::persist`].
     fn make_room(&self, tasks: &mut HashMap<TaskId, Entry>) {
-        let oldest_ended = tasks
+        let victim = tasks
             .values()
-            .filter_map(|e| e.task.ended_at.map(|end| (end, &e.task.id)))
-            .min()
-            .map(|(_, id)| id.clone());
-        let victim = oldest_ended.or_else(|| {
-            tasks
-                .values()
-                .min_by_key(|e| (e.task.last_activity, e.seen))
-                .map(|e| e.task.id.clone())
-        });
+            .min_by_key(|e| (e.task.keep_rank(), e.seen))
+            .map(|e| e.task.id.clone());
         let Some(id) = victim.and_then(|id| tasks.remove(&id).map(|e| e.task.id)) else {
             return;
         };

@@ -139,37 +139,46 @@ pub(crate) fn finish(
                 failed: settled.failed,
             })
         }
-        Err(e) => rec.finish(ToolEnd {
-            outcome: match e {
-                Error::Upstream { source, .. } if !source.may_have_been_sent() => {
-                    ToolCallOutcome::NotExecuted
-                }
-                Error::Upstream { .. } => ToolCallOutcome::InDoubt,
-                _ => ToolCallOutcome::Refused,
-            },
-            journal_state: "none",
-            key: None,
-            replayed: false,
-            error_type: Some(crate::observe::error_type_of(e)),
-            failed: Some(crate::observe::failed_of(e)),
-        }),
+        Err(e) => ended_in(rec, e),
     }
+}
+
+/// Records a tool call that ended in an error.
+fn ended_in(rec: ToolCall, e: &Error) {
+    rec.finish(ToolEnd {
+        outcome: match e {
+            Error::Upstream { source, .. } if !source.may_have_been_sent() => {
+                ToolCallOutcome::NotExecuted
+            }
+            Error::Upstream { .. } => ToolCallOutcome::InDoubt,
+            _ => ToolCallOutcome::Refused,
+        },
+        journal_state: "none",
+        key: None,
+        replayed: false,
+        error_type: Some(crate::observe::error_type_of(e)),
+        failed: Some(crate::observe::failed_of(e)),
+    })
 }
 
 /// Records a call that ended without its agent (see `journaled`), unless it was
 /// recorded already.
 pub(crate) fn finish_detached(pending: &PendingTool, key: String) -> DetachedEnd {
     let pending = pending.clone();
-    Box::new(move |settled: Settled, error_type: Option<String>| {
-        if let Some(rec) = pending.take() {
-            rec.finish(ToolEnd {
+    Box::new(move |ended| {
+        let Some(rec) = pending.take() else {
+            return;
+        };
+        match ended {
+            Ok((settled, error_type)) => rec.finish(ToolEnd {
                 outcome: settled.outcome,
                 journal_state: settled.state,
                 key: Some(&key),
                 replayed: settled.replayed,
                 error_type: error_type.as_deref(),
                 failed: settled.failed,
-            });
+            }),
+            Err(e) => ended_in(rec, &e),
         }
     })
 }

@@ -95,15 +95,6 @@ impl Ledger {
         account
     }
 
-    /// How many tasks have an account.
-    pub fn len(&self) -> usize {
-        lock(&self.accounts).len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Committed plus reserved usage of `task`.
     pub fn usage(&self, task: &str) -> Usage {
         self.find(task)
@@ -132,7 +123,7 @@ impl Ledger {
     /// says so, atomically for the task: two of its calls deciding at once cannot
     /// both slip under the limit. Other tasks' calls do not wait for `admit`.
     pub fn reserve_if<T>(
-        self: &Arc<Self>,
+        &self,
         task: &str,
         estimate: Usage,
         admit: impl FnOnce(&Usage) -> (bool, T),
@@ -314,7 +305,7 @@ mod tests {
         for i in 0..MAX_ACCOUNTS + 50 {
             ledger.add(&format!("task-{i}"), &spent);
         }
-        assert_eq!(ledger.len(), MAX_ACCOUNTS);
+        assert_eq!(lock(&ledger.accounts).len(), MAX_ACCOUNTS);
         assert_eq!(
             ledger.usage("held").tokens_in,
             10,
