@@ -1026,7 +1026,18 @@ fn resilience(raw: &raw::Resilience, p: &mut Problems) -> popts::Resilience {
             ),
         );
     }
+    let max_attempts = raw.max_attempts.unwrap_or(popts::DEFAULT_MAX_ATTEMPTS);
+    if !(1..=100).contains(&max_attempts) {
+        p.add(
+            "resilience.max_attempts",
+            format!(
+                "{max_attempts} must be between 1 and 100 (attempts per call, retries and \
+                 fallbacks included; 1 = never retry)"
+            ),
+        );
+    }
     popts::Resilience {
+        max_attempts,
         retry_budget: retry_budget::Options {
             ratio,
             min_retries: raw.retry_budget_min.unwrap_or(rb.min_retries),

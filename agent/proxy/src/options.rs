@@ -224,11 +224,28 @@ pub struct Budget {
 }
 
 /// Tuning of the mechanics policies steer.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy)]
 pub struct Resilience {
     pub retry_budget: crate::resilience::retry_budget::Options,
     pub breaker: crate::resilience::breaker::Options,
     pub limiter: crate::resilience::limiter::Options,
+    /// The most attempts one call makes, retries and fallbacks included, whatever the
+    /// retry policy answers.
+    pub max_attempts: u32,
+}
+
+/// `resilience.max_attempts` unless configured.
+pub const DEFAULT_MAX_ATTEMPTS: u32 = 10;
+
+impl Default for Resilience {
+    fn default() -> Self {
+        Self {
+            retry_budget: Default::default(),
+            breaker: Default::default(),
+            limiter: Default::default(),
+            max_attempts: DEFAULT_MAX_ATTEMPTS,
+        }
+    }
 }
 
 /// Everything the data plane needs to run.

@@ -98,6 +98,7 @@ pub struct Resilience {
     pub max_concurrency: Option<u32>,
     pub max_queue: Option<usize>,
     pub queue_timeout: Option<String>,
+    pub max_attempts: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -368,6 +368,19 @@ fn the_first_breaker_penalty_cannot_exceed_the_longest() {
 }
 
 #[test]
+fn max_attempts_defaults_to_10_and_is_bounded() {
+    let c = load_str("", &[]).unwrap();
+    assert_eq!(c.proxy.resilience.max_attempts, 10);
+    let c = load_str("[resilience]\nmax_attempts = 1\n", &[]).unwrap();
+    assert_eq!(c.proxy.resilience.max_attempts, 1);
+    for bad in ["0", "101"] {
+        let err = load_str(&format!("[resilience]\nmax_attempts = {bad}\n"), &[]).unwrap_err();
+        assert_eq!(paths(&err), ["resilience.max_attempts"]);
+        assert!(err.to_string().contains("between 1 and 100"), "{err}");
+    }
+}
+
+#[test]
 fn a_configured_fatal_xid_wins_over_the_built_in_ignore_list() {
     let c = load_str("[gpu]\nfatal_xids = [13, 79]\n", &[]).unwrap();
     assert!(c.gpu.fatal_xids.contains(&13));

@@ -57,6 +57,8 @@ pub struct Mechanics<'a, T> {
     pub budgets: &'a RetryBudgets,
     pub first_byte_timeout: Duration,
     pub max_event_bytes: usize,
+    /// The most attempts one call makes, whatever the policy answers.
+    pub max_attempts: u32,
     /// Where retries, fallbacks and breaker changes are counted (`None` in tests).
     pub metrics: Option<&'a outrigger_telemetry::Metrics>,
     /// Faults injected on purpose (`None`: never).
@@ -237,6 +239,15 @@ pub async fn run<'a, T: Transport>(
         });
         let decided = m.decider.retry(&ctx, &failure);
         trail.decided_by(&decided.version);
+        if trail.attempts >= m.max_attempts && !matches!(decided.value, RetryDecision::GiveUp(_)) {
+            // A policy that never gives up still stops here: the retry budget alone
+            // would let a lone call go on for as long as its window refills.
+            trail.gave_up = Some(format!(
+                "the call made {} attempts, the most resilience.max_attempts allows",
+                trail.attempts
+            ));
+            return Err(ended);
+        }
         match decided.value {
             RetryDecision::RetryAfter(delay) => {
                 if !m.budgets.try_retry(&target.name) {

@@ -355,6 +355,7 @@ async fn generate(
         budgets: &shared.retry_budgets,
         first_byte_timeout: shared.options.limits.first_byte_timeout,
         max_event_bytes: shared.options.limits.max_event_bytes,
+        max_attempts: shared.options.resilience.max_attempts,
         metrics: Some(&shared.metrics),
         faults: Some(&shared.faults),
     };

@@ -140,6 +140,7 @@ impl Rig {
             budgets: &self.budgets,
             first_byte_timeout: Duration::from_secs(30),
             max_event_bytes: 1 << 20,
+            max_attempts: crate::options::DEFAULT_MAX_ATTEMPTS,
             metrics: None,
             faults: None,
         }
@@ -298,6 +299,53 @@ async fn the_breaker_opens_then_a_probe_half_opens_it() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_policy_that_never_gives_up_stops_at_max_attempts() {
+    // Retrying every 6 s, a lone call never exhausts a budget of 3 retries per 10 s
+    // window: only the attempt ceiling ends it.
+    struct Always;
+    impl Decider for Always {
+        fn retry(&self, _: &CallContext, _: &Failure) -> Decided<RetryDecision> {
+            decided(RetryDecision::RetryAfter(Duration::from_secs(6)))
+        }
+        fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<usize>> {
+            decided((0..req.candidates.len()).collect())
+        }
+        fn budget(&self, _: &BudgetRequest) -> Decided<BudgetDecision> {
+            decided(BudgetDecision::Admit)
+        }
+    }
+    let rig = Rig {
+        breakers: Breakers::new(breaker::Options {
+            consecutive_failures: 1_000,
+            ..breaker::Options::default()
+        }),
+        ..Rig::new()
+    };
+    let script = Script::new(vec![], 503);
+    let p = provider("a", 1);
+    let mech = Mechanics {
+        max_attempts: 7,
+        ..rig.mechanics(&script, &Always)
+    };
+    let mut trail = Trail::default();
+    let ended = tokio::time::timeout(
+        Duration::from_secs(3_600),
+        run(&mech, &plan(vec![&p]), &mut trail),
+    )
+    .await
+    .expect("the call ends by itself");
+    assert!(
+        matches!(ended, Err(Ended::Answer { .. })),
+        "the last 503 is passed on"
+    );
+    assert_eq!(script.sent.load(Ordering::SeqCst), 7);
+    assert_eq!((trail.attempts, trail.retries), (7, 6));
+    assert!(!trail.retry_budget_exhausted);
+    let why = trail.gave_up.expect("a reason");
+    assert!(why.contains("resilience.max_attempts"), "{why}");
+}
+
+#[tokio::test(start_paused = true)]
 async fn context_overflow_falls_back_to_the_next_target() {
     let rig = Rig::new();
     let script = Script::new(vec![], 200);
@@ -334,6 +382,7 @@ async fn context_overflow_falls_back_to_the_next_target() {
         budgets: &rig.budgets,
         first_byte_timeout: Duration::from_secs(30),
         max_event_bytes: 1 << 20,
+        max_attempts: crate::options::DEFAULT_MAX_ATTEMPTS,
         metrics: None,
         faults: None,
     };
