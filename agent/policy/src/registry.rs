@@ -10,7 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -261,6 +261,15 @@ struct Active {
 struct Version {
     loaded: Loaded,
     version: PolicyVersion,
+    /// Whether a call on it failed: such a version is never kept to stand in.
+    faulted: AtomicBool,
+}
+
+impl Version {
+    fn same_as(&self, other: &Version) -> bool {
+        self.loaded.content_hash() == other.loaded.content_hash()
+            && self.loaded.params() == other.loaded.params()
+    }
 }
 
 #[derive(Default)]
@@ -499,7 +508,15 @@ impl Registry {
                 (Arc::new(version), outcome)
             }
         };
-        let previous = active.map(|a| Arc::clone(&a.current));
+        // The stand-in is the last good version: not one that failed while it
+        // served (after a revert, the version reverted from), nor the new one again.
+        let previous = active.and_then(|a| {
+            [Some(&a.current), a.previous.as_ref()]
+                .into_iter()
+                .flatten()
+                .find(|v| !v.faulted.load(Ordering::Relaxed) && !v.same_as(&version))
+                .cloned()
+        });
         slot.active.store(Some(Arc::new(Active {
             current: version,
             previous,
@@ -535,7 +552,11 @@ impl Registry {
             });
         }
         smoke_test(&loaded, hook, self.inner.max_retry_delay).map_err(Error::SmokeTest)?;
-        Ok(Version { loaded, version })
+        Ok(Version {
+            loaded,
+            version,
+            faulted: AtomicBool::new(false),
+        })
     }
 
     fn read(&self, source: &Source) -> Result<Vec<u8>, Error> {
@@ -654,6 +675,7 @@ impl Registry {
             Err(fault) => fault,
         };
         slot.counters.fault(&fault);
+        active.current.faulted.store(true, Ordering::Relaxed);
         let failed = &active.current.version;
         tracing::warn!(%hook, version = %failed, kind = fault.kind(), %fault, "policy failed; decision contained");
         if active.on_error == OnError::FailClosed {
@@ -672,6 +694,7 @@ impl Registry {
             match ask(&stand_in.loaded) {
                 Ok(value) => return decided(value, &stand_in.version, DecisionSource::Contained),
                 Err(fault) => {
+                    stand_in.faulted.store(true, Ordering::Relaxed);
                     tracing::warn!(%hook, version = %stand_in.version, %fault, "stand-in policy failed too");
                 }
             }

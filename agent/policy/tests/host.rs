@@ -605,6 +605,43 @@ fn the_previous_version_decides_before_the_builtin() {
     assert_eq!(trapped.source, DecisionSource::Contained);
 }
 
+/// After a revert, the version reverted from (it failed while it served) is not
+/// kept to stand in for the version reverted to.
+#[test]
+fn a_version_that_failed_never_stands_in_after_a_revert() {
+    let f = Fixture::new(vec![named(Hook::Retry, "p")], |_| {});
+    f.install("p", outrigger_builtins::RETRY);
+    assert!(f.registry.reload().is_ok());
+    f.install("p", misbehave());
+    assert!(f.registry.reload().is_ok());
+    let d = f.registry.retry(&ctx("trap", 1), &Failure::Timeout);
+    assert_eq!(
+        (d.source, &d.version),
+        (DecisionSource::Contained, &builtin_version(Hook::Retry)),
+        "v2 traps, v1 stands in"
+    );
+    // The operator reverts to v1.
+    f.install("p", outrigger_builtins::RETRY);
+    assert!(
+        f.registry
+            .reconfigure(vec![named(Hook::Retry, "p")])
+            .expect("revert")
+            .is_ok()
+    );
+    let s = f.registry.binding_status(Hook::Retry).expect("status");
+    assert_eq!(s.version, Some(builtin_version(Hook::Retry)));
+    assert_eq!(
+        s.previous_version, None,
+        "neither the failed v2 nor v1 itself stands in for v1"
+    );
+
+    // A version that served without failing is kept.
+    f.install("p", misbehave());
+    assert!(f.registry.reload().is_ok());
+    let s = f.registry.binding_status(Hook::Retry).expect("status");
+    assert_eq!(s.previous_version, Some(builtin_version(Hook::Retry)));
+}
+
 /// A fail-closed binding whose policy could not be loaded at all gives the strict
 /// decision too: the built-in does not stand in for what the operator wanted closed.
 #[test]
