@@ -698,6 +698,9 @@ impl Tasks {
         if stored.len() > max {
             stored.sort_by_key(|t| std::cmp::Reverse(t.keep_rank()));
             forgotten = stored.split_off(max).into_iter().map(|t| t.id).collect();
+            for _ in &forgotten {
+                metrics.task_forgotten();
+            }
             tracing::warn!(
                 forgotten = forgotten.len(),
                 max_tasks = max,
@@ -748,6 +751,7 @@ impl Tasks {
         let Some(id) = victim.and_then(|id| tasks.remove(&id).map(|e| e.task.id)) else {
             return;
         };
+        self.inner.metrics.task_forgotten();
         let before = self
             .inner
             .forgotten_total
@@ -1882,10 +1886,11 @@ mod tests {
             max_tasks: 3,
             ..TasksOptions::default()
         };
+        let metrics = Metrics::new();
         let tasks = Tasks::open(
             options(),
             Some(j.journal.clone()),
-            Metrics::new(),
+            metrics.clone(),
             None,
             t(0),
         )?;
@@ -1914,6 +1919,10 @@ mod tests {
             .collect();
         kept.sort();
         assert_eq!(kept, ["cap-d", "cap-e", "cap-f"]);
+        let forgotten =
+            "outrigger_telemetry_dropped_total{signal=\"tasks\",reason=\"tracker_full\"}";
+        let text = metrics.encode();
+        assert!(text.contains(&format!("{forgotten} 3")), "{text}");
         assert!(matches!(
             tasks.end(&id("a")?, TaskOutcome::Success, t(9)).await,
             Err(Error::UnknownTask(_))
@@ -1929,13 +1938,14 @@ mod tests {
         assert_eq!(stored, ["cap-d", "cap-e", "cap-f"]);
 
         // A smaller cap after a restart keeps the newest.
+        let metrics = Metrics::new();
         let fewer = Tasks::open(
             TasksOptions {
                 max_tasks: 2,
                 ..options()
             },
             Some(j.journal.clone()),
-            Metrics::new(),
+            metrics.clone(),
             None,
             t(10),
         )?;
@@ -1946,6 +1956,8 @@ mod tests {
             .collect();
         kept.sort();
         assert_eq!(kept, ["cap-d", "cap-f"], "e was active least recently");
+        let text = metrics.encode();
+        assert!(text.contains(&format!("{forgotten} 1")), "{text}");
         fewer.persist().await?;
         assert_eq!(j.journal.kv_scan(NAMESPACE)?.len(), 2, "e's copy is gone");
         Ok(())

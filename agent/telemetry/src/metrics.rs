@@ -709,6 +709,12 @@ impl Metrics {
             .set(target);
     }
 
+    /// A task the tracker forgot to stay within `[tasks] max_tasks`: its timeline and
+    /// duration will never be recorded.
+    pub fn task_forgotten(&self) {
+        self.dropped_counter("tasks", "tracker_full").inc();
+    }
+
     /// The counter of `signal` data dropped for `reason` (shared with the exporter
     /// threads, which count without touching the family again).
     pub(crate) fn dropped_counter(&self, signal: &'static str, reason: &'static str) -> Counter {
