@@ -170,6 +170,12 @@ pub async fn reload(
 
 /// Tells readiness whether every binding has a version serving it.
 pub fn publish_readiness(registry: &Registry, readiness: &Readiness) {
+    // Reading the status and storing it is one step: two reloads finishing together
+    // must not store an older reading over a newer one.
+    static PUBLISHING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = PUBLISHING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     let all_loaded = registry.status().iter().all(|b| b.version.is_some());
     readiness.policies.store(all_loaded, Ordering::Release);
 }
