@@ -502,6 +502,7 @@ kind = "http"
 base_url = "{tool}"
 class = "keyed"
 timeout = "5s"
+redact_headers = ["x-tenant-pin"]
 
 [[tools]]
 name = "mail"
@@ -509,6 +510,7 @@ kind = "mcp"
 base_url = "{mcp}"
 class = "keyed"
 timeout = "5s"
+redact_headers = ["x-tenant-pin"]
 "#,
         admin = secrets.admin,
         openai = model.openai_base(),
@@ -532,6 +534,14 @@ timeout = "5s"
         ("proxy-authorization", bearer.as_str()),
         ("outrigger-task-id", "security-task"),
     ];
+    // Tools also get credentials of their own kinds: one whose name looks like a
+    // secret, and one the tool's configuration names.
+    let tool_auth = {
+        let mut h = agent_auth.to_vec();
+        h.push(("x-auth-token", secrets.agent.as_str()));
+        h.push(("x-tenant-pin", secrets.agent.as_str()));
+        h
+    };
     let mut replies = Vec::new();
 
     // Model calls in both dialects, streamed and not, and the model list.
@@ -565,14 +575,14 @@ timeout = "5s"
     replies.push(("upstream error", r));
 
     // Tool calls carrying the agent's credentials: executed, replayed, failed.
-    let mut h = agent_auth.to_vec();
+    let mut h = tool_auth.clone();
     h.push(("idempotency-key", "sec-charge-1"));
     for _ in 0..2 {
         let r = post_json(&sidecar.url("/tools/pay/charge"), &h, &json!({"amount": 5})).await;
         assert_eq!(r.status, StatusCode::OK, "{}", r.text());
         replies.push(("tool", r));
     }
-    let mut h = agent_auth.to_vec();
+    let mut h = tool_auth.clone();
     h.push(("idempotency-key", "sec-charge-2"));
     h.push(("x-mock-tool", "fail=after"));
     let r = post_json(&sidecar.url("/tools/pay/charge"), &h, &json!({"amount": 6})).await;
@@ -583,7 +593,7 @@ timeout = "5s"
         "params": {"name": "send_email", "arguments": {"to": "a@example.com"},
                    "_meta": {META_KEY: "sec-mail-1"}}});
     for _ in 0..2 {
-        let r = post_json(&sidecar.url("/mcp/mail"), &agent_auth, &call).await;
+        let r = post_json(&sidecar.url("/mcp/mail"), &tool_auth, &call).await;
         assert_eq!(r.status, StatusCode::OK, "{}", r.text());
         replies.push(("mcp", r));
     }
@@ -669,6 +679,60 @@ timeout = "5s"
         "{} leaks:\n{}",
         leaks.len(),
         leaks.join("\n")
+    );
+}
+
+/// A tool's `redact_json` keeps the values it points at out of the journaled request;
+/// the tool still receives them, and the fingerprint still tells requests apart.
+#[tokio::test]
+async fn values_a_tool_marks_for_redaction_never_reach_the_journal() {
+    let tool = MockTool::start(ToolBehaviour::default())
+        .await
+        .expect("tool");
+    let config = format!(
+        r#"
+[[tools]]
+name = "vault"
+kind = "http"
+base_url = "{tool}"
+class = "keyed"
+redact_json = ["/card/number", "/cvc"]
+"#,
+        tool = tool.url(),
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let number = canary("card");
+    let body = json!({"amount": 5, "card": {"number": number, "exp": "12/29"}, "cvc": "987-cvc"});
+    let h = [("idempotency-key", "vault-1")];
+    let r = post_json(&sidecar.url("/tools/vault/store"), &h, &body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    let effects = tool.effects();
+    assert_eq!(effects.len(), 1);
+    assert!(
+        contains(&effects[0].body, &number),
+        "the tool receives the values"
+    );
+    // The same key with another card number is another request: 422, not a replay.
+    let other = json!({"amount": 5, "card": {"number": "4000", "exp": "12/29"}, "cvc": "987-cvc"});
+    let r = post_json(&sidecar.url("/tools/vault/store"), &h, &other).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.text());
+
+    let record = send(request(
+        Method::GET,
+        &sidecar.admin_url("/v1/journal/vault%2Fvault-1"),
+        &[],
+        Bytes::new(),
+    ))
+    .await;
+    assert_eq!(record.status, StatusCode::OK, "{}", record.text());
+    let record: serde_json::Value = serde_json::from_slice(&record.body).expect("json");
+    let journaled = record["request"].to_string();
+    assert!(!journaled.contains(&number), "{journaled}");
+    assert!(!journaled.contains("987-cvc"), "{journaled}");
+    assert!(journaled.contains("<redacted>"), "{journaled}");
+    assert!(
+        journaled.contains("12/29"),
+        "what is not named is kept: {journaled}"
     );
 }
 

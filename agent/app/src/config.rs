@@ -1233,6 +1233,22 @@ fn tools(raw: &raw::Config, p: &mut Problems) -> Vec<Tool> {
             Duration::from_secs(30),
             "every call would time out at once (an unsafe tool's call then stays in doubt)",
         );
+        let mut redact = outrigger_proxy::redact::Redactions::default();
+        for (j, name) in rt.redact_headers.iter().enumerate() {
+            match http::HeaderName::from_bytes(name.trim().as_bytes()) {
+                Ok(h) => redact.headers.push(h),
+                Err(_) => p.add(
+                    format!("tools[{i}].redact_headers[{j}]"),
+                    format!("{name:?} is not a header name"),
+                ),
+            }
+        }
+        for (j, pointer) in rt.redact_json.iter().enumerate() {
+            match outrigger_proxy::redact::pointer_problem(pointer) {
+                None => redact.json.push(pointer.clone()),
+                Some(problem) => p.add(format!("tools[{i}].redact_json[{j}]"), problem),
+            }
+        }
         if let (Some(kind), Some(class), Some(base_url)) = (kind, class, base_url) {
             out.push(Tool {
                 name: rt.name.clone(),
@@ -1243,6 +1259,7 @@ fn tools(raw: &raw::Config, p: &mut Problems) -> Vec<Tool> {
                 journal_get: rt.journal_get.unwrap_or(false),
                 timeout,
                 probe_path: rt.probe_path.clone(),
+                redact,
             });
         }
     }

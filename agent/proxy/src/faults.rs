@@ -445,6 +445,7 @@ mod tests {
                 journal_get: false,
                 timeout: Duration::from_secs(1),
                 probe_path: None,
+                redact: Default::default(),
             }],
             ..Options::default()
         }

@@ -28,6 +28,7 @@ mod model;
 mod observe;
 pub mod options;
 pub mod problem;
+pub mod redact;
 pub mod relay;
 pub mod resilience;
 pub mod server;

@@ -32,7 +32,7 @@ use crate::journaled::{self, Answered, DetachedEnd, Protocol, Settled};
 use crate::observe::{PendingTool, ToolCall};
 use crate::options::{Tool, ToolKind};
 use crate::tools::{self, KeyChoice};
-use crate::{RequestContext, Shared, headers, keys, sse};
+use crate::{RequestContext, Shared, headers, keys, redact, sse};
 
 /// The `params._meta` field that carries an idempotency key.
 pub const META_KEY: &str = "outrigger/idempotency-key";
@@ -208,7 +208,10 @@ async fn tool_call(
         task_id: ctx.task_id.clone(),
         request_id: ctx.request_id.clone(),
         downstream_key: downstream,
-        request: RedactedRequest::new(tools::redacted_headers(agent), bytes.clone()),
+        request: RedactedRequest::new(
+            redact::request_headers(agent, &server.redact),
+            redact::request_body(&bytes, &server.redact),
+        ),
         policy_versions: shared.decider.versions(),
         model_revision: None,
         derived_from: source,

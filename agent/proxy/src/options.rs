@@ -186,6 +186,8 @@ pub struct Tool {
     /// For `probe` tools: the path (relative to `base_url`) that reports whether a
     /// call with a given key happened; `{key}` is replaced with the key.
     pub probe_path: Option<String>,
+    /// What of its requests, besides credentials, is kept out of the journal.
+    pub redact: crate::redact::Redactions,
 }
 
 /// Limits and timeouts of the data plane.

@@ -26,6 +26,7 @@ use crate::keys;
 use crate::observe::{PendingTool, ToolCall, ToolEnd};
 use crate::options::{Tool, ToolKind};
 use crate::problem::Problem;
+use crate::redact;
 use crate::tasks::ToolCallOutcome;
 use crate::{RequestContext, Shared};
 
@@ -293,7 +294,10 @@ async fn journal_call(
         task_id: ctx.task_id.clone(),
         request_id: ctx.request_id.clone(),
         downstream_key: downstream,
-        request: RedactedRequest::new(redacted_headers(&parts.headers), bytes.clone()),
+        request: RedactedRequest::new(
+            redact::request_headers(&parts.headers, &tool.redact),
+            redact::request_body(&bytes, &tool.redact),
+        ),
         policy_versions: shared.decider.versions(),
         model_revision: None,
         derived_from: source,

@@ -47,6 +47,7 @@ fn tool(name: &str, base_url: &str) -> Result<Tool, Box<dyn std::error::Error>> 
         journal_get: false,
         timeout: Duration::from_secs(2),
         probe_path: None,
+        redact: Default::default(),
     })
 }
 

@@ -220,4 +220,6 @@ pub struct Tool {
     pub journal_get: Option<bool>,
     pub timeout: Option<String>,
     pub probe_path: Option<String>,
+    pub redact_headers: Vec<String>,
+    pub redact_json: Vec<String>,
 }

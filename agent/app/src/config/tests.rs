@@ -368,6 +368,37 @@ fn the_first_breaker_penalty_cannot_exceed_the_longest() {
 }
 
 #[test]
+fn tool_redactions_are_checked() {
+    let tool = |extra: &str| {
+        format!(
+            "[[tools]]\nname = \"t\"\nkind = \"http\"\nbase_url = \"http://127.0.0.1:9\"\n{extra}\n"
+        )
+    };
+    let c = load_str(
+        &tool("redact_headers = [\"X-Tenant-Pin\"]\nredact_json = [\"/card/number\"]"),
+        &[],
+    )
+    .unwrap();
+    let r = &c.proxy.tools[0].redact;
+    assert_eq!(r.headers, [http::HeaderName::from_static("x-tenant-pin")]);
+    assert_eq!(r.json, ["/card/number"]);
+    let err = load_str(
+        &tool("redact_headers = [\"bad header\"]\nredact_json = [\"card\", \"\"]"),
+        &[],
+    )
+    .unwrap_err();
+    assert_eq!(
+        paths(&err),
+        [
+            "tools[0].redact_headers[0]",
+            "tools[0].redact_json[0]",
+            "tools[0].redact_json[1]"
+        ]
+    );
+    assert!(err.to_string().contains("must start with '/'"), "{err}");
+}
+
+#[test]
 fn max_attempts_defaults_to_10_and_is_bounded() {
     let c = load_str("", &[]).unwrap();
     assert_eq!(c.proxy.resilience.max_attempts, 10);

@@ -106,6 +106,7 @@ impl Harness {
                 journal_get: false,
                 timeout: Duration::from_secs(10),
                 probe_path: None,
+                redact: Default::default(),
             }],
             ..Options::default()
         };

@@ -1,0 +1,195 @@
+//! What of a tool call's request is kept out of the journal: headers that look like
+//! secrets, the headers a tool names, and the JSON values it points at. The journal is
+//! append-only and hash-chained, so a secret written there cannot be taken back; the
+//! request the tool receives is never changed, and its fingerprint is taken from the
+//! bytes as sent.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName};
+use outrigger_journal::Headers;
+
+use crate::headers;
+
+/// What replaces a redacted JSON value in the journaled request body.
+pub const REDACTED: &str = "<redacted>";
+
+/// Words that make a request header's name look like it carries a secret.
+const SECRET_WORDS: [&str; 10] = [
+    "auth",
+    "token",
+    "secret",
+    "password",
+    "passwd",
+    "api-key",
+    "apikey",
+    "cookie",
+    "session",
+    "signature",
+];
+
+/// A tool's own redactions, on top of the built-in ones.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Redactions {
+    /// Request headers never journaled (lower-case names).
+    pub headers: Vec<HeaderName>,
+    /// JSON Pointers (RFC 6901) into the request body whose values are journaled as
+    /// `"<redacted>"`.
+    pub json: Vec<String>,
+}
+
+/// Whether a request header is kept out of the journal: the agent's credentials,
+/// any name containing one of [`SECRET_WORDS`], and the tool's own list.
+pub fn is_secret_request_header(name: &HeaderName, tool: &Redactions) -> bool {
+    headers::is_credential(name)
+        || SECRET_WORDS.iter().any(|w| name.as_str().contains(w))
+        || tool.headers.contains(name)
+}
+
+/// The request headers as journaled.
+pub fn request_headers(h: &HeaderMap, tool: &Redactions) -> Headers {
+    Headers::redacted(
+        h.iter()
+            .filter(|(k, _)| !is_secret_request_header(k, tool))
+            .map(|(k, v)| {
+                (
+                    k.to_string(),
+                    String::from_utf8_lossy(v.as_bytes()).into_owned(),
+                )
+            }),
+    )
+}
+
+/// The request body as journaled: with the tool's JSON Pointers, each value they
+/// reach is replaced by `"<redacted>"`. A body that is not JSON, or a pointer that
+/// reaches nothing, leaves it as it is.
+pub fn request_body(body: &Bytes, tool: &Redactions) -> Bytes {
+    if tool.json.is_empty() {
+        return body.clone();
+    }
+    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(body) else {
+        return body.clone();
+    };
+    let mut changed = false;
+    for pointer in &tool.json {
+        if let Some(v) = value.pointer_mut(pointer) {
+            *v = serde_json::Value::String(REDACTED.to_owned());
+            changed = true;
+        }
+    }
+    if !changed {
+        return body.clone();
+    }
+    serde_json::to_vec(&value).map_or_else(|_| body.clone(), Bytes::from)
+}
+
+/// Why a JSON Pointer from the configuration is not one (`None`: it is).
+pub fn pointer_problem(pointer: &str) -> Option<String> {
+    if pointer.is_empty() {
+        return Some(
+            "an empty pointer would redact the whole body; name the values, e.g. \"/card/number\""
+                .into(),
+        );
+    }
+    if !pointer.starts_with('/') {
+        return Some(format!(
+            "{pointer:?} is not a JSON Pointer: it must start with '/', e.g. \"/card/number\""
+        ));
+    }
+    // `~` must be followed by 0 or 1 (RFC 6901 §3).
+    let mut chars = pointer.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == '~' && !matches!(chars.peek(), Some('0' | '1')) {
+            return Some(format!(
+                "{pointer:?}: '~' must be written ~0 and '/' inside a name ~1 (RFC 6901)"
+            ));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(*k, v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn secret_looking_and_named_headers_are_not_journaled() {
+        let tool = Redactions {
+            headers: vec![HeaderName::from_static("x-tenant")],
+            json: Vec::new(),
+        };
+        let h = map(&[
+            ("content-type", "application/json"),
+            ("authorization", "Bearer a"),
+            ("x-auth-token", "b"),
+            ("x-goog-api-key", "c"),
+            ("x-amz-security-token", "d"),
+            ("x-client-secret", "e"),
+            ("x-session-id", "f"),
+            ("x-hub-signature-256", "g"),
+            ("x-tenant", "h"),
+            ("x-trace", "keep"),
+        ]);
+        let kept: Vec<(String, String)> = request_headers(&h, &tool)
+            .iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        assert_eq!(
+            kept,
+            [
+                ("content-type".to_owned(), "application/json".to_owned()),
+                ("x-trace".to_owned(), "keep".to_owned()),
+            ]
+        );
+    }
+
+    #[test]
+    fn pointed_json_values_are_replaced() {
+        let tool = Redactions {
+            headers: Vec::new(),
+            json: vec![
+                "/card/number".into(),
+                "/items/1/code".into(),
+                "/a~1b".into(),
+                "/absent".into(),
+            ],
+        };
+        let body = Bytes::from_static(
+            br#"{"card":{"number":"4111","exp":"12/29"},"items":[{"code":1},{"code":{"x":2}}],"a/b":true}"#,
+        );
+        let out: serde_json::Value = serde_json::from_slice(&request_body(&body, &tool)).unwrap();
+        assert_eq!(
+            out,
+            serde_json::json!({
+                "card": {"number": "<redacted>", "exp": "12/29"},
+                "items": [{"code": 1}, {"code": "<redacted>"}],
+                "a/b": "<redacted>",
+            })
+        );
+        // Not JSON, or nothing pointed at: the bytes as they were.
+        let text = Bytes::from_static(b"card=4111");
+        assert_eq!(request_body(&text, &tool), text);
+        let other = Bytes::from_static(br#"{ "x" : 1 }"#);
+        assert_eq!(request_body(&other, &tool), other);
+    }
+
+    #[test]
+    fn pointers_are_checked() {
+        assert_eq!(pointer_problem("/card/number"), None);
+        assert_eq!(pointer_problem("/a~0b/c~1d"), None);
+        assert!(pointer_problem("").is_some());
+        assert!(
+            pointer_problem("card")
+                .unwrap()
+                .contains("must start with '/'")
+        );
+        assert!(pointer_problem("/a~2").unwrap().contains("RFC 6901"));
+    }
+}
