@@ -207,6 +207,58 @@ price_out = 30.0
     );
 }
 
+/// `[budget] retries` bounds a task's retries across its calls: once they are spent,
+/// a failing attempt is the call's last.
+#[tokio::test]
+async fn a_task_retry_budget_stops_retries_once_spent() {
+    let mock = MockProvider::start(Behaviour::default())
+        .await
+        .expect("mock");
+    let config = format!(
+        r#"
+[budget]
+retries = 2
+
+[[providers]]
+name = "mock"
+kind = "openai"
+base_url = "{}"
+models = ["gpt-mock"]
+"#,
+        mock.openai_base()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let task = [("outrigger-task-id", "retry-budget-task")];
+    let failing = || Behaviour {
+        status: Some(503),
+        ..Behaviour::default()
+    };
+    let turn = |n: u32| json!({"model": "gpt-mock", "messages": [{"role": "user", "content": format!("turn {n}")}]});
+    for _ in 0..3 {
+        mock.push(failing());
+    }
+    let r = post_json(&sidecar.url("/v1/chat/completions"), &task, &turn(1)).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+    assert_eq!(mock.exchanges().len(), 3, "two retries, then none left");
+    // The next call is admitted, but a failure is no longer retried.
+    mock.push(failing());
+    let r = post_json(&sidecar.url("/v1/chat/completions"), &task, &turn(2)).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+    assert_eq!(mock.exchanges().len(), 4);
+    let r = post_json(&sidecar.url("/v1/chat/completions"), &task, &turn(3)).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    // Another task has its own.
+    mock.push(failing());
+    let r = post_json(
+        &sidecar.url("/v1/chat/completions"),
+        &[("outrigger-task-id", "other-task")],
+        &turn(4),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(mock.exchanges().len(), 7);
+}
+
 #[tokio::test]
 async fn a_policy_in_the_directory_is_hot_swapped_without_losing_a_request() {
     let mock = std::sync::Arc::new(

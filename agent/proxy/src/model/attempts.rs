@@ -59,6 +59,8 @@ pub struct Mechanics<'a, T> {
     pub max_event_bytes: usize,
     /// The most attempts one call makes, whatever the policy answers.
     pub max_attempts: u32,
+    /// Retries the call's task has left under `[budget] retries` (`None`: no limit).
+    pub task_retries_left: Option<u32>,
     /// Where retries, fallbacks and breaker changes are counted (`None` in tests).
     pub metrics: Option<&'a outrigger_telemetry::Metrics>,
     /// Faults injected on purpose (`None`: never).
@@ -250,6 +252,13 @@ pub async fn run<'a, T: Transport>(
         }
         match decided.value {
             RetryDecision::RetryAfter(delay) => {
+                if m.task_retries_left
+                    .is_some_and(|left| trail.retries >= left)
+                {
+                    trail.gave_up =
+                        Some("the task has no retries left under [budget] retries".into());
+                    return Err(ended);
+                }
                 if !m.budgets.try_retry(&target.name) {
                     trail.retry_budget_exhausted = true;
                     trail.gave_up = Some("the retry budget is exhausted".into());

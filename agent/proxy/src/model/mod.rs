@@ -356,6 +356,12 @@ async fn generate(
         first_byte_timeout: shared.options.limits.first_byte_timeout,
         max_event_bytes: shared.options.limits.max_event_bytes,
         max_attempts: shared.options.resilience.max_attempts,
+        task_retries_left: match (&ctx.task_id, shared.options.budget.limits.retries) {
+            (Some(task), Some(max)) => {
+                Some(max.saturating_sub(shared.ledger.usage(task.as_str()).retries))
+            }
+            _ => None,
+        },
         metrics: Some(&shared.metrics),
         faults: Some(&shared.faults),
     };

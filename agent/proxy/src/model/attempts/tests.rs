@@ -141,6 +141,7 @@ impl Rig {
             first_byte_timeout: Duration::from_secs(30),
             max_event_bytes: 1 << 20,
             max_attempts: crate::options::DEFAULT_MAX_ATTEMPTS,
+            task_retries_left: None,
             metrics: None,
             faults: None,
         }
@@ -299,6 +300,26 @@ async fn the_breaker_opens_then_a_probe_half_opens_it() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_task_with_no_retries_left_is_not_retried() {
+    let rig = Rig::new();
+    let script = Script::new(vec![], 503);
+    let p = provider("a", 1);
+    for (left, sent) in [(0, 1), (2, 3)] {
+        let before = script.sent.load(Ordering::SeqCst);
+        let mech = Mechanics {
+            task_retries_left: Some(left),
+            ..rig.mechanics(&script, &LikeBuiltin)
+        };
+        let mut trail = Trail::default();
+        assert!(run(&mech, &plan(vec![&p]), &mut trail).await.is_err());
+        assert_eq!(script.sent.load(Ordering::SeqCst) - before, sent);
+        assert_eq!(trail.retries, left);
+        let why = trail.gave_up.expect("a reason");
+        assert!(why.contains("[budget] retries"), "{why}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_policy_that_never_gives_up_stops_at_max_attempts() {
     // Retrying every 6 s, a lone call never exhausts a budget of 3 retries per 10 s
     // window: only the attempt ceiling ends it.
@@ -383,6 +404,7 @@ async fn context_overflow_falls_back_to_the_next_target() {
         first_byte_timeout: Duration::from_secs(30),
         max_event_bytes: 1 << 20,
         max_attempts: crate::options::DEFAULT_MAX_ATTEMPTS,
+        task_retries_left: None,
         metrics: None,
         faults: None,
     };
