@@ -280,6 +280,31 @@ fn type_problems(table: &toml::Table, problems: &mut Problems) {
     }
 }
 
+/// `OUTRIGGER_*` variables the sidecar does not read: no config section of that
+/// name (a misspelt section, `OUTRIGGER_LISTN_DATA`), and not one the project's own
+/// tools use. Worth a warning: they are ignored.
+pub fn unread_env(env: &[(String, String)]) -> Vec<&str> {
+    const OTHERS: [&str; 6] = [
+        "BIN",
+        "URL",
+        "CRASH_KILLS",
+        "NVML_STUB_SCENARIO",
+        "NVML_STUB_PATH",
+        "EXAMPLE_POLICIES",
+    ];
+    env.iter()
+        .filter_map(|(name, _)| {
+            let rest = name.strip_prefix("OUTRIGGER_")?;
+            let lower = rest.to_ascii_lowercase();
+            let section = ENV_SECTIONS
+                .iter()
+                .any(|s| lower.starts_with(&format!("{s}_")));
+            (!section && !OTHERS.contains(&rest) && !rest.starts_with("REQUIRE_"))
+                .then_some(name.as_str())
+        })
+        .collect()
+}
+
 fn apply_env_overrides(table: &mut toml::Table, env: &[(String, String)], problems: &mut Problems) {
     for (name, value) in env {
         let Some(rest) = name.strip_prefix("OUTRIGGER_") else {

@@ -102,6 +102,12 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
+            for name in config::unread_env(&env) {
+                tracing::warn!(
+                    variable = name,
+                    "ignored: no config section of that name (OUTRIGGER_<SECTION>_<KEY>; sections are listed in the README)"
+                );
+            }
             let runtime = match tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()

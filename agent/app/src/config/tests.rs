@@ -158,6 +158,18 @@ fn environment_overrides_keys() {
 }
 
 #[test]
+fn variables_naming_no_section_are_found_for_a_warning() {
+    let vars = env(&[
+        ("OUTRIGGER_LISTN_DATA", "127.0.0.1:1"),
+        ("OUTRIGGER_LISTEN_DATA", "127.0.0.1:2"),
+        ("OUTRIGGER_BIN", "/bin/true"),
+        ("OUTRIGGER_REQUIRE_EXAMPLES", "1"),
+        ("PATH", "/bin"),
+    ]);
+    assert_eq!(unread_env(&vars), ["OUTRIGGER_LISTN_DATA"]);
+}
+
+#[test]
 fn an_override_to_an_unknown_key_is_reported() {
     let err = load(None, &env(&[("OUTRIGGER_LIMITS_MAX_BODY", "1")])).unwrap_err();
     assert_eq!(paths(&err), ["limits.max_body"]);
