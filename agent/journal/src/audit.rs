@@ -1,8 +1,8 @@
 //! Reading the journal: by the live sidecar (through [`crate::Journal`]) and offline
-//! (through [`Audit`], while the sidecar is stopped).
+//! (through [`Audit`], on a private copy of a journal directory no process holds).
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -10,10 +10,9 @@ use outrigger_types::{IdempotencyKey, TaskId};
 
 use crate::Error;
 use crate::chain::{self, Head, LogEntry, VerifyReport};
-use crate::options::Durability;
 use crate::record::{Filter, Record, TimelineEntry};
 use crate::slots;
-use crate::store::{Store, keys};
+use crate::store::{self, Store, WalDamage, keys};
 use crate::stream::{StreamKey, StreamMeta, chunk};
 use crate::writer::{decode_record, decode_stream};
 
@@ -216,26 +215,68 @@ pub(crate) fn check_namespace(namespace: &str) -> Result<(), Error> {
     Ok(())
 }
 
-/// A read-only view of a stopped sidecar's journal (`outrigger journal …`).
+/// A read-only view of a journal directory that no process holds: a stopped
+/// sidecar's, one moved aside (`<dir>.corrupt-<unix seconds>`), a backup.
 ///
-/// It holds the journal's lock while open, so a sidecar cannot start on the same
-/// directory meanwhile.
+/// sled has no read-only open, and opening a journal replays its write-ahead log
+/// into sled and empties it. So the directory is copied first (into the system's
+/// temporary directory, removed when the audit is dropped) and the copy is opened:
+/// the original is never written (a read-only mount will do), and its lock is held
+/// only for a moment, to see whether a process has it. The cost is the copy: as much free
+/// space as the journal takes, and the time to copy it.
+///
+/// A damaged write-ahead log (a bad frame with whole frames after it, which the
+/// sidecar refuses) is read up to the damage, reported by [`Audit::damage`].
 pub struct Audit {
     reader: Reader,
+    damage: Option<WalDamage>,
+    dir: PathBuf,
+    /// After `reader`, so that sled is closed before its copy is removed.
+    _copy: tempfile::TempDir,
 }
 
 impl Audit {
     pub(crate) fn open(dir: &Path) -> Result<Self, Error> {
-        let store = Store::open(dir, 16 * 1024 * 1024, Durability::Process, false)?;
+        store::check_journal(dir)?;
+        store::check_unlocked(dir)?;
+        let copy = tempfile::Builder::new()
+            .prefix("outrigger-audit-")
+            .tempdir()
+            .map_err(|e| {
+                Error::Storage(format!(
+                    "cannot create a temporary directory to copy the journal into: {e}"
+                ))
+            })?;
+        let journal = copy.path().join("journal");
+        copy_dir(dir, &journal)?;
+        // A sidecar that started meanwhile may have changed the files midway.
+        store::check_unlocked(dir)?;
+        let (store, damage) = Store::open_copy(&journal).map_err(|e| match e {
+            Error::Corrupt { detail, .. } => Error::Corrupt {
+                dir: dir.to_owned(),
+                detail,
+            },
+            other => other,
+        })?;
+        crate::journal::stored_format(&store, dir)?;
         Ok(Self {
             reader: Reader {
                 store: Arc::new(store),
             },
+            damage,
+            dir: dir.to_owned(),
+            _copy: copy,
         })
     }
 
+    /// The directory read (not its copy).
     pub fn dir(&self) -> &Path {
-        self.reader.store.dir()
+        &self.dir
+    }
+
+    /// The damage found in the write-ahead log, if any: what was read stops there.
+    pub fn damage(&self) -> Option<&WalDamage> {
+        self.damage.as_ref()
     }
 
     pub fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, Error> {
@@ -275,6 +316,26 @@ impl Audit {
     ) -> Result<Vec<(u64, Bytes)>, Error> {
         self.reader.stream_events(key, attempt, after_seq)
     }
+}
+
+/// Copies the directory `from` (files and directories; a journal holds nothing
+/// else) to `to`, which must not exist.
+fn copy_dir(from: &Path, to: &Path) -> Result<(), Error> {
+    let failed = |path: &Path, e: std::io::Error| {
+        Error::Storage(format!("cannot copy {} to read it: {e}", path.display()))
+    };
+    std::fs::create_dir(to).map_err(|e| failed(to, e))?;
+    for entry in std::fs::read_dir(from).map_err(|e| failed(from, e))? {
+        let entry = entry.map_err(|e| failed(from, e))?;
+        let path = entry.path();
+        let kind = entry.file_type().map_err(|e| failed(&path, e))?;
+        if kind.is_dir() {
+            copy_dir(&path, &to.join(entry.file_name()))?;
+        } else if kind.is_file() {
+            std::fs::copy(&path, to.join(entry.file_name())).map_err(|e| failed(&path, e))?;
+        }
+    }
+    Ok(())
 }
 
 /// The highest sequence number stored for an attempt, if any event is.

@@ -14,8 +14,7 @@
 //! holding a pointer taken just before does not find the file gone). Appends happen
 //! where sled's writes do, when a logged batch is applied. A batch replayed from the
 //! write-ahead log at open gives its bodies to sled itself instead, as every format
-//! reads them there: `outrigger journal` may replay an older build's log, which that
-//! build must still be able to read. Values stored inline (by replay, by earlier
+//! reads them there. Values stored inline (by replay, by earlier
 //! formats, by tests that edit the store) are read as they are and move to a file
 //! when next written.
 

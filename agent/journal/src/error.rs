@@ -18,8 +18,11 @@ pub enum Error {
     #[error("the journal cannot write ({0}); side-effecting calls are refused until it can")]
     Unavailable(String),
     #[error(
-        "the journal in {dir} is corrupt ({detail}); move it aside (Journal::quarantine) \
-         and start with a fresh one, then resolve the calls that were in flight"
+        "the journal in {dir} is corrupt ({detail}). Review what it holds with \
+         `outrigger journal verify --journal-dir {dir}` and `outrigger journal list \
+         --journal-dir {dir}`; then move it aside with `outrigger journal quarantine \
+         --journal-dir {dir}` and restart the sidecar, which starts a fresh journal (to \
+         which every call the old one knew is unknown: a retry of one executes again)"
     )]
     Corrupt { dir: PathBuf, detail: String },
     #[error("journal storage error: {0}")]

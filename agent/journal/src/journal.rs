@@ -45,6 +45,26 @@ const FORMAT_2: &[u8] = b"2";
 /// slot. Opening an older journal marks it format 5, so that an older build refuses
 /// it rather than misread it.
 const FORMAT_1: &[u8] = b"1";
+/// Every format this build reads.
+const READABLE: [&[u8]; 5] = [FORMAT, FORMAT_4, FORMAT_3, FORMAT_2, FORMAT_1];
+
+/// The format the journal in `dir` is marked with (`None`: a new journal), or an
+/// error if this build cannot read it (a newer build wrote it).
+pub(crate) fn stored_format(store: &Store, dir: &Path) -> Result<Option<Vec<u8>>, Error> {
+    match store.get(keys::FORMAT)? {
+        Some(format) if !READABLE.contains(&format.as_slice()) => Err(Error::Invalid {
+            what: "journal format",
+            detail: format!(
+                "{} holds journal format {:?}, which this build does not know (it reads \
+                 formats 1 to 5; a newer build of outrigger wrote it?): use the build that \
+                 wrote it",
+                dir.display(),
+                String::from_utf8_lossy(&format)
+            ),
+        }),
+        other => Ok(other),
+    }
+}
 
 /// What opening the journal found and did: the calls a previous process left in
 /// flight, by the state they were moved to.
@@ -95,31 +115,15 @@ impl Journal {
             options.durability,
             true,
         )?);
-        match store.get(keys::FORMAT)? {
-            None => {}
-            // The current format too: a move cut short by a crash is finished.
-            Some(format)
-                if [FORMAT, FORMAT_4, FORMAT_3, FORMAT_2, FORMAT_1]
-                    .contains(&format.as_slice()) =>
-            {
-                let moved = slots::migrate(&store, FORMAT)?;
-                if moved > 0 {
-                    tracing::info!(
-                        from = %String::from_utf8_lossy(&format),
-                        index_entries = moved,
-                        "journal moved to format 5 (its record index in generations)"
-                    );
-                }
-            }
-            Some(other) => {
-                return Err(Error::Invalid {
-                    what: "journal format",
-                    detail: format!(
-                        "{} holds format {:?}; this build reads formats 1 to 5",
-                        options.dir.display(),
-                        String::from_utf8_lossy(&other)
-                    ),
-                });
+        // The current format too: a move cut short by a crash is finished.
+        if let Some(format) = stored_format(&store, &options.dir)? {
+            let moved = slots::migrate(&store, FORMAT)?;
+            if moved > 0 {
+                tracing::info!(
+                    from = %String::from_utf8_lossy(&format),
+                    index_entries = moved,
+                    "journal moved to format 5 (its record index in generations)"
+                );
             }
         }
         let previous_epoch = match store.get(keys::EPOCH)? {
@@ -162,17 +166,30 @@ impl Journal {
         Ok((journal, writer, recovery))
     }
 
-    /// Opens a stopped sidecar's journal for reading. `Error::Locked` if a process
-    /// holds it (read through the admin API instead), `Error::NotFound` if `dir` holds
-    /// no journal.
+    /// Opens a journal for reading, without changing it: a private copy of `dir` in
+    /// the system's temporary directory is read (see [`Audit`]). `Error::Locked` if a
+    /// process holds it (read through the admin API instead), `Error::NotFound` if
+    /// `dir` holds no journal.
     pub fn open_for_audit(dir: &Path) -> Result<Audit, Error> {
         Audit::open(dir)
     }
 
-    /// Moves a corrupt journal aside (`<dir>.corrupt-<unix seconds>`) so that a fresh
-    /// one can start; returns the new name. The calls that were in flight are then
-    /// unknown to the new journal: an operator must review the quarantined one.
+    /// Moves a journal aside (`<dir>.corrupt-<unix seconds>`) so that the next open
+    /// starts a fresh one; returns the new name. Nothing inside it is changed. The
+    /// calls it knew are then unknown to the new journal (a retry of one executes
+    /// again): an operator reviews the moved one. `Error::Locked` while a process
+    /// holds it; the lock is held while it moves, so no sidecar opens it midway.
     pub fn quarantine(dir: &Path) -> Result<PathBuf, Error> {
+        // A journal sled cannot open may lack one of its files; with neither, `dir`
+        // is no journal (a data directory given by mistake).
+        if !dir.join("db").is_file() && !dir.join("conf").is_file() {
+            crate::store::check_journal(dir)?;
+        }
+        let _lock = dir
+            .join("db")
+            .is_file()
+            .then(|| crate::store::take_lock(dir))
+            .transpose()?;
         let stamp = Timestamp::now().as_micros() / 1_000_000;
         let mut name = dir.as_os_str().to_owned();
         name.push(format!(".corrupt-{stamp}"));

@@ -31,7 +31,8 @@
 //! handle ([`Journal`]) and one [`Error`]. Reads (`get`, `list`, `verify`, streams, kv)
 //! go straight to the store (waiting only until sled has the commits already logged)
 //! and never queue behind the writer; an offline [`Audit`]
-//! offers the same reads on a stopped sidecar's directory.
+//! offers the same reads on a private copy of a journal directory no process holds,
+//! so that reading never changes what an operator reviews.
 
 mod audit;
 mod bodies;
@@ -62,6 +63,7 @@ pub use record::{
     TimelineEntry, Transition,
 };
 pub use stats::{StateCounts, Stats, WriteFault};
+pub use store::WalDamage;
 pub use stream::{StreamBegin, StreamEnd, StreamKey, StreamMeta, StreamRequest, StreamState};
 pub use time::Timestamp;
 pub use writer::{ReapReport, Writer};

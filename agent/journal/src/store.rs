@@ -15,7 +15,9 @@
 //! batch whose write never returned, so was never acknowledged) is dropped. A bad
 //! frame with a whole frame after it is no torn write (frames are appended one after
 //! the other, and a sync makes every earlier one durable too) but damage: the
-//! journal is then `Error::Corrupt`, and nothing is applied or emptied.
+//! journal is then `Error::Corrupt`, and nothing is applied or emptied (the log is
+//! checked before sled opens, so no file changes). A private copy opened for an
+//! audit applies the frames before the damage instead, and says where it is.
 //!
 //! A failed `fdatasync` (of the log, sled's file or the record files) is never
 //! retried: Linux may drop the pages it could not write and report the next sync as
@@ -182,6 +184,46 @@ fn resolved(item: Result<Resolved, Error>) -> Result<Entry, Error> {
     Ok((key, value?))
 }
 
+/// How [`Store::open_in`] opens a journal directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// The sidecar's journal, created if missing.
+    Create,
+    /// An existing journal (tests that edit one).
+    Existing,
+    /// A private copy of a journal, for reading (an audit): a damaged write-ahead
+    /// log is read up to the damage instead of refused, and nothing is synced.
+    Copy,
+}
+
+/// A damaged frame in a journal's write-ahead log with whole frames after it
+/// (damage, not a torn last write), found by an audit: the frames before it were
+/// read, nothing from it on was.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WalDamage {
+    /// The damaged frame's number, counting from 1.
+    pub frame: usize,
+    /// Where it starts, in bytes from the start of the log.
+    pub at: u64,
+    /// The log's bytes from the damaged frame on, none of them applied.
+    pub bytes_after: u64,
+}
+
+impl std::fmt::Display for WalDamage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "its write-ahead log is damaged at frame {} (byte {}) with whole frames after it: \
+             the {} frame(s) before it were read, the {} byte(s) from it on were not, so what \
+             they wrote is missing here or shows an older state",
+            self.frame,
+            self.at,
+            self.frame - 1,
+            self.bytes_after
+        )
+    }
+}
+
 impl Store {
     /// Opens (or, with `create`, creates) the journal in `dir`. A journal held by
     /// another process is `Error::Locked`; a directory without a journal is
@@ -192,8 +234,25 @@ impl Store {
         durability: Durability,
         create: bool,
     ) -> Result<Self, Error> {
+        let mode = if create { Mode::Create } else { Mode::Existing };
+        Self::open_in(dir, cache_capacity, durability, mode).map(|(store, _)| store)
+    }
+
+    /// Opens a private copy of a journal for reading (see [`crate::Audit`]). A damaged
+    /// write-ahead log is applied up to the damage, which is returned, where the
+    /// sidecar refuses it: nothing of the copy is served.
+    pub(crate) fn open_copy(dir: &Path) -> Result<(Self, Option<WalDamage>), Error> {
+        Self::open_in(dir, 16 << 20, Durability::Process, Mode::Copy)
+    }
+
+    fn open_in(
+        dir: &Path,
+        cache_capacity: u64,
+        durability: Durability,
+        mode: Mode,
+    ) -> Result<(Self, Option<WalDamage>), Error> {
         let db_file = dir.join("db");
-        if create {
+        if mode == Mode::Create {
             std::fs::create_dir_all(dir).map_err(|e| {
                 Error::Storage(format!(
                     "cannot create the journal directory {}: {e}",
@@ -201,25 +260,46 @@ impl Store {
                 ))
             })?;
         } else {
-            if !dir.is_dir() {
-                return Err(Error::NotFound {
-                    dir: dir.to_owned(),
-                    detail: "the directory does not exist".to_owned(),
-                });
-            }
-            if !db_file.is_file() || !dir.join("conf").is_file() {
-                return Err(Error::NotFound {
-                    dir: dir.to_owned(),
-                    detail: "it holds no journal files (expected `db` and `conf`); \
-                             is this the sidecar's journal directory?"
-                        .to_owned(),
-                });
-            }
+            check_journal(dir)?;
         }
         // sled reports a held lock as a generic I/O error; asking first gives the
         // caller a distinguishable answer (the CLI falls back to the admin API).
         if db_file.is_file() {
-            check_unlocked(dir, &db_file)?;
+            check_unlocked(dir)?;
+        }
+        // The log is read and checked before sled opens: a damaged one leaves every
+        // file as it was.
+        let wal_path = dir.join(WAL_FILE);
+        let log = match std::fs::read(&wal_path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => {
+                return Err(Error::Storage(format!(
+                    "cannot read {}: {e}",
+                    wal_path.display()
+                )));
+            }
+        };
+        let parsed = frames(&log);
+        let damage = parsed.damaged_at.map(|at| WalDamage {
+            frame: parsed.frames.len() + 1,
+            at: at as u64,
+            bytes_after: (log.len() - at) as u64,
+        });
+        if let Some(damage) = &damage
+            && mode != Mode::Copy
+        {
+            return Err(Error::Corrupt {
+                dir: dir.to_owned(),
+                detail: format!(
+                    "frame {} of its write-ahead log {}, at byte {}, is damaged and whole \
+                     frames follow it: damage, not a torn last write; nothing of the log was \
+                     applied",
+                    damage.frame,
+                    wal_path.display(),
+                    damage.at
+                ),
+            });
         }
         let db = sled::Config::new()
             .path(dir)
@@ -240,7 +320,7 @@ impl Store {
         let wal = Wal::open(dir)?;
         let mut store = Self {
             db,
-            bodies: Arc::new(Bodies::open(dir, create)?),
+            bodies: Arc::new(Bodies::open(dir, mode == Mode::Create)?),
             sync_file,
             wal: Mutex::new(wal),
             progress: Arc::new(Progress::default()),
@@ -251,7 +331,7 @@ impl Store {
                 db_file: db_file.clone(),
             },
         };
-        store.recover()?;
+        store.recover(&parsed, log.len(), mode != Mode::Copy)?;
         let (tx, rx) = std::sync::mpsc::channel();
         let (db, bodies) = (store.db.clone(), Arc::clone(&store.bodies));
         let progress = Arc::clone(&store.progress);
@@ -260,45 +340,38 @@ impl Store {
             .spawn(move || run_applier(&db, &bodies, &progress, &rx))
             .map_err(|e| Error::Storage(format!("cannot start the journal's applier: {e}")))?;
         store.applier = Some((tx, thread));
-        Ok(store)
+        Ok((store, damage))
     }
 
-    /// Applies the log's frames again, makes sled durable, and empties the log.
-    fn recover(&self) -> Result<(), Error> {
+    /// Applies the log's whole frames again (those before a damaged frame, in a
+    /// copy), makes sled durable (with `sync`), and empties the log.
+    fn recover(&self, log: &Log<'_>, log_len: usize, sync: bool) -> Result<(), Error> {
         let mut wal = self.wal();
-        let path = self.dir.join(WAL_FILE);
-        let bytes = std::fs::read(&path)
-            .map_err(|e| Error::Storage(format!("cannot read {}: {e}", path.display())))?;
-        if bytes.is_empty() {
+        if log_len == 0 {
             return Ok(());
         }
-        let (frames, whole) = frames(&bytes).map_err(|at| Error::Corrupt {
-            dir: self.dir.clone(),
-            detail: format!(
-                "its write-ahead log {} holds a damaged frame at byte {at} with whole frames \
-                 after it (damage, not a torn last write); nothing of it was applied",
-                path.display()
-            ),
-        })?;
         // Held writes are applied like the others: sled gets everything at open.
-        // Record bodies are given to sled itself, as every format reads them: a
-        // journal of an older format opened by `outrigger journal` must stay
-        // readable by its own build (they move to files when next written).
-        for writes in &frames {
+        // Record bodies are given to sled itself, as every format reads them there
+        // (they move to files when next written).
+        for writes in &log.frames {
             apply_writes(&self.db, &self.bodies, writes.iter().copied(), true)?;
         }
-        if whole < bytes.len() {
+        if log.damaged_at.is_none() && log.whole < log_len {
             tracing::warn!(
-                dropped_bytes = bytes.len() - whole,
+                dropped_bytes = log_len - log.whole,
                 "the journal's write-ahead log ends in a torn frame (a batch that was never acknowledged); dropped"
             );
         }
         // A real sync whatever the mode: the log may hold batches a `Durability::Node`
-        // sidecar acknowledged as durable, and once it is emptied only sled has them
-        // (an offline audit opens any journal with `Durability::Process`).
-        self.sync_db(true)?;
+        // sidecar acknowledged as durable, and once it is emptied only sled has them.
+        if sync {
+            self.sync_db(true)?;
+        }
         wal.truncate()?;
-        tracing::info!(batches = frames.len(), "journal write-ahead log replayed");
+        tracing::info!(
+            batches = log.frames.len(),
+            "journal write-ahead log replayed"
+        );
         Ok(())
     }
 
@@ -909,11 +982,39 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-fn check_unlocked(dir: &Path, db_file: &Path) -> Result<(), Error> {
-    let file = File::open(db_file)
+/// `Error::NotFound` unless `dir` holds a journal's files.
+pub(crate) fn check_journal(dir: &Path) -> Result<(), Error> {
+    if !dir.is_dir() {
+        return Err(Error::NotFound {
+            dir: dir.to_owned(),
+            detail: "the directory does not exist".to_owned(),
+        });
+    }
+    if !dir.join("db").is_file() || !dir.join("conf").is_file() {
+        return Err(Error::NotFound {
+            dir: dir.to_owned(),
+            detail: "it holds no journal files (expected `db` and `conf`); \
+                     is this the sidecar's journal directory?"
+                .to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// `Error::Locked` if a process holds the journal in `dir` (sled's `flock` on its
+/// data file). The probe's own lock is let go at once.
+pub(crate) fn check_unlocked(dir: &Path) -> Result<(), Error> {
+    take_lock(dir).map(drop)
+}
+
+/// Takes the journal's lock, held until the returned file is closed:
+/// `Error::Locked` if a process holds it.
+pub(crate) fn take_lock(dir: &Path) -> Result<File, Error> {
+    let db_file = dir.join("db");
+    let file = File::open(&db_file)
         .map_err(|e| Error::Storage(format!("cannot open {}: {e}", db_file.display())))?;
     match file.try_lock() {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(file),
         Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked {
             dir: dir.to_owned(),
         }),
@@ -922,7 +1023,6 @@ fn check_unlocked(dir: &Path, db_file: &Path) -> Result<(), Error> {
             db_file.display()
         ))),
     }
-    // The probe lock is released when `file` is closed here.
 }
 
 fn open_error(dir: &Path, e: sled::Error) -> Error {
@@ -1040,16 +1140,25 @@ fn seal(frame: &mut [u8]) -> Result<(), Error> {
     Ok(())
 }
 
-/// The writes of the whole, intact frames at the start of `bytes`, and how many
-/// bytes they span. Reading stops at the first frame that is cut short, fails its
-/// CRC or does not parse: the torn tail of a write that never returned, which is
-/// dropped. Unless a whole frame follows it: frames are appended one by one, each
-/// once the one before is written whole, so a bad frame with a whole one after it is
-/// damage, and dropping it with everything after it could take sled back to older
-/// values (a completed call back to claimed, executed again). That is `Err` with
-/// where the bad frame starts.
-fn frames(bytes: &[u8]) -> Result<(Vec<Vec<Write<'_>>>, usize), usize> {
-    let mut out = Vec::new();
+/// What a write-ahead log holds.
+struct Log<'a> {
+    /// The writes of the whole, intact frames at its start.
+    frames: Vec<Vec<Write<'a>>>,
+    /// How many bytes those frames span.
+    whole: usize,
+    /// Where a damaged frame starts, if one has a whole frame after it.
+    damaged_at: Option<usize>,
+}
+
+/// The writes of the whole, intact frames at the start of `bytes`. Reading stops
+/// at the first frame that is cut short, fails its CRC or does not parse: the torn
+/// tail of a write that never returned, which is dropped. Unless a whole frame
+/// follows it: frames are appended one by one, each once the one before is written
+/// whole, so a bad frame with a whole one after it is damage, and dropping it with
+/// everything after it could take sled back to older values (a completed call back
+/// to claimed, executed again). Where the bad frame starts is then `damaged_at`.
+fn frames(bytes: &[u8]) -> Log<'_> {
+    let mut frames = Vec::new();
     let mut at = 0;
     while at < bytes.len() {
         let Some((writes, end)) = frame_at(bytes, at) else {
@@ -1057,15 +1166,22 @@ fn frames(bytes: &[u8]) -> Result<(Vec<Vec<Write<'_>>>, usize), usize> {
             // frame would start right after it; anything inside it is its payload
             // (which may hold any bytes). Otherwise its length cannot be trusted.
             let next = declared_end(bytes, at).unwrap_or(at + 1);
-            if (next..bytes.len()).any(|o| frame_at(bytes, o).is_some_and(|(w, _)| !w.is_empty())) {
-                return Err(at);
-            }
-            break;
+            let damaged =
+                (next..bytes.len()).any(|o| frame_at(bytes, o).is_some_and(|(w, _)| !w.is_empty()));
+            return Log {
+                frames,
+                whole: at,
+                damaged_at: damaged.then_some(at),
+            };
         };
-        out.push(writes);
+        frames.push(writes);
         at = end;
     }
-    Ok((out, at))
+    Log {
+        frames,
+        whole: at,
+        damaged_at: None,
+    }
 }
 
 /// The end of the frame starting at `at` if its header is whole and its length fits
@@ -1344,6 +1460,25 @@ impl Store {
     }
 }
 
+/// Every file under `dir` with its bytes (tests that check nothing was written).
+#[cfg(test)]
+pub(crate) fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                todo.push(path);
+            } else {
+                let bytes = std::fs::read(&path).unwrap();
+                out.insert(path.strip_prefix(dir).unwrap().to_owned(), bytes);
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod wal_tests {
     use super::*;
@@ -1452,19 +1587,35 @@ mod wal_tests {
             let dir = tempfile::tempdir().unwrap();
             drop(open(dir.path()));
             std::fs::write(dir.path().join(WAL_FILE), &damaged).unwrap();
+            let before = snapshot(dir.path());
             let opened = Store::open(dir.path(), 1 << 20, Durability::Process, true);
+            let Err(Error::Corrupt { detail, .. }) = &opened else {
+                panic!("{:?}", opened.err());
+            };
             assert!(
-                matches!(opened, Err(Error::Corrupt { .. })),
-                "{:?}",
-                opened.err()
+                detail.contains("frame 2 of its write-ahead log"),
+                "{detail}"
             );
             assert_eq!(
-                std::fs::read(dir.path().join(WAL_FILE)).unwrap(),
-                damaged,
-                "the log is kept as it was"
+                snapshot(dir.path()),
+                before,
+                "the log is kept as it was, and sled was not opened"
             );
             let store = Store::open(dir.path(), 1 << 20, Durability::Process, false);
             assert!(store.is_err(), "nothing of the log was applied meanwhile");
+
+            // A copy opened for reading applies the frames before the damage.
+            let (store, damage) = Store::open_copy(dir.path()).unwrap();
+            assert_eq!(get(&store, "a").as_deref(), Some("1"));
+            assert_eq!(get(&store, "b"), None);
+            assert_eq!(
+                damage,
+                Some(WalDamage {
+                    frame: 2,
+                    at: ends[0] as u64,
+                    bytes_after: (damaged.len() - ends[0]) as u64,
+                })
+            );
         }
         // A torn last frame with zeros after it (a size extended before the data
         // reached the disk) is still a torn tail.
@@ -1483,17 +1634,16 @@ mod wal_tests {
         drop(open(dir.path()));
         let wal = dir.path().join(WAL_FILE);
         std::fs::write(&wal, &log).unwrap();
-        // `outrigger journal` opens any journal with `Durability::Process`; the log may
-        // hold batches a `Durability::Node` sidecar acknowledged.
+        // The log may hold batches a `Durability::Node` sidecar acknowledged.
         sync_fault::set(true);
-        let audit = crate::Journal::open_for_audit(dir.path());
+        let opened = Store::open(dir.path(), 1 << 20, Durability::Process, false);
         sync_fault::set(false);
         assert!(
-            audit.is_err(),
+            opened.is_err(),
             "the log was emptied without a real sync of sled"
         );
         assert_eq!(std::fs::read(&wal).unwrap(), log, "the log is kept");
-        drop(audit);
+        drop(opened);
         let store = Store::open(dir.path(), 1 << 20, Durability::Process, false).unwrap();
         assert_eq!(get(&store, "b").as_deref(), Some("2"));
         assert_eq!(get(&store, "c").as_deref(), Some("3"));

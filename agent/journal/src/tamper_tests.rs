@@ -507,8 +507,17 @@ fn a_journal_of_a_later_format_is_refused_not_misread() -> TestResult {
     };
     assert!(
         e.to_string()
-            .contains("holds format \"6\"; this build reads formats 1 to 5"),
+            .contains("holds journal format \"6\", which this build does not know"),
         "{e}"
+    );
+    // Nor read by the audit.
+    let Err(Error::Invalid { what, detail }) = Journal::open_for_audit(dir.path()) else {
+        return Err("the audit read a format-6 journal".into());
+    };
+    assert_eq!(what, "journal format");
+    assert!(
+        detail.contains("format \"6\"") && detail.contains("newer build"),
+        "{detail}"
     );
     Ok(())
 }
@@ -654,5 +663,138 @@ async fn format_2_streams_are_read_under_their_key_and_new_streams_get_slots() -
         0
     );
     assert_eq!(store.get(&keys::stream("old"))?, None);
+    Ok(())
+}
+
+/// A journal of `keys`, each completed, left by a stopped sidecar.
+async fn completed(dir: &std::path::Path, keys: &[&str]) -> TestResult {
+    let (journal, writer, _) = Journal::open(Options::new(dir))?;
+    let task = tokio::spawn(writer.run());
+    for key in keys {
+        let Begin::Execute { ticket, .. } = journal.begin(intent(key)?).await? else {
+            return Err("a fresh key must execute".into());
+        };
+        let response = StoredResponse::new(200, Headers::default(), Body::from("{\"id\":1}"));
+        journal.complete(&ticket, response).await?;
+    }
+    drop(journal);
+    task.await?;
+    Ok(())
+}
+
+fn listed(audit: &crate::Audit) -> Result<Vec<(String, State)>, Box<dyn StdError>> {
+    Ok(audit
+        .list(&crate::Filter::default())?
+        .into_iter()
+        .map(|r| (r.key.to_string(), r.state))
+        .collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_audit_reads_a_copy_changes_no_file_and_holds_no_lock() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    completed(dir.path(), &["k0", "k1"]).await?;
+    let wal = dir.path().join("wal");
+    assert!(wal.metadata()?.len() > 0, "the log holds the commits");
+    let before = crate::store::snapshot(dir.path());
+    {
+        let audit = Journal::open_for_audit(dir.path())?;
+        assert_eq!(audit.dir(), dir.path());
+        assert_eq!(audit.damage(), None);
+        assert_eq!(
+            listed(&audit)?,
+            [
+                ("k0".to_owned(), State::Completed),
+                ("k1".to_owned(), State::Completed)
+            ]
+        );
+        assert!(audit.verify()?.is_clean());
+        // A sidecar (re)starting meanwhile is not kept out.
+        crate::store::check_unlocked(dir.path())?;
+    }
+    assert_eq!(
+        crate::store::snapshot(dir.path()),
+        before,
+        "the audit wrote to the journal's directory"
+    );
+
+    // Nor does it create a log that is missing.
+    std::fs::remove_file(&wal)?;
+    let before = crate::store::snapshot(dir.path());
+    drop(Journal::open_for_audit(dir.path())?);
+    assert_eq!(crate::store::snapshot(dir.path()), before);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_log_is_refused_by_the_sidecar_and_read_up_to_the_damage_by_an_audit()
+-> TestResult {
+    let first = tempfile::tempdir()?;
+    completed(first.path(), &["k0", "k1", "k2", "k3"]).await?;
+    let log = std::fs::read(first.path().join("wal"))?;
+    // Each frame's span (length, CRC-32, payload); the first that names k3 (its
+    // begin) is damaged, with k3's completion, a whole frame, after it.
+    let mut frames = Vec::new();
+    let mut at = 0;
+    while at < log.len() {
+        let len = u32::from_le_bytes(log[at..at + 4].try_into()?) as usize;
+        frames.push((at, at + 8 + len));
+        at += 8 + len;
+    }
+    let (frame, start) = frames
+        .iter()
+        .position(|&(s, e)| log[s..e].windows(2).any(|w| w == b"k3"))
+        .map(|i| (i, frames[i].0))
+        .ok_or("no frame names k3")?;
+    let mut damaged = log.clone();
+    damaged[start + 8] ^= 0xff;
+
+    // A journal whose sled has nothing yet, as a killed process leaves it.
+    let dir = tempfile::tempdir()?;
+    drop(Store::open(
+        dir.path(),
+        16 << 20,
+        Durability::Process,
+        true,
+    )?);
+    std::fs::write(dir.path().join("wal"), &damaged)?;
+    let before = crate::store::snapshot(dir.path());
+
+    let opened = Journal::open(Options::new(dir.path()));
+    let Err(Error::Corrupt { detail, .. }) = &opened else {
+        return Err(format!("a damaged log must be refused: {:?}", opened.err()).into());
+    };
+    assert!(detail.contains(&format!("frame {}", frame + 1)), "{detail}");
+    let text = opened.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(
+        text.contains("outrigger journal quarantine --journal-dir") && !text.contains("Journal::"),
+        "{text}"
+    );
+
+    let audit = Journal::open_for_audit(dir.path())?;
+    assert_eq!(
+        listed(&audit)?,
+        [
+            ("k0".to_owned(), State::Completed),
+            ("k1".to_owned(), State::Completed),
+            ("k2".to_owned(), State::Completed)
+        ],
+        "what the frames before the damage wrote"
+    );
+    let damage = audit.damage().ok_or("the damage is reported")?;
+    assert_eq!(
+        (damage.frame, damage.at, damage.bytes_after),
+        (frame + 1, start as u64, (log.len() - start) as u64)
+    );
+    assert!(
+        damage.to_string().contains(&format!("frame {}", frame + 1)),
+        "{damage}"
+    );
+    drop(audit);
+    assert_eq!(
+        crate::store::snapshot(dir.path()),
+        before,
+        "neither the sidecar's open nor the audit changed a file"
+    );
     Ok(())
 }

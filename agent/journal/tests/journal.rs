@@ -1089,6 +1089,11 @@ async fn audit_lists_exports_and_tells_a_task_story() -> TestResult {
             Journal::open(Options::new(dir.path())),
             Err(Error::Locked { .. })
         ));
+        // Nor moved aside.
+        assert!(matches!(
+            Journal::quarantine(dir.path()),
+            Err(Error::Locked { .. })
+        ));
         run.stop().await?;
     }
     let audit = Journal::open_for_audit(dir.path())?;
@@ -1179,6 +1184,10 @@ async fn audit_lists_exports_and_tells_a_task_story() -> TestResult {
     );
     drop(audit);
 
+    let empty = tempfile::tempdir()?;
+    let Err(Error::NotFound { .. }) = Journal::quarantine(empty.path()) else {
+        return Err("a directory that holds no journal is not moved".into());
+    };
     let moved = Journal::quarantine(dir.path())?;
     assert!(
         !dir.path().exists() && moved.join("db").is_file(),
