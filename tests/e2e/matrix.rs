@@ -1725,11 +1725,12 @@ async fn j4_garbage_after_the_journals_tail_keeps_every_acknowledged_call_and_ne
 }
 
 /// J4: a journal file cut short between two runs: the next process starts without a
-/// panic and serves tool calls, journaled again. What it cannot read it either skips
-/// (the calls before the cut are still answered from the journal) or, when sled
-/// reports the database corrupt, moves aside and says so in the log.
+/// panic. What it cannot read it either skips (the calls before the cut are still
+/// answered from the journal, and new calls are journaled) or, when sled reports the
+/// database corrupt, leaves as it is and refuses tool calls (T13), saying so in the
+/// log and in readiness.
 #[tokio::test]
-async fn j4_a_journal_cut_short_is_recovered_or_quarantined_loudly_never_a_panic() {
+async fn j4_a_journal_cut_short_is_recovered_or_refused_loudly_never_a_panic() {
     let tool = MockTool::start(ToolBehaviour::default()).await.unwrap();
     let mut sidecar = tool_sidecar(&tool, "").await;
     for i in 0..5 {
@@ -1753,17 +1754,26 @@ async fn j4_a_journal_cut_short_is_recovered_or_quarantined_loudly_never_a_panic
     let logs = sidecar.logs();
     assert!(!logs.contains("panicked"), "{logs}");
     let ready = get(&sidecar.admin_url("/readyz")).await;
+    let corrupt = logs.contains("the journal is corrupt");
+    eprintln!("J4 figures: {len} byte file cut to {cut}: reported corrupt {corrupt}");
+    if corrupt {
+        assert_eq!(
+            ready.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{}",
+            ready.text()
+        );
+        assert!(ready.text().contains("corrupt"), "{}", ready.text());
+        let r = charge(&sidecar, "j4t-0", 0).await;
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+        assert_eq!(tool.effects().len(), 5, "nothing was executed again");
+        return;
+    }
     assert_eq!(ready.status, StatusCode::OK, "{}", ready.text());
-    let quarantined = logs.contains("the journal is corrupt");
-    let replayed = charge(&sidecar, "j4t-0", 0)
-        .await
-        .header("outrigger-replayed")
-        .is_some();
-    eprintln!(
-        "J4 figures: {len} byte file cut to {cut}: quarantined {quarantined}, first call still journaled {replayed}"
-    );
-    assert!(
-        quarantined || replayed,
+    let replayed = charge(&sidecar, "j4t-0", 0).await;
+    assert_eq!(
+        replayed.header("outrigger-replayed"),
+        Some("true"),
         "the journal neither kept the calls before the cut nor said it was corrupt: {logs}"
     );
     let r = charge(&sidecar, "j4t-new", 9).await;
@@ -1774,6 +1784,204 @@ async fn j4_a_journal_cut_short_is_recovered_or_quarantined_loudly_never_a_panic
         Some("true"),
         "journaled again"
     );
+}
+
+/// Every file under `dir` with its bytes.
+fn snapshot(dir: &std::path::Path) -> std::collections::BTreeMap<std::path::PathBuf, Vec<u8>> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut todo = vec![dir.to_owned()];
+    while let Some(d) = todo.pop() {
+        for entry in std::fs::read_dir(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display())) {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                todo.push(path);
+            } else {
+                let bytes = std::fs::read(&path).unwrap();
+                out.insert(path.strip_prefix(dir).unwrap().to_owned(), bytes);
+            }
+        }
+    }
+    out
+}
+
+/// Damages the first frame of the journal's write-ahead log that names `needle`: a
+/// bad frame with whole frames after it, which no torn write leaves.
+fn damage_wal(journal: &std::path::Path, needle: &str) {
+    let path = journal.join("wal");
+    let mut log = std::fs::read(&path).unwrap();
+    let mut at = 0;
+    while at < log.len() {
+        let len = u32::from_le_bytes(log[at..at + 4].try_into().unwrap()) as usize;
+        let end = at + 8 + len;
+        if log[at..end]
+            .windows(needle.len())
+            .any(|w| w == needle.as_bytes())
+        {
+            assert!(end < log.len(), "the frame naming {needle} is the last");
+            log[at + 8] ^= 0xff;
+            std::fs::write(&path, log).unwrap();
+            return;
+        }
+        at = end;
+    }
+    panic!("no frame of {} names {needle}", path.display());
+}
+
+/// `outrigger journal COMMAND FLAG DIR`: whether it succeeded, its stdout and its
+/// stderr.
+fn journal_cli(command: &str, flag: &str, dir: &std::path::Path) -> (bool, String, String) {
+    let out = std::process::Command::new(outrigger_bin())
+        .args(["journal", command, flag])
+        .arg(dir)
+        .output()
+        .expect("run the cli");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// T13: a journal found corrupt at start-up (a damaged frame of its write-ahead log
+/// with whole frames after it). By default the sidecar leaves it as it is and
+/// refuses tool calls, a completed one included (a fresh journal would run it
+/// again); readiness says why and what to run. The audit reads it up to the damage
+/// and reports the damage, changing no file; `outrigger journal quarantine` moves it
+/// aside, and the next start begins a fresh journal.
+#[tokio::test]
+async fn t13_a_corrupt_journal_fails_closed_until_an_operator_moves_it_aside() {
+    let tool = MockTool::start(ToolBehaviour::default()).await.unwrap();
+    let mut sidecar = tool_sidecar(&tool, "").await;
+    for i in 0..4 {
+        let r = charge(&sidecar, &format!("t13-{i}"), i).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    }
+    sidecar.sigterm();
+    assert!(sidecar.wait_exit(Duration::from_secs(30)).await.success());
+    let data = sidecar.dir.path().join("data");
+    let journal = data.join("journal");
+    damage_wal(&journal, "t13-3");
+    let before = snapshot(&journal);
+
+    sidecar.spawn().await;
+    let ready = get(&sidecar.admin_url("/readyz")).await;
+    assert_eq!(
+        ready.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        ready.text()
+    );
+    assert!(
+        ready.text().contains("corrupt")
+            && ready
+                .text()
+                .contains("outrigger journal quarantine --journal-dir"),
+        "{}",
+        ready.text()
+    );
+    let r = charge(&sidecar, "t13-0", 0).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", r.text());
+    assert_eq!(
+        r.json()["type"],
+        "urn:outrigger:problem:journal-unavailable"
+    );
+    assert_eq!(
+        tool.effects().len(),
+        4,
+        "a completed call was not executed again"
+    );
+    let logs = sidecar.logs();
+    assert!(
+        logs.contains("ERROR") && logs.contains("fail-closed") && !logs.contains("Journal::"),
+        "{logs}"
+    );
+
+    // The audit reads the journal up to the damage and says where it is.
+    let (ok, out, err) = journal_cli("list", "--journal-dir", &journal);
+    assert!(ok, "{err}");
+    assert!(out.contains("payments/t13-0"), "{out}");
+    assert!(err.contains("DAMAGED") && err.contains("frame"), "{err}");
+    let (ok, out, _) = journal_cli("verify", "--journal-dir", &journal);
+    assert!(!ok && out.contains("damaged_wal"), "{out}");
+    assert_eq!(
+        snapshot(&journal),
+        before,
+        "neither the sidecar nor the audit changed a file of the corrupt journal"
+    );
+
+    // Moved aside by hand, the next start begins a fresh journal.
+    let (ok, out, err) = journal_cli("quarantine", "--data-dir", &data);
+    assert!(ok, "{err}");
+    let moved = std::path::PathBuf::from(out.trim().rsplit(" to ").next().unwrap_or_default());
+    assert!(
+        moved
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with("journal.corrupt-")),
+        "{out}"
+    );
+    assert!(!journal.exists());
+    assert_eq!(snapshot(&moved), before, "moved as it was");
+    sidecar.sigterm();
+    assert!(sidecar.wait_exit(Duration::from_secs(30)).await.success());
+    sidecar.spawn().await;
+    let ready = get(&sidecar.admin_url("/readyz")).await;
+    assert_eq!(ready.status, StatusCode::OK, "{}", ready.text());
+
+    // The moved copy stays readable; a journal in use is not moved.
+    let (ok, out, err) = journal_cli("list", "--journal-dir", &moved);
+    assert!(ok && out.contains("payments/t13-0"), "{out}{err}");
+    let (ok, _, err) = journal_cli("quarantine", "--data-dir", &data);
+    assert!(!ok && err.contains("stop the sidecar"), "{err}");
+
+    // What moving it aside costs: a key the old journal knew is new to this one.
+    let r = charge(&sidecar, "t13-0", 0).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(r.header("outrigger-replayed"), None);
+    assert_eq!(tool.effects().len(), 5);
+}
+
+/// T13 with `[journal] on_corrupt = "quarantine"`: the corrupt journal is moved aside
+/// at start-up and a fresh one serves at once; a key the old one knew executes again
+/// (the documented cost of choosing availability).
+#[tokio::test]
+async fn t13_with_on_corrupt_quarantine_a_corrupt_journal_is_moved_aside_and_a_fresh_one_serves() {
+    let tool = MockTool::start(ToolBehaviour::default()).await.unwrap();
+    let config = format!(
+        "[[tools]]\nname = \"payments\"\nkind = \"http\"\nbase_url = \"{}\"\nclass = \"unsafe\"\ntimeout = \"2s\"\n",
+        tool.url()
+    );
+    let mut sidecar =
+        Sidecar::start(&config, &[("OUTRIGGER_JOURNAL_ON_CORRUPT", "quarantine")]).await;
+    for i in 0..2 {
+        let r = charge(&sidecar, &format!("t13q-{i}"), i).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    }
+    sidecar.sigterm();
+    assert!(sidecar.wait_exit(Duration::from_secs(30)).await.success());
+    let data = sidecar.dir.path().join("data");
+    damage_wal(&data.join("journal"), "t13q-0");
+    sidecar.spawn().await;
+    let ready = get(&sidecar.admin_url("/readyz")).await;
+    assert_eq!(ready.status, StatusCode::OK, "{}", ready.text());
+    let moved: Vec<_> = std::fs::read_dir(&data)
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with("journal.corrupt-")
+        })
+        .collect();
+    assert_eq!(moved.len(), 1, "moved aside once");
+    assert!(
+        sidecar.logs().contains("journal quarantined"),
+        "{}",
+        sidecar.logs()
+    );
+    let r = charge(&sidecar, "t13q-0", 0).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(r.header("outrigger-replayed"), None, "executed again");
+    assert_eq!(tool.effects().len(), 3);
 }
 
 // ---------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
-//! `outrigger journal list|show|export|verify|timeline`: the offline audit.
+//! `outrigger journal list|show|export|verify|timeline`: the offline audit, and
+//! `outrigger journal quarantine`.
 //!
-//! With the sidecar stopped it opens the journal directly (read only in effect: it
-//! writes nothing). While the sidecar runs, sled's lock keeps the directory to the
-//! sidecar, so the command reads through the admin API instead — and says which it
-//! used, on stderr, every time.
+//! When no process holds the journal it reads it directly, from a private copy, so
+//! it never changes the directory (see `outrigger_journal::Audit`). While the
+//! sidecar runs, sled's lock keeps the directory to the sidecar, so the command
+//! reads through the admin API instead — and says which it used, on stderr, every
+//! time. `quarantine` is the one command that changes something: it moves a journal
+//! directory aside, so that the sidecar starts a fresh one.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -27,11 +30,30 @@ enum Source {
     Admin { base: String, token: Option<String> },
 }
 
+/// Which journal directory.
 #[derive(clap::Args, Debug, Clone)]
-pub struct Common {
+pub struct Location {
     /// The data directory (the config's `[journal] dir`; the journal is in `<dir>/journal`).
     #[arg(long, default_value = "./outrigger-data")]
     pub data_dir: PathBuf,
+    /// A journal directory itself, in place of `<data-dir>/journal`: one moved aside
+    /// (`<data-dir>/journal.corrupt-<unix seconds>`), or a backup.
+    #[arg(long, conflicts_with = "data_dir")]
+    pub journal_dir: Option<PathBuf>,
+}
+
+impl Location {
+    fn journal(&self) -> PathBuf {
+        self.journal_dir
+            .clone()
+            .unwrap_or_else(|| self.data_dir.join("journal"))
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct Common {
+    #[command(flatten)]
+    pub location: Location,
     /// The admin plane to use when the sidecar holds the journal.
     #[arg(long, default_value = "http://127.0.0.1:7071")]
     pub admin: String,
@@ -113,6 +135,12 @@ pub enum Command {
         #[command(flatten)]
         common: Common,
     },
+    /// Move a journal aside (to `<dir>.corrupt-<unix seconds>`) so that the sidecar
+    /// starts a fresh one at its next start; refused while a process holds it.
+    Quarantine {
+        #[command(flatten)]
+        location: Location,
+    },
 }
 
 pub fn run(cmd: Command) -> ExitCode {
@@ -126,13 +154,22 @@ pub fn run(cmd: Command) -> ExitCode {
 }
 
 fn open(common: &Common) -> anyhow::Result<Source> {
-    let dir = common.data_dir.join("journal");
+    let dir = common.location.journal();
     match Journal::open_for_audit(&dir) {
         Ok(audit) => {
             eprintln!(
-                "(reading the journal directly from {}: the sidecar is not running)",
+                "(reading the journal directly from {}: no sidecar holds it; a copy is read, \
+                 the directory is not changed)",
                 dir.display()
             );
+            if let Some(damage) = audit.damage() {
+                eprintln!(
+                    "(DAMAGED: {damage}. The sidecar refuses to open this journal; once it \
+                     is reviewed, `outrigger journal quarantine --journal-dir {}` moves it \
+                     aside)",
+                    dir.display()
+                );
+            }
             Ok(Source::Direct(audit))
         }
         Err(outrigger_journal::Error::Locked { .. }) => {
@@ -151,12 +188,43 @@ fn open(common: &Common) -> anyhow::Result<Source> {
                     .filter(|t| !t.is_empty()),
             })
         }
+        Err(outrigger_journal::Error::Corrupt { dir, detail }) => bail!(
+            "the journal in {} cannot be read: sled cannot open it ({detail}). The directory \
+             was not changed; keep it for analysis. `outrigger journal quarantine \
+             --journal-dir {}` moves it aside so that the sidecar starts a fresh journal",
+            dir.display(),
+            dir.display()
+        ),
         Err(e) => Err(e).with_context(|| format!("cannot open the journal in {}", dir.display())),
     }
 }
 
+/// `outrigger journal quarantine`.
+fn quarantine(location: &Location) -> anyhow::Result<ExitCode> {
+    let dir = location.journal();
+    let moved = match Journal::quarantine(&dir) {
+        Ok(moved) => moved,
+        Err(outrigger_journal::Error::Locked { .. }) => bail!(
+            "a process holds the journal in {} (is the sidecar running with it?): a journal \
+             in use is not moved; stop the sidecar first",
+            dir.display()
+        ),
+        Err(e) => return Err(e).with_context(|| format!("cannot move {} aside", dir.display())),
+    };
+    println!("moved {} to {}", dir.display(), moved.display());
+    eprintln!(
+        "The sidecar starts a fresh journal at its next start. Every call the old one knew \
+         is unknown to it: an agent's retry of one executes again. Review them with \
+         `outrigger journal list --journal-dir {0}` and `outrigger journal verify \
+         --journal-dir {0}`.",
+        moved.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
 fn dispatch(cmd: Command) -> anyhow::Result<ExitCode> {
     match cmd {
+        Command::Quarantine { location } => quarantine(&location),
         Command::List {
             common,
             filters,
@@ -232,7 +300,13 @@ fn dispatch(cmd: Command) -> anyhow::Result<ExitCode> {
             let report: Value = match open(&common)? {
                 Source::Direct(a) => {
                     let r = a.verify()?;
-                    serde_json::json!({"clean": r.is_clean(), "entries": r.entries, "records": r.records, "problems": r.problems})
+                    let mut problems = serde_json::to_value(&r.problems)?;
+                    // What was read stops at the damage, so the chain is checked as far
+                    // as it goes; the damage is a finding of its own.
+                    if let (Some(damage), Some(list)) = (a.damage(), problems.as_array_mut()) {
+                        list.push(serde_json::json!({"damaged_wal": damage.to_string()}));
+                    }
+                    serde_json::json!({"entries": r.entries, "records": r.records, "problems": problems})
                 }
                 Source::Admin { base, token } => {
                     admin_json(&base, "/v1/journal?view=verify", token.as_deref())?

@@ -43,6 +43,8 @@ pub struct Config {
     pub admin_token: Option<Secret>,
     pub data_dir: PathBuf,
     pub journal: outrigger_journal::Options,
+    /// `[journal] on_corrupt`.
+    pub on_corrupt: OnCorrupt,
     pub proxy: popts::Options,
     pub policies: outrigger_policy::Options,
     pub gpu: outrigger_gpu::Options,
@@ -55,6 +57,19 @@ pub struct Config {
     pub faults: Vec<outrigger_proxy::faults::Fault>,
     /// Where the configuration came from, for the startup log.
     pub source: String,
+}
+
+/// What the sidecar does with a journal found corrupt at start-up (`[journal]
+/// on_corrupt`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnCorrupt {
+    /// Leave it as it is and refuse side-effecting tool calls until an operator has
+    /// reviewed it and moved it aside (durability.md §8.2.5: no silent re-execution).
+    #[default]
+    FailClosed,
+    /// Move it aside and start a fresh journal: the sidecar stays available, and a
+    /// retried call the lost journal knew executes again.
+    Quarantine,
 }
 
 /// `[telemetry]`, validated.
@@ -476,6 +491,17 @@ fn validate(
             .unwrap_or_else(|| "./outrigger-data".into()),
     );
     let journal = journal_options(&raw.journal, &data_dir, p);
+    let on_corrupt = match raw.journal.on_corrupt.as_deref() {
+        None | Some("fail-closed") => OnCorrupt::FailClosed,
+        Some("quarantine") => OnCorrupt::Quarantine,
+        Some(other) => {
+            p.add(
+                "journal.on_corrupt",
+                format!("{other:?} is not a choice; use \"fail-closed\" or \"quarantine\""),
+            );
+            OnCorrupt::FailClosed
+        }
+    };
 
     let limits = Limits {
         max_body_bytes: raw.limits.max_body_bytes.unwrap_or(8 << 20),
@@ -624,6 +650,7 @@ fn validate(
         admin_token,
         data_dir,
         journal,
+        on_corrupt,
         proxy,
         policies,
         gpu,

@@ -15,7 +15,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::admin::{Admin, Readiness};
-use crate::config::Config;
+use crate::config::{Config, OnCorrupt};
 
 pub struct ServeArgs {
     /// Written (as JSON with the bound addresses) once the sidecar is ready; lets
@@ -82,7 +82,7 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
         );
     }
 
-    let journal = open_journal(&config.journal, &readiness);
+    let journal = open_journal(&config.journal, config.on_corrupt, &readiness).await;
 
     let policy_options = config.policies.clone();
     let registry = tokio::task::spawn_blocking(move || crate::policies::start(policy_options))
@@ -340,23 +340,75 @@ fn follow_gpu(
     });
 }
 
+/// How long a start-up waits for a journal another process holds (an `outrigger
+/// journal` command taking its lock for a moment, or a previous sidecar still
+/// exiting) before it goes on without one.
+const LOCKED_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+const LOCKED_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Calls `attempt` again while it answers `Locked`, for up to `wait`.
+async fn retry_locked<T>(
+    wait: std::time::Duration,
+    pause: std::time::Duration,
+    mut attempt: impl FnMut() -> Result<T, outrigger_journal::Error>,
+) -> Result<T, outrigger_journal::Error> {
+    let started = std::time::Instant::now();
+    let mut warned = false;
+    loop {
+        match attempt() {
+            Err(outrigger_journal::Error::Locked { dir }) if started.elapsed() < wait => {
+                if !warned {
+                    tracing::warn!(dir = %dir.display(),
+                        "the journal is locked by another process (an `outrigger journal` command, \
+                         or a sidecar still exiting): trying again for up to {wait:?}");
+                    warned = true;
+                }
+                tokio::time::sleep(pause).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Opens the journal and starts its writer and its retention sweeper. A journal that
 /// cannot be opened leaves the sidecar running without one: readiness says so, and
 /// every side-effecting call is refused (fail closed) rather than run unjournaled.
-fn open_journal(
+///
+/// A corrupt journal is left as it is (`[journal] on_corrupt = "fail-closed"`): a
+/// fresh one would not know the calls it holds, completed ones included, and would
+/// execute an agent's retry of one again (durability.md §8.2.5, crash row T13). An
+/// operator reviews it and moves it aside (`outrigger journal quarantine`).
+async fn open_journal(
     options: &outrigger_journal::Options,
+    on_corrupt: OnCorrupt,
     readiness: &Arc<Readiness>,
 ) -> Option<outrigger_journal::Journal> {
     use outrigger_journal::{Error, Journal};
-    let opened = match Journal::open(options.clone()) {
+    let open = || Journal::open(options.clone());
+    let opened = match retry_locked(LOCKED_WAIT, LOCKED_PAUSE, open).await {
+        Err(e @ Error::Corrupt { .. }) if on_corrupt == OnCorrupt::FailClosed => {
+            tracing::error!(error = %e,
+                "the journal is corrupt: it is left as it is, and side-effecting tool calls are \
+                 refused until an operator acts ([journal] on_corrupt = \"fail-closed\")");
+            if let Ok(mut problem) = readiness.journal_problem.lock() {
+                *problem = Some(format!(
+                    "corrupt; side-effecting tool calls are refused. {e}"
+                ));
+            }
+            return None;
+        }
         Err(Error::Corrupt { dir, detail }) => {
             tracing::error!(dir = %dir.display(), %detail,
-                "the journal is corrupt: moving it aside and starting a fresh one; \
-                 calls that were in flight must be reviewed in the quarantined copy");
-            match Journal::quarantine(&dir) {
+                "the journal is corrupt: moving it aside and starting a fresh one \
+                 ([journal] on_corrupt = \"quarantine\"); every call it knew is unknown to \
+                 the new journal, so an agent's retry of one executes again");
+            match retry_locked(LOCKED_WAIT, LOCKED_PAUSE, || Journal::quarantine(&dir)).await {
                 Ok(moved) => {
-                    tracing::error!(quarantined = %moved.display(), "journal quarantined");
-                    Journal::open(options.clone())
+                    tracing::error!(quarantined = %moved.display(),
+                        "journal quarantined: review the calls it knew with `outrigger journal \
+                         list --journal-dir {0}` and `outrigger journal verify --journal-dir {0}`",
+                        moved.display());
+                    retry_locked(LOCKED_WAIT, LOCKED_PAUSE, open).await
                 }
                 Err(e) => Err(e),
             }
@@ -489,5 +541,57 @@ async fn shutdown_signal() -> &'static str {
             std::future::pending::<()>().await;
             "none"
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use outrigger_journal::Error;
+
+    use super::retry_locked;
+
+    fn locked() -> Error {
+        Error::Locked {
+            dir: PathBuf::from("j"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_locked_journal_is_tried_again_for_a_bounded_time() {
+        let mut calls = 0;
+        let opened = retry_locked(Duration::from_secs(5), Duration::from_millis(1), || {
+            calls += 1;
+            if calls < 3 { Err(locked()) } else { Ok(calls) }
+        })
+        .await;
+        assert_eq!(opened.ok(), Some(3), "opened once the lock was let go");
+
+        let mut calls = 0;
+        let started = std::time::Instant::now();
+        let opened: Result<(), Error> =
+            retry_locked(Duration::from_millis(50), Duration::from_millis(5), || {
+                calls += 1;
+                Err(locked())
+            })
+            .await;
+        assert!(matches!(opened, Err(Error::Locked { .. })));
+        assert!(calls > 1, "tried again");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "and then gave up"
+        );
+
+        let mut calls = 0;
+        let opened: Result<(), Error> =
+            retry_locked(Duration::from_secs(5), Duration::from_millis(1), || {
+                calls += 1;
+                Err(Error::Storage("disk".into()))
+            })
+            .await;
+        assert!(matches!(opened, Err(Error::Storage(_))));
+        assert_eq!(calls, 1, "only a lock is waited for");
     }
 }

@@ -31,6 +31,8 @@ pub struct Readiness {
     pub draining: AtomicBool,
     /// Set while the journal is open and its writer runs.
     pub journal: AtomicBool,
+    /// Why the journal is not open, when that needs an operator (it is corrupt).
+    pub journal_problem: std::sync::Mutex<Option<String>>,
     /// Set while every policy binding has a version serving it.
     pub policies: AtomicBool,
     /// Why the GPUs make this node not ready, if they do (`None`: ready).
@@ -48,7 +50,11 @@ impl Readiness {
             reasons.push("draining: shutting down".to_string());
         }
         if !self.journal.load(Ordering::Acquire) {
-            reasons.push("journal: not writable (see the log)".to_string());
+            let problem = self.journal_problem.lock().ok().and_then(|p| p.clone());
+            reasons.push(match problem {
+                Some(why) => format!("journal: {why}"),
+                None => "journal: not writable (see the log)".to_string(),
+            });
         }
         if !self.policies.load(Ordering::Acquire) {
             reasons.push(
@@ -353,6 +359,19 @@ mod tests {
         assert_eq!(r.check(), (true, vec![]));
         r.draining.store(true, Ordering::Release);
         assert!(!r.check().0);
+
+        let r = Readiness::default();
+        r.started.store(true, Ordering::Release);
+        r.policies.store(true, Ordering::Release);
+        assert_eq!(
+            r.check(),
+            (
+                false,
+                vec!["journal: not writable (see the log)".to_string()]
+            )
+        );
+        *r.journal_problem.lock().unwrap() = Some("corrupt (…)".to_string());
+        assert_eq!(r.check(), (false, vec!["journal: corrupt (…)".to_string()]));
     }
 
     #[test]

@@ -161,6 +161,9 @@ pub struct Journal {
     pub stream_retention: Option<String>,
     /// sled's page cache in bytes.
     pub cache_bytes: Option<u64>,
+    /// What the sidecar does with a journal found corrupt at start-up:
+    /// "fail-closed" (default) or "quarantine".
+    pub on_corrupt: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

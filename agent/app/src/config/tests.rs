@@ -53,6 +53,21 @@ fn the_task_cap_from_the_file_or_the_environment() {
 }
 
 #[test]
+fn a_corrupt_journal_fails_closed_unless_quarantine_is_chosen() {
+    assert_eq!(load(None, &[]).unwrap().on_corrupt, OnCorrupt::FailClosed);
+    let c = load_str("[journal]\non_corrupt = \"quarantine\"\n", &[]).unwrap();
+    assert_eq!(c.on_corrupt, OnCorrupt::Quarantine);
+    let c = load(
+        None,
+        &env(&[("OUTRIGGER_JOURNAL_ON_CORRUPT", "fail-closed")]),
+    )
+    .unwrap();
+    assert_eq!(c.on_corrupt, OnCorrupt::FailClosed);
+    let err = load_str("[journal]\non_corrupt = \"ignore\"\n", &[]).unwrap_err();
+    assert_eq!(paths(&err), ["journal.on_corrupt"]);
+}
+
+#[test]
 fn data_plane_workers_from_the_file_or_the_environment() {
     let c = load_str("[listen]\nworkers = 3\n", &[]).unwrap();
     assert_eq!(c.workers, 3);
