@@ -458,10 +458,7 @@ async fn sighup_reloads_the_policies() {
         variant(outrigger_builtins::BUDGET, "b"),
     )
     .unwrap();
-    std::process::Command::new("kill")
-        .args(["-HUP", &sidecar.pid().to_string()])
-        .status()
-        .unwrap();
+    sidecar.sighup();
     let mut changed = false;
     for _ in 0..100 {
         if version().await != before {

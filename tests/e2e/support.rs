@@ -14,6 +14,7 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use rustix::process::{Pid, Signal, kill_process};
 
 /// Path of the `outrigger` binary: `OUTRIGGER_BIN`, or built once with cargo.
 pub fn outrigger_bin() -> &'static Path {
@@ -178,11 +179,17 @@ impl Sidecar {
 
     /// Sends SIGTERM (graceful drain).
     pub fn sigterm(&self) {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.pid().to_string()])
-            .status()
-            .expect("kill runs");
-        assert!(status.success());
+        self.signal(Signal::TERM);
+    }
+
+    /// Sends SIGHUP (reload the policies).
+    pub fn sighup(&self) {
+        self.signal(Signal::HUP);
+    }
+
+    fn signal(&self, signal: Signal) {
+        let child = self.child.as_ref().expect("running");
+        kill_process(Pid::from_child(child), signal).expect("the signal is sent");
     }
 
     /// SIGKILL, and reap.

@@ -5,6 +5,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use rustix::process::{Pid, Signal, kill_process};
 
 /// The repository root (xtask lives one level below it).
 pub fn root() -> PathBuf {
@@ -119,9 +120,7 @@ impl Proc {
     }
 
     pub fn terminate(&mut self, grace: Duration) {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        let _ = kill_process(Pid::from_child(&self.child), Signal::TERM);
         let deadline = Instant::now() + grace;
         while Instant::now() < deadline {
             if let Ok(Some(_)) = self.child.try_wait() {
