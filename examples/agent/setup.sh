@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Creates .venv here with the pinned OpenAI SDK (idempotent; fast when done).
+# Creates .venv here with the OpenAI SDK and everything it depends on, at the exact
+# versions and hashes requirements.txt locks (idempotent; fast when done).
+# requirements.in names the one direct dependency; requirements.txt says how to
+# regenerate the lock from it.
 set -euo pipefail
 cd "$(dirname "$0")"
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import openai" 2>/dev/null \
    || [ requirements.txt -nt .venv/.installed ]; then
   python3 -m venv .venv
-  .venv/bin/pip install --quiet --disable-pip-version-check -r requirements.txt
+  .venv/bin/pip install --quiet --disable-pip-version-check --require-hashes --no-deps \
+    -r requirements.txt
   touch .venv/.installed
 fi
 echo "$(pwd)/.venv/bin/python"

@@ -58,13 +58,14 @@ build_js() {
 
 build_rust() {
     # A build of its own, in its own target directory beside the workspace's, with
-    # the host's compiler flags and wrappers cleared: they are not meant for wasm.
+    # the host's compiler flags and wrappers cleared: they are not meant for wasm;
+    # --locked: the versions its committed Cargo.lock pins, or a failure.
     local target_dir="${CARGO_TARGET_DIR:-$repo/target}/example-policies-rust"
     (
         cd "$here/rust"
         unset RUSTFLAGS CARGO_ENCODED_RUSTFLAGS CARGO_BUILD_RUSTFLAGS RUSTC_WRAPPER \
             RUSTC_WORKSPACE_WRAPPER CARGO_BUILD_RUSTC_WRAPPER CARGO_BUILD_TARGET
-        CARGO_TARGET_DIR="$target_dir" cargo build --target wasm32-wasip2 --release
+        CARGO_TARGET_DIR="$target_dir" cargo build --target wasm32-wasip2 --release --locked
     )
     local built="$target_dir/wasm32-wasip2/release/deadline_retry.wasm"
     if cmp -s "$built" "$out/deadline_retry.wasm"; then
