@@ -600,11 +600,7 @@ fn journaled(sidecar: &Measured) -> Measured {
 /// host's benchmark on them and on the built-ins.
 fn policies() -> anyhow::Result<()> {
     let out = procs::target_dir().join("example-policies");
-    procs::run(
-        Command::new("bash")
-            .arg(procs::root().join("examples/policies/build-all.sh"))
-            .arg(&out),
-    )?;
+    crate::prereq::ensure()?.build_policies(&out)?;
     procs::run(
         procs::cargo()
             .args([

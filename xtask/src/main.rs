@@ -11,6 +11,7 @@ mod bench;
 mod client;
 mod demo;
 mod gpu;
+mod prereq;
 mod procs;
 mod soak;
 mod test;

@@ -3,6 +3,7 @@
 
 use std::process::Command;
 
+use crate::prereq;
 use crate::procs::run as exec;
 use crate::procs::{self, cargo};
 
@@ -26,17 +27,13 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         ]))?;
     }
 
-    step("prerequisites of the examples (python3 with venv, node and npm)");
-    prerequisites()?;
+    step("prerequisites of the examples (python3 with venv, Node.js 20 and npm)");
+    let env = prereq::ensure()?;
     step("the example agent's Python environment (examples/agent/setup.sh)");
     exec(Command::new("bash").arg(procs::root().join("examples/agent/setup.sh")))?;
     step("the example policies in Python, JavaScript and Rust (examples/policies/build-all.sh)");
     let examples = procs::target_dir().join("example-policies");
-    exec(
-        Command::new("bash")
-            .arg(procs::root().join("examples/policies/build-all.sh"))
-            .arg(&examples),
-    )?;
+    env.build_policies(&examples)?;
 
     step("building the binaries the end-to-end tests run");
     let bins = procs::build_bins("debug", &["outrigger", "outrigger-testing"])?;
@@ -72,75 +69,6 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     exec(cargo().args(["xtask", "demo", "--once"]))?;
 
     step("all checks passed");
-    Ok(())
-}
-
-/// The examples need python3 (with venv), node and npm. On a Debian-like machine
-/// where they are missing and apt-get may run (root, or sudo without a password),
-/// they are installed; anywhere else the step fails saying what to install.
-fn prerequisites() -> anyhow::Result<()> {
-    let works = |program: &str, args: &[&str]| {
-        Command::new(program)
-            .args(args)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    let missing = || {
-        let mut m = Vec::new();
-        if !works("python3", &["-c", "import venv, ensurepip"]) {
-            m.push("python3-venv");
-        }
-        if !works("node", &["--version"]) {
-            m.push("nodejs");
-        }
-        if !works("npm", &["--version"]) {
-            m.push("npm");
-        }
-        m
-    };
-    let packages = missing();
-    if packages.is_empty() {
-        return Ok(());
-    }
-    let root = works("sh", &["-c", "[ \"$(id -u)\" = 0 ]"]);
-    let sudo = !root && works("sudo", &["-n", "true"]);
-    if !works("apt-get", &["--version"]) || !(root || sudo) {
-        anyhow::bail!(
-            "missing {}: install them (Debian/Ubuntu: apt-get install {}) and run again",
-            packages.join(", "),
-            packages.join(" ")
-        );
-    }
-    let apt = |args: &[&str]| {
-        let mut cmd = if sudo {
-            let mut c = Command::new("sudo");
-            c.arg("-n").arg("apt-get");
-            c
-        } else {
-            Command::new("apt-get")
-        };
-        cmd.args(args).env("DEBIAN_FRONTEND", "noninteractive");
-        exec(&mut cmd)
-    };
-    apt(&["update", "-q"])?;
-    let mut install = vec![
-        "install",
-        "-y",
-        "-q",
-        "--no-install-recommends",
-        "python3",
-        "python3-venv",
-    ];
-    install.extend(packages.iter().filter(|p| **p != "python3-venv"));
-    apt(&install)?;
-    let still = missing();
-    anyhow::ensure!(
-        still.is_empty(),
-        "still missing after apt-get: {}",
-        still.join(", ")
-    );
     Ok(())
 }
 

