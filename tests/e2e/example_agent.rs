@@ -4,7 +4,7 @@
 //! journal.
 //!
 //! Needs the example's virtual environment (`examples/agent/setup.sh`, which
-//! `cargo xtask test` runs). Without it the test says so and passes only when
+//! `./x test` runs). Without it the test says so and passes only when
 //! `OUTRIGGER_REQUIRE_EXAMPLES` is unset; CI sets it.
 
 use std::path::PathBuf;
@@ -22,7 +22,7 @@ fn python() -> Option<PathBuf> {
     }
     assert!(
         std::env::var_os("OUTRIGGER_REQUIRE_EXAMPLES").is_none(),
-        "examples/agent/.venv is missing: run examples/agent/setup.sh (cargo xtask test does)"
+        "examples/agent/.venv is missing: run examples/agent/setup.sh (./x test does)"
     );
     eprintln!("skipping the example agent: run examples/agent/setup.sh to set it up");
     None

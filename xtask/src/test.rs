@@ -1,5 +1,5 @@
-//! `cargo xtask test`: everything CI runs, in order, failing on the first failure.
-//! `.ci/run` calls exactly this.
+//! `cargo xtask test` (the README's `./x test`): everything CI runs, in order, failing
+//! on the first failure. `.ci/run` calls exactly this, through `./x`.
 
 use std::process::Command;
 
@@ -66,7 +66,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     }
 
     step("the README's first command (demo, once)");
-    exec(cargo().args(["xtask", "demo", "--once"]))?;
+    exec(Command::new(procs::root().join("x")).args(["demo", "--once"]))?;
 
     step("all checks passed");
     Ok(())
