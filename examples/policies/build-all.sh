@@ -13,9 +13,10 @@
 # only when its bytes changed. The three build side by side; each one's output goes
 # to OUT_DIR/logs/<name>.log and is shown when it fails.
 #
-# Needs python3, node/npm and the repository's Rust toolchain (rust-toolchain.toml
-# names the wasm32-wasip2 target); the Python and JavaScript toolchains are
-# installed from PyPI and npm on first use (see each folder's build.sh).
+# Needs python3, Node.js 20.19 or newer (on 22, 22.12 or newer) with npm, and the
+# repository's Rust toolchain (rust-toolchain.toml names the wasm32-wasip2 target);
+# the Python and JavaScript toolchains are installed from PyPI and npm on first use
+# (see each folder's build.sh).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

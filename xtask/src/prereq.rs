@@ -156,6 +156,7 @@ fn node_from_npm(cache: &Path) -> anyhow::Result<PathBuf> {
                 "--save-exact",
                 "--no-audit",
                 "--no-fund",
+                "--no-update-notifier",
                 "--loglevel=error",
                 &format!("{package}@{NODE_FROM_NPM}"),
                 &format!("npm@{NPM_FROM_NPM}"),
