@@ -551,6 +551,7 @@ impl Registry {
                 found,
             });
         }
+        loaded.warm_up().map_err(Error::SmokeTest)?;
         smoke_test(&loaded, hook, self.inner.max_retry_delay).map_err(Error::SmokeTest)?;
         Ok(Version {
             loaded,

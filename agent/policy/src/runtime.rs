@@ -35,6 +35,11 @@ const IDLE_TICKS: u32 = 100;
 /// How often a parked ticker looks whether its runtime is gone.
 const PARKED_RECHECK: Duration = Duration::from_secs(1);
 
+/// The least time the first instance of a component gets to instantiate, when it is
+/// loaded: a loaded machine must not refuse a component whose start-up is slower than
+/// one decision's deadline (a Python one copies tens of MB of initialised memory).
+pub const LOAD_INSTANTIATE_DEADLINE: Duration = Duration::from_secs(1);
+
 /// The longest log line a policy may write; the rest is cut.
 const MAX_LOG_LINE: usize = 1_000;
 
@@ -96,7 +101,8 @@ impl std::fmt::Display for Hook {
 pub struct RuntimeOptions {
     /// Where compiled components are cached; `None` compiles on every load.
     pub cache_dir: Option<PathBuf>,
-    /// Wall-clock budget of one decision (and of one instantiation).
+    /// Wall-clock budget of one decision (and of an instantiation on a call's path;
+    /// the first, at load, gets at least [`LOAD_INSTANTIATE_DEADLINE`]).
     pub deadline: Duration,
     /// Linear memory one instance may use, over all its memories.
     pub memory_limit_bytes: usize,
@@ -791,7 +797,7 @@ impl Loaded {
             .pop();
         let mut warm = match taken {
             Some(warm) => warm,
-            None => self.instantiate()?,
+            None => self.instantiate(inner.runtime.inner.options.deadline)?,
         };
         let options = &inner.runtime.inner.options;
         warm.store.data_mut().begin_call(options.seed, ids);
@@ -819,12 +825,29 @@ impl Loaded {
                 }
                 Ok(value)
             }
-            Ok(Err(error)) => Err(classify(&warm.store, &error, options)),
+            Ok(Err(error)) => Err(classify(&warm.store, &error, options, options.deadline)),
             Err(fault) => Err(fault),
         }
     }
 
-    fn instantiate(&self) -> Result<Warm, Fault> {
+    /// Makes the first instance, under [`LOAD_INSTANTIATE_DEADLINE`] or the
+    /// deadline if longer, and keeps it warm for the next call. Instances made later,
+    /// on a call's path, get the call's deadline.
+    pub fn warm_up(&self) -> Result<(), Fault> {
+        let deadline = self.inner.runtime.inner.options.deadline;
+        let warm = self.instantiate(deadline.max(LOAD_INSTANTIATE_DEADLINE))?;
+        let mut pool = self
+            .inner
+            .warm
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if pool.len() < self.inner.runtime.inner.options.warm_instances {
+            pool.push(warm);
+        }
+        Ok(())
+    }
+
+    fn instantiate(&self, deadline: Duration) -> Result<Warm, Fault> {
         let inner = &self.inner;
         let options = &inner.runtime.inner.options;
         let mut store = Store::new(
@@ -837,15 +860,13 @@ impl Loaded {
             ),
         );
         store.limiter(|state| &mut state.limiter);
-        store.set_epoch_deadline(deadline_ticks(options.deadline));
-        let instance =
-            inner
-                .pre
-                .instantiate(&mut store)
-                .map_err(|e| match classify(&store, &e, options) {
-                    Fault::Trap(message) => Fault::Instantiate(message),
-                    other => other,
-                })?;
+        store.set_epoch_deadline(deadline_ticks(deadline));
+        let instance = inner.pre.instantiate(&mut store).map_err(|e| {
+            match classify(&store, &e, options, deadline) {
+                Fault::Trap(message) => Fault::Instantiate(message),
+                other => other,
+            }
+        })?;
         let load = |e: wasmtime::Error| Fault::Instantiate(format!("{e:#}"));
         let retry = match &inner.indices.retry {
             Some(ix) => Some(ix.load(&mut store, &instance).map_err(load)?),
@@ -875,12 +896,17 @@ fn deadline_ticks(deadline: Duration) -> u64 {
         .max(1)
 }
 
-fn classify(store: &Store<State>, error: &wasmtime::Error, options: &RuntimeOptions) -> Fault {
+fn classify(
+    store: &Store<State>,
+    error: &wasmtime::Error,
+    options: &RuntimeOptions,
+    deadline: Duration,
+) -> Fault {
     if store.data().limiter.exceeded {
         return Fault::MemoryLimit(options.memory_limit_bytes);
     }
     if error.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) {
-        return Fault::Timeout(options.deadline);
+        return Fault::Timeout(deadline);
     }
     Fault::Trap(format!("{error:#}"))
 }
