@@ -167,8 +167,9 @@ impl VerifyReport {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "problem", rename_all = "snake_case")]
 pub enum Problem {
-    /// The entry's contents no longer match its own hash (or it cannot be read);
-    /// `keys` are the keys it names.
+    /// The entry's contents no longer match its own hash (or it cannot be read), or,
+    /// for the newest entry, the hash the chain's head recorded for it; `keys` are the
+    /// keys it names.
     EditedEntry { seq: u64, keys: Vec<String> },
     /// The entry does not link to the hash of the entry before it.
     BrokenLink { seq: u64, keys: Vec<String> },
@@ -206,6 +207,9 @@ pub(crate) fn verify(
     let mut latest: HashMap<String, Latest> = HashMap::new();
     let mut prev_hash = Hash::default();
     let mut expected = 1u64;
+    // The last entry whose contents match its own hash, and its keys: the head must
+    // name that hash too.
+    let mut last_intact: Option<(u64, Vec<String>)> = None;
     for item in log {
         let (seq, bytes) = item?;
         report.entries += 1;
@@ -216,6 +220,7 @@ pub(crate) fn verify(
             });
             expected = seq + 1;
             prev_hash = Hash::default();
+            last_intact = None;
             continue;
         };
         let gap = seq != expected;
@@ -231,11 +236,15 @@ pub(crate) fn verify(
                 seq,
                 keys: entry.keys(),
             });
-        } else if !gap && entry.prev != hex::encode(prev_hash) {
-            report.problems.push(Problem::BrokenLink {
-                seq,
-                keys: entry.keys(),
-            });
+            last_intact = None;
+        } else {
+            if !gap && entry.prev != hex::encode(prev_hash) {
+                report.problems.push(Problem::BrokenLink {
+                    seq,
+                    keys: entry.keys(),
+                });
+            }
+            last_intact = Some((seq, entry.keys()));
         }
         prev_hash = hex::decode(&entry.hash)
             .ok()
@@ -260,6 +269,14 @@ pub(crate) fn verify(
                 head: head.seq,
                 last,
             });
+        }
+        // The newest entry has no successor whose link would break if it were edited
+        // and hashed again: the head's hash is what vouches for it.
+        if let Some((seq, keys)) = last_intact
+            && seq == head.seq
+            && prev_hash != head.hash
+        {
+            report.problems.push(Problem::EditedEntry { seq, keys });
         }
     }
     let mut seen = std::collections::HashSet::new();
@@ -420,6 +437,25 @@ mod tests {
                 .problems
                 .contains(&Problem::TruncatedLog { head: 6, last: 5 }),
             "{report:?}"
+        );
+
+        // The newest entry and its record edited consistently, the entry hashed
+        // again: no later link breaks, but the head names the old hash.
+        let mut edited = log.clone();
+        let mut recs = records.clone();
+        recs[5].1 = b"record 5, edited".to_vec();
+        let mut entry: LogEntry =
+            serde_json::from_slice(&edited[5].1).map_err(|e| Error::Storage(e.to_string()))?;
+        entry.changes[0].digest = hex::encode(sha256(&recs[5].1));
+        entry.hash = entry.compute_hash().map(hex::encode).unwrap_or_default();
+        edited[5].1 = serde_json::to_vec(&entry).map_err(|e| Error::Storage(e.to_string()))?;
+        let report = check(&edited, &recs, head)?;
+        assert_eq!(
+            report.problems,
+            [Problem::EditedEntry {
+                seq: 6,
+                keys: vec!["k5".to_owned()]
+            }]
         );
 
         // An edited record and a deleted record.
