@@ -83,20 +83,17 @@ impl Reader {
         Ok(records.len())
     }
 
+    /// The hash-chain check. It reads while the writer goes on writing, and no
+    /// write waits for it: the chain is checked up to the head read first, and a
+    /// record that changed since is checked against the entries written since (see
+    /// [`chain::verify`]), so a busy journal is not reported as tampered with.
     pub(crate) fn verify(&self) -> Result<VerifyReport, Error> {
         let head = self
             .store
             .get(keys::HEAD)?
             .map(|bytes| Head::decode(&bytes))
             .transpose()?;
-        let log = self.store.scan_prefix(keys::LOG).map(|entry| {
-            let (key, bytes) = entry?;
-            let seq = keys::log_seq(&key).ok_or_else(|| Error::Decode {
-                what: "a log key".to_owned(),
-                detail: format!("{} bytes, expected 10", key.len()),
-            })?;
-            Ok((seq, bytes))
-        });
+        let log = log_from(&self.store, 1);
         // A record whose bytes cannot be read is reported as missing.
         let records = slots::scan(&self.store)?.filter_map(|entry| match entry {
             Ok((key, Ok(bytes))) => Some(Ok((key, bytes))),
@@ -106,7 +103,9 @@ impl Reader {
             }
             Ok((_, Err(e))) | Err(e) => Some(Err(e)),
         });
-        chain::verify(log, records, head)
+        chain::verify(log, records, head, |after| {
+            log_from(&self.store, after.saturating_add(1))
+        })
     }
 
     /// Log entries from `from_seq` on, at most `limit` (for archiving the chain or
@@ -336,6 +335,23 @@ fn copy_dir(from: &Path, to: &Path) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+/// The log's entries from `seq` on, read lazily.
+fn log_from(store: &Store, seq: u64) -> chain::Entries<'static> {
+    Box::new(
+        store
+            .range_from(&keys::log(seq))
+            .take_while(|e| e.as_ref().map_or(true, |(k, _)| k.starts_with(keys::LOG)))
+            .map(|entry| {
+                let (key, bytes) = entry?;
+                let seq = keys::log_seq(&key).ok_or_else(|| Error::Decode {
+                    what: "a log key".to_owned(),
+                    detail: format!("{} bytes, expected 10", key.len()),
+                })?;
+                Ok((seq, bytes))
+            }),
+    )
 }
 
 /// The highest sequence number stored for an attempt, if any event is.

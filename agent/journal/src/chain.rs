@@ -186,18 +186,32 @@ pub enum Problem {
     UnloggedRecord { key: String },
 }
 
+/// A key's change in the log.
 struct Latest {
     seq: u64,
     kind: String,
     digest: String,
 }
 
-/// Checks the chain. `log` yields `(seq from the storage key, stored bytes)` in order;
-/// `records` yields `(key, stored bytes)`; `head` is the head the writer recorded.
-pub(crate) fn verify(
+/// Log entries as `(seq from the storage key, stored bytes)`, in order.
+pub(crate) type Entries<'a> = Box<dyn Iterator<Item = Result<(u64, Vec<u8>), Error>> + 'a>;
+
+/// Checks the chain. `log` yields the stored entries in order; `records` yields
+/// `(key, stored bytes)`; `head` is the head the writer recorded, read before either.
+///
+/// A running journal goes on writing while this reads, so what it reads is no
+/// snapshot: records are read after the log and may be newer than it. The chain is
+/// checked up to `head` (entries past it are not walked), and a record that its
+/// latest entry up to `head` does not vouch for, or that is gone, is looked up in
+/// the entries written since: `later(head.seq)`, read once the records have been
+/// (so it holds every change they can show), and used only as far as it chains on
+/// from `head`. A record that one of them vouches for (or purged) changed while
+/// this ran, which is no problem.
+pub(crate) fn verify<'a>(
     log: impl Iterator<Item = Result<(u64, Vec<u8>), Error>>,
     records: impl Iterator<Item = Result<(String, Vec<u8>), Error>>,
     head: Option<Head>,
+    later: impl FnOnce(u64) -> Entries<'a>,
 ) -> Result<VerifyReport, Error> {
     let mut report = VerifyReport {
         entries: 0,
@@ -212,6 +226,9 @@ pub(crate) fn verify(
     let mut last_intact: Option<(u64, Vec<String>)> = None;
     for item in log {
         let (seq, bytes) = item?;
+        if head.is_some_and(|head| seq > head.seq) {
+            break;
+        }
         report.entries += 1;
         let Ok(entry) = serde_json::from_slice::<LogEntry>(&bytes) else {
             report.problems.push(Problem::EditedEntry {
@@ -279,21 +296,17 @@ pub(crate) fn verify(
             report.problems.push(Problem::EditedEntry { seq, keys });
         }
     }
+
+    // Records the log up to the head does not vouch for: `(key, digest, latest seq)`.
+    let mut unvouched: Vec<(String, String, Option<u64>)> = Vec::new();
     let mut seen = std::collections::HashSet::new();
     for item in records {
         let (key, bytes) = item?;
         report.records += 1;
+        let digest = hex::encode(sha256(&bytes));
         match latest.get(&key) {
-            None => report
-                .problems
-                .push(Problem::UnloggedRecord { key: key.clone() }),
-            Some(l) if l.kind == PURGE || l.digest != hex::encode(sha256(&bytes)) => {
-                report.problems.push(Problem::EditedRecord {
-                    key: key.clone(),
-                    seq: l.seq,
-                });
-            }
-            Some(_) => {}
+            Some(l) if l.kind != PURGE && l.digest == digest => {}
+            l => unvouched.push((key.clone(), digest, l.map(|l| l.seq))),
         }
         seen.insert(key);
     }
@@ -302,13 +315,81 @@ pub(crate) fn verify(
         .filter(|(key, l)| l.kind != PURGE && !seen.contains(*key))
         .collect();
     missing.sort_by_key(|(_, l)| l.seq);
+
+    let since = match head {
+        Some(head) if !unvouched.is_empty() || !missing.is_empty() => {
+            let wanted = unvouched
+                .iter()
+                .map(|(key, _, _)| key.as_str())
+                .chain(missing.iter().map(|(key, _)| key.as_str()))
+                .collect();
+            changes_since(head, later(head.seq), &wanted)?
+        }
+        _ => HashMap::new(),
+    };
+    for (key, digest, seq) in unvouched {
+        let changes = since.get(&key).map(Vec::as_slice).unwrap_or_default();
+        if changes
+            .iter()
+            .any(|c| c.kind != PURGE && c.digest == digest)
+        {
+            continue;
+        }
+        match changes.last().map(|c| c.seq).or(seq) {
+            Some(seq) => report.problems.push(Problem::EditedRecord { key, seq }),
+            None => report.problems.push(Problem::UnloggedRecord { key }),
+        }
+    }
     for (key, l) in missing {
-        report.problems.push(Problem::MissingRecord {
-            key: key.clone(),
-            seq: l.seq,
-        });
+        let purged = since
+            .get(key)
+            .is_some_and(|changes| changes.iter().any(|c| c.kind == PURGE));
+        if !purged {
+            report.problems.push(Problem::MissingRecord {
+                key: key.clone(),
+                seq: l.seq,
+            });
+        }
     }
     Ok(report)
+}
+
+/// The changes of the `wanted` keys in the entries after `head`, in order, as far as those entries chain on from it: an entry that does
+/// not (edited, or out of place) and every one after it vouch for nothing here.
+fn changes_since(
+    head: Head,
+    entries: Entries<'_>,
+    wanted: &std::collections::HashSet<&str>,
+) -> Result<HashMap<String, Vec<Latest>>, Error> {
+    let mut out: HashMap<String, Vec<Latest>> = HashMap::new();
+    let mut prev = head;
+    for item in entries {
+        let (seq, bytes) = item?;
+        let Ok(entry) = serde_json::from_slice::<LogEntry>(&bytes) else {
+            break;
+        };
+        let Some(hash) = entry.compute_hash() else {
+            break;
+        };
+        if seq != prev.seq + 1
+            || entry.seq != seq
+            || entry.prev != hex::encode(prev.hash)
+            || entry.hash != hex::encode(hash)
+        {
+            break;
+        }
+        prev = Head { seq, hash };
+        for change in entry.changes {
+            if wanted.contains(change.key.as_str()) {
+                out.entry(change.key).or_default().push(Latest {
+                    seq,
+                    kind: change.kind,
+                    digest: change.digest,
+                });
+            }
+        }
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -342,6 +423,7 @@ mod tests {
             log.iter().cloned().map(Ok),
             records.iter().cloned().map(Ok),
             Some(head),
+            |_| Box::new(std::iter::empty()),
         )
     }
 
@@ -378,6 +460,82 @@ mod tests {
             [Problem::EditedRecord {
                 key: "k".to_owned(),
                 seq: 1
+            }]
+        );
+        Ok(())
+    }
+
+    /// [`verify`] with the chain checked up to `head`, and `later` as the entries
+    /// written since.
+    fn check_up_to(
+        log: &[(u64, Vec<u8>)],
+        records: &[(String, Vec<u8>)],
+        head: Head,
+        later: Log,
+    ) -> Result<VerifyReport, Error> {
+        verify(
+            log.iter().cloned().map(Ok),
+            records.iter().cloned().map(Ok),
+            Some(head),
+            move |after| Box::new(later.into_iter().filter(move |(s, _)| *s > after).map(Ok)),
+        )
+    }
+
+    #[test]
+    fn changes_after_the_head_are_vouched_for_by_the_entries_written_since() -> Result<(), Error> {
+        // Read while two more calls were journaled: the head says 4, the log and the
+        // records already hold 6.
+        let (log, records, _) = chain(6);
+        let (_, _, head) = chain(4);
+        let report = check_up_to(&log, &records, head, log.clone())?;
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!((report.entries, report.records), (4, 6));
+
+        // Nothing written since vouches for them.
+        let unlogged = [
+            Problem::UnloggedRecord {
+                key: "k4".to_owned(),
+            },
+            Problem::UnloggedRecord {
+                key: "k5".to_owned(),
+            },
+        ];
+        let report = check_up_to(&log, &records, head, Vec::new())?;
+        assert_eq!(report.problems, unlogged);
+
+        // An entry since that does not chain on from the head vouches for nothing,
+        // and neither does any after it.
+        let mut forged = log.clone();
+        let mut entry: LogEntry =
+            serde_json::from_slice(&forged[4].1).map_err(|e| Error::Storage(e.to_string()))?;
+        entry.changes[0].digest = hex::encode(sha256(b"forged"));
+        forged[4].1 = serde_json::to_vec(&entry).map_err(|e| Error::Storage(e.to_string()))?;
+        let mut recs = records.clone();
+        recs[4].1 = b"forged".to_vec();
+        let report = check_up_to(&forged, &recs, head, forged.clone())?;
+        assert_eq!(report.problems, unlogged);
+
+        // A record purged since is not missing; one that was not is.
+        let mut head5 = head;
+        let purge = head5.append(
+            Timestamp::from_micros(9),
+            &[("k1".to_owned(), PURGE, sha256(b""))],
+        );
+        let mut purged = log[..4].to_vec();
+        purged.push((
+            5,
+            serde_json::to_vec(&purge).map_err(|e| Error::Storage(e.to_string()))?,
+        ));
+        let mut recs = records[..4].to_vec();
+        recs.remove(1);
+        let report = check_up_to(&purged, &recs, head, purged.clone())?;
+        assert!(report.is_clean(), "{report:?}");
+        let report = check_up_to(&purged, &recs, head, Vec::new())?;
+        assert_eq!(
+            report.problems,
+            [Problem::MissingRecord {
+                key: "k1".to_owned(),
+                seq: 2
             }]
         );
         Ok(())

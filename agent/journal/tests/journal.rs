@@ -1342,3 +1342,77 @@ async fn a_begin_right_after_a_new_start_finds_it() -> TestResult {
     }
     run.stop().await
 }
+
+/// `verify` on a journal that goes on writing: calls begin and complete, and records
+/// become tombstones and are purged, while it reads. A report is a snapshot of no
+/// single moment, yet names nothing that was not tampered with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn verify_is_clean_while_the_journal_writes() -> TestResult {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let rounds = Arc::new(AtomicU64::new(0));
+    let mut writers = Vec::new();
+    for w in 0..6 {
+        let journal = run.journal.clone();
+        let stop = Arc::clone(&stop);
+        let rounds = Arc::clone(&rounds);
+        writers.push(tokio::spawn(async move {
+            let mut calls = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let k = format!("w{w}-{calls}");
+                let ticket = execute(&journal, intent(&k, ToolClass::Keyed))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                journal
+                    .complete(&ticket, ok(200))
+                    .await
+                    .map_err(|e| e.to_string())?;
+                calls += 1;
+                // A few calls per round of `verify`, so that every round overlaps
+                // writes and the journal stays small enough to check 50 times.
+                while calls >= (rounds.load(Ordering::Relaxed) + 1) * 16
+                    && !stop.load(Ordering::Relaxed)
+                {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+            Ok::<u64, String>(calls)
+        }));
+    }
+    // Retention as if days had passed: each round tombstones what the last created,
+    // and the next purges those tombstones.
+    let reaper = {
+        let journal = run.journal.clone();
+        let stop = Arc::clone(&stop);
+        tokio::spawn(async move {
+            let mut days = 2u64;
+            while !stop.load(Ordering::Relaxed) {
+                let now = SystemTime::now() + Duration::from_secs(days * 86_400);
+                journal.reap(now).await.map_err(|e| e.to_string())?;
+                days += 40;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            Ok::<(), String>(())
+        })
+    };
+    for round in 0..50 {
+        let journal = run.journal.clone();
+        let report = tokio::task::spawn_blocking(move || journal.verify()).await??;
+        assert!(report.is_clean(), "round {round}: {report:?}");
+        rounds.fetch_add(1, Ordering::Relaxed);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut calls = 0;
+    for writer in writers {
+        calls += writer.await??;
+    }
+    reaper.await??;
+    assert!(calls > 100, "only {calls} calls ran beside verify");
+    let report = run.journal.verify()?;
+    assert!(report.is_clean(), "{report:?}");
+    run.stop().await
+}
