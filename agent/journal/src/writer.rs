@@ -1044,9 +1044,10 @@ impl Core {
             let due_keys: Vec<String> = serde_json::from_slice(&value).unwrap_or_default();
             looked_at += due_keys.len().max(1);
             match keys::parse_expiry(&index) {
-                Some((_, keys::EXPIRE_RECORD)) => {
+                Some((due, keys::EXPIRE_RECORD)) => {
+                    let due = Timestamp::from_micros(due);
                     for key in &due_keys {
-                        let expired = self.expire_record(key, now, batch, &mut report);
+                        let expired = self.expire_record(key, due, now, batch, &mut report);
                         past_damage(expired, key, &mut report)?;
                     }
                 }
@@ -1117,9 +1118,11 @@ impl Core {
         Ok(())
     }
 
+    /// Looks at a record whose expiry entry, due at `due`, fired.
     fn expire_record(
         &mut self,
         key: &str,
+        due: Timestamp,
         now: Timestamp,
         batch: &mut Batch,
         report: &mut ReapReport,
@@ -1130,8 +1133,14 @@ impl Core {
         let Some(current) = self.record(batch, &id)? else {
             return Ok(());
         };
-        if current.created_at.saturating_add(self.options.retention) > now {
-            // The key was purged and used again; the new record has its own entry.
+        let expires = current.created_at.saturating_add(self.options.retention);
+        if expires > now {
+            // Created after the entry was due: the key was purged and used again,
+            // and the new record has its own entry. Otherwise retention was raised
+            // since the entry was written (across a restart): look again then.
+            if current.created_at <= due {
+                batch.expire_later(keys::EXPIRE_RECORD, expires, key.to_owned());
+            }
             return Ok(());
         }
         let (rec, effect) = state::apply(Some(&current), Event::Expire, now.to_system())?;

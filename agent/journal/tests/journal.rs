@@ -1416,3 +1416,39 @@ async fn verify_is_clean_while_the_journal_writes() -> TestResult {
     assert!(report.is_clean(), "{report:?}");
     run.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_whose_retention_was_raised_across_a_restart_still_expires() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let hour = Duration::from_secs(3600);
+    let with_retention = |retention| Options {
+        retention,
+        ..Options::new(dir.path())
+    };
+    let start = SystemTime::now();
+    let (run, _) = Running::open(with_retention(hour))?;
+    let ticket = execute(&run.journal, intent("k", ToolClass::Keyed)).await?;
+    run.journal.complete(&ticket, ok(200)).await?;
+    run.stop().await?;
+
+    // Its expiry entry is due after one hour; retention is two hours now.
+    let (run, _) = Running::open(with_retention(2 * hour))?;
+    let early = run
+        .journal
+        .reap(start + hour + Duration::from_secs(60))
+        .await?;
+    assert_eq!(early.tombstoned, 0, "{early:?}");
+    assert_eq!(
+        run.journal.get(&key("k"))?.map(|r| r.state),
+        Some(State::Completed)
+    );
+    let report = run.journal.reap(start + 3 * hour).await?;
+    assert_eq!(report.tombstoned, 1, "{report:?}");
+    assert_eq!(
+        run.journal.get(&key("k"))?.map(|r| r.state),
+        Some(State::Tombstone)
+    );
+    let verify = run.journal.verify()?;
+    assert!(verify.is_clean(), "{verify:?}");
+    run.stop().await
+}
