@@ -495,9 +495,9 @@ fn resolve(
                 r.status
             )));
         }
-        Resolution::MarkFailed(r) if r.status < 400 => {
+        Resolution::MarkFailed(r) if !(400..600).contains(&r.status) => {
             return Err(Error::InvalidResolution(format!(
-                "mark_failed needs a 4xx or 5xx response, got {}",
+                "mark_failed needs a 4xx or 5xx response (400-599), got {}",
                 r.status
             )));
         }

@@ -494,7 +494,7 @@ impl Protocol for Http<'_> {
             .into_response();
         };
         let mut resp = Response::new(body::full(stored.body.bytes().clone()));
-        *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+        *resp.status_mut() = replayed_status(stored.status);
         for (k, v) in stored.headers.iter() {
             if let (Ok(k), Ok(v)) = (
                 header::HeaderName::from_bytes(k.as_bytes()),
@@ -616,4 +616,29 @@ fn answer(status: StatusCode, h: &HeaderMap, body: Bytes) -> Answered {
     *resp.status_mut() = status;
     *resp.headers_mut() = h;
     Answered::Outcome(stored, resp)
+}
+
+/// The status a stored answer is replayed with. One HTTP cannot carry (which no tool
+/// answered with) is replayed as a failure, never as a success.
+fn replayed_status(stored: u16) -> StatusCode {
+    StatusCode::from_u16(stored).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stored_status_is_replayed_as_it_is_and_never_turns_into_a_success() {
+        for (stored, replayed) in [
+            (200, StatusCode::OK),
+            (404, StatusCode::NOT_FOUND),
+            (599, StatusCode::from_u16(599).unwrap()),
+            (0, StatusCode::INTERNAL_SERVER_ERROR),
+            (1000, StatusCode::INTERNAL_SERVER_ERROR),
+            (u16::MAX, StatusCode::INTERNAL_SERVER_ERROR),
+        ] {
+            assert_eq!(replayed_status(stored), replayed, "{stored}");
+        }
+    }
 }

@@ -560,6 +560,19 @@ fn refusals() {
             Failed(200),
             "invalid_resolution",
         ),
+        // Not an HTTP error status: replayed, it could read as a success.
+        (
+            Unsafe,
+            &[Begin, Dispatched, Doubt],
+            Failed(600),
+            "invalid_resolution",
+        ),
+        (
+            Unsafe,
+            &[Begin, Dispatched, Doubt],
+            Failed(1000),
+            "invalid_resolution",
+        ),
         (Keyed, &[], Respond(200), "unknown_key"),
         (Keyed, &[], Succeeded, "unknown_key"),
         (Probe, &[Begin, Doubt, Begin, NotFound], NotFound, "stale"),
