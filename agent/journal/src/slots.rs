@@ -42,19 +42,55 @@ pub(crate) fn index_key(key: &str, slot: u64) -> Vec<u8> {
 
 /// The slot of `key`'s record, probing the index generations from `newest` down.
 /// Only the format-4 index: the writer's store has been migrated.
+///
+/// Below `newest`, only generations that hold an entry are probed, each found with
+/// one seek: `newest` may come from a damaged key (a stray `i/\xff\xff\xff\xff…`
+/// would otherwise have an absent key probe four billion generations).
 pub(crate) fn find(store: &Store, key: &str, newest: u32) -> Result<Option<u64>, Error> {
-    for generation in (0..=newest).rev() {
-        if let Some(value) = store.get(&keys::index(generation, key))? {
+    let mut generation = Some(newest);
+    while let Some(g) = generation {
+        if let Some(value) = store.get(&keys::index(g, key))? {
             return Ok(keys::parse_pointer(&value));
         }
+        generation = below(store, g)?;
     }
     Ok(None)
+}
+
+/// The newest index generation below `generation` that holds an entry, if any.
+fn below(store: &Store, generation: u32) -> Result<Option<u32>, Error> {
+    let Some(under) = generation.checked_sub(1) else {
+        return Ok(None);
+    };
+    match store
+        .range(keys::INDEX, &keys::index(generation, ""))
+        .next_back()
+    {
+        // Never `generation` again, whatever the entry: each step goes down.
+        Some(entry) => Ok(Some(generation_of(&entry?.0).min(under))),
+        None => Ok(None),
+    }
+}
+
+/// The generation an index entry is in. An entry too short to name one (damage)
+/// sorts just below the generation its bytes begin, padded with zeros: [`below`]
+/// goes on from there and finds no entry of it.
+fn generation_of(storage_key: &[u8]) -> u32 {
+    if let Some(generation) = keys::index_generation(storage_key) {
+        return generation;
+    }
+    let raw = storage_key.get(keys::INDEX.len()..).unwrap_or_default();
+    let mut bytes = [0; 4];
+    for (to, from) in bytes.iter_mut().zip(raw) {
+        *to = *from;
+    }
+    u32::from_be_bytes(bytes)
 }
 
 /// The newest index generation in the store, if any.
 fn newest(store: &Store) -> Result<Option<u32>, Error> {
     match store.scan_prefix(keys::INDEX).next_back() {
-        Some(entry) => Ok(keys::index_generation(&entry?.0)),
+        Some(entry) => Ok(Some(generation_of(&entry?.0))),
         None => Ok(None),
     }
 }
@@ -230,7 +266,10 @@ fn next_after(
                 what: what.to_owned(),
                 detail: format!("{} bytes, too short", storage_key.len()),
             })?;
-            Ok(slot + 1)
+            slot.checked_add(1).ok_or_else(|| Error::Decode {
+                what: what.to_owned(),
+                detail: "it names the last slot there can be".to_owned(),
+            })
         }
         None => Ok(1),
     }

@@ -189,9 +189,20 @@ pub(crate) mod chunk {
     /// How many events the stored value holds.
     pub(crate) fn count(value: &[u8]) -> Result<u64, Error> {
         match value.first() {
-            Some(&MARK) => Ok(u64::from(read_u32(value, 1)?)),
+            Some(&MARK) => Ok(u64::from(chunk_count(value)?)),
             _ => Ok(1),
         }
+    }
+
+    /// A chunk's count of events, no more than its bytes can hold (each event takes
+    /// at least its 4-byte length): the count is read from the store, and a damaged
+    /// one must not size an allocation.
+    fn chunk_count(value: &[u8]) -> Result<u32, Error> {
+        let count = read_u32(value, 1)?;
+        if count as usize > value.len().saturating_sub(5) / 4 {
+            return Err(corrupt("a chunk counts more events than its bytes hold"));
+        }
+        Ok(count)
     }
 
     /// The events of a stored value, numbered from `first_seq`; slices of `value`.
@@ -199,7 +210,7 @@ pub(crate) mod chunk {
         if value.first() != Some(&MARK) {
             return Ok(vec![(first_seq, value)]);
         }
-        let count = read_u32(&value, 1)?;
+        let count = chunk_count(&value)?;
         let mut out = Vec::with_capacity(count as usize);
         let mut at = 5;
         for i in 0..u64::from(count) {
@@ -287,6 +298,21 @@ pub(crate) mod chunk {
             let mut long = encode(&events(&["data: a\n\n", "data: b\n\n"]));
             long.push(b'x');
             assert!(decode(0, Bytes::from(long)).is_err());
+        }
+
+        #[test]
+        fn a_damaged_count_is_an_error_not_a_huge_allocation() {
+            let mut huge = vec![MARK];
+            huge.extend_from_slice(&u32::MAX.to_be_bytes());
+            huge.extend_from_slice(&[0; 12]);
+            assert!(count(&huge).is_err());
+            assert!(decode(0, Bytes::from(huge)).is_err());
+            // Three empty events are as many as 12 bytes can hold.
+            let mut three = vec![MARK];
+            three.extend_from_slice(&3u32.to_be_bytes());
+            three.extend_from_slice(&[0; 12]);
+            assert_eq!(count(&three).unwrap(), 3);
+            assert_eq!(decode(0, Bytes::from(three)).unwrap().len(), 3);
         }
     }
 }

@@ -494,6 +494,45 @@ async fn records_are_found_across_index_generations() -> TestResult {
     Ok(())
 }
 
+/// Stray index keys past every generation there is (a damaged store) cost a lookup
+/// one probe each, not one per generation up to the one they name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stray_index_key_does_not_make_a_lookup_probe_every_generation() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    {
+        let (journal, writer, _) = Journal::open(Options::new(dir.path()))?;
+        let task = tokio::spawn(writer.run());
+        executed(&journal, "old", 200, "{}").await?;
+        drop(journal);
+        task.await?;
+    }
+    {
+        let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+        let mut stray = keys::INDEX.to_vec();
+        stray.extend_from_slice(&[0xff; 4]);
+        stray.extend_from_slice(b"stray");
+        store.raw_put(&stray, &keys::pointer(1))?;
+        // Too short to name a generation, and sorting after every other entry.
+        store.raw_put(b"i/\xff\xff\xff\xff\xff", &keys::pointer(1))?;
+        store.raw_put(b"i/\x00\x00\x01", &keys::pointer(1))?;
+        store.flush()?;
+    }
+    let audit = Journal::open_for_audit(dir.path())?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let found = |key: &str| -> Result<bool, String> {
+            let key = IdempotencyKey::new(key).map_err(|e| e.to_string())?;
+            Ok(audit.get(&key).map_err(|e| e.to_string())?.is_some())
+        };
+        let _ = tx.send(found("absent").and_then(|a| Ok((a, found("old")?))));
+    });
+    let found = rx
+        .recv_timeout(Duration::from_secs(20))
+        .map_err(|_| "a lookup probed every generation up to the stray key's")??;
+    assert_eq!(found, (false, true));
+    Ok(())
+}
+
 #[test]
 fn a_journal_of_a_later_format_is_refused_not_misread() -> TestResult {
     let dir = tempfile::tempdir()?;
