@@ -606,7 +606,12 @@ impl Store {
             }
             held.clear();
         }
-        match self.sync_db(false) {
+        // A real sync whatever the mode, as at open: once the log is empty only sled
+        // and the record files hold its batches, and a rotation is rare (one per
+        // `WAL_ROTATE_BYTES` of log), so a `Durability::Process` journal pays a few
+        // milliseconds there for records that a power cut cannot leave half written
+        // long after they were settled.
+        match self.sync_db(true) {
             Ok(()) => match wal.truncate() {
                 // No frame can write to a generation retention has emptied.
                 Ok(()) => self.bodies.drop_empty(|generation| {
@@ -1679,6 +1684,27 @@ mod wal_tests {
         assert_eq!(get(&store, "a").as_deref(), Some("1"));
         put(&store, "b", "2");
         assert_eq!(get(&store, "b").as_deref(), Some("2"));
+    }
+
+    #[test]
+    fn a_rotation_syncs_sled_and_the_record_files_for_real_whatever_the_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path());
+        put(&store, "a", "1");
+        let logged = std::fs::read(dir.path().join(WAL_FILE)).unwrap();
+        store.set_wal_rotate_at(1);
+        sync_fault::set(true);
+        let refused = store.apply(vec![(b"b".to_vec(), Some(b"2".to_vec()))]);
+        sync_fault::set(false);
+        assert!(
+            refused.is_err(),
+            "the log was emptied without a real sync of sled"
+        );
+        assert_eq!(
+            std::fs::read(dir.path().join(WAL_FILE)).unwrap(),
+            logged,
+            "the log was emptied or written to"
+        );
     }
 
     #[test]
