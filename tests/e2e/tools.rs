@@ -775,10 +775,37 @@ async fn the_audit_cli_reads_directly_or_through_the_admin_api() {
         out.contains("payments/audit-2") && out.contains("3 record(s)"),
         "{out}"
     );
+    let (ok, out, _) = run(&["list", "--limit", "2"]);
+    assert!(ok && out.contains("2 record(s)"), "{out}");
+    let (ok, out, err) = run(&["export", "--task", "audit-task"]);
+    assert!(ok, "{err}");
+    assert_eq!(out.lines().count(), 3, "{out}");
     let (ok, out, _) = run(&["timeline", "--task", "audit-task"]);
     assert!(ok && out.contains("3 call(s)"), "{out}");
     let (ok, out, _) = run(&["verify"]);
     assert!(ok && out.contains("intact"), "{out}");
+
+    // The admin API answers a page at a time; a full page says where the next starts.
+    let mut keys = Vec::new();
+    let mut after = String::new();
+    loop {
+        let page = get(&e
+            .sidecar
+            .admin_url(&format!("/v1/journal?task=audit-task&limit=2{after}")))
+        .await
+        .json();
+        let records = page["records"].as_array().cloned().unwrap_or_default();
+        assert!(records.len() <= 2, "{page}");
+        keys.extend(records.iter().map(|r| r["key"].to_string()));
+        match page["next"].as_str() {
+            Some(next) => after = format!("&after={next}"),
+            None => break,
+        }
+    }
+    let unique: std::collections::HashSet<&String> = keys.iter().collect();
+    assert_eq!((keys.len(), unique.len()), (3, 3), "{keys:?}");
+    let too_big = get(&e.sidecar.admin_url("/v1/journal?limit=1001")).await;
+    assert_eq!(too_big.status, 400, "{}", too_big.text());
 
     // Stopped: directly from the directory.
     e.sidecar.kill();

@@ -22,7 +22,7 @@ use outrigger_journal::{Audit, Filter, Journal};
 use outrigger_types::{IdempotencyKey, TaskId};
 use serde_json::Value;
 
-use crate::admin::filter_from;
+use crate::admin::{MAX_PAGE, filter_from};
 
 /// Where the records come from.
 enum Source {
@@ -281,11 +281,15 @@ fn dispatch(cmd: Command) -> anyhow::Result<ExitCode> {
             let n = match open(&common)? {
                 Source::Direct(a) => a.export(&to_filter(&filters)?, &mut sink)?,
                 source @ Source::Admin { .. } => {
-                    let records = list(&source, &filters)?;
-                    for r in &records {
-                        writeln!(sink, "{}", serde_json::to_string(r)?)?;
-                    }
-                    records.len()
+                    let mut n = 0;
+                    each_page(&source, &filters, |records| {
+                        for r in &records {
+                            writeln!(sink, "{}", serde_json::to_string(r)?)?;
+                        }
+                        n += records.len();
+                        Ok(())
+                    })?;
+                    n
                 }
             };
             sink.flush()?;
@@ -360,26 +364,59 @@ fn to_filter(f: &Filters) -> anyhow::Result<Filter> {
 }
 
 fn list(source: &Source, filters: &Filters) -> anyhow::Result<Vec<Value>> {
+    let mut all = Vec::new();
+    each_page(source, filters, |records| {
+        all.extend(records);
+        Ok(())
+    })?;
+    Ok(all)
+}
+
+/// The matching records (at most `--limit`), a page at a time: through the admin
+/// API, which answers at most `MAX_PAGE` per request, page after page until one
+/// says there is no `next`.
+fn each_page(
+    source: &Source,
+    filters: &Filters,
+    mut page: impl FnMut(Vec<Value>) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     match source {
-        Source::Direct(a) => Ok(a
-            .list(&to_filter(filters)?)?
-            .iter()
-            .map(serde_json::to_value)
-            .collect::<Result<_, _>>()?),
+        Source::Direct(a) => page(
+            a.list(&to_filter(filters)?)?
+                .iter()
+                .map(serde_json::to_value)
+                .collect::<Result<_, _>>()?,
+        ),
         Source::Admin { base, token } => {
             // Validate locally first so a typo gets the same message either way.
             to_filter(filters)?;
-            let query: Vec<String> = filters
-                .pairs()
-                .iter()
-                .map(|(k, v)| format!("{k}={}", encode(v)))
-                .collect();
-            let v = admin_json(
-                base,
-                &format!("/v1/journal?{}", query.join("&")),
-                token.as_deref(),
-            )?;
-            Ok(v["records"].as_array().cloned().unwrap_or_default())
+            let mut left = filters.limit.unwrap_or(usize::MAX);
+            let mut after: Option<String> = None;
+            while left > 0 {
+                let mut query: Vec<String> = filters
+                    .pairs()
+                    .iter()
+                    .filter(|(k, _)| k != "limit")
+                    .map(|(k, v)| format!("{k}={}", encode(v)))
+                    .collect();
+                query.push(format!("limit={}", left.min(MAX_PAGE)));
+                if let Some(after) = &after {
+                    query.push(format!("after={}", encode(after)));
+                }
+                let v = admin_json(
+                    base,
+                    &format!("/v1/journal?{}", query.join("&")),
+                    token.as_deref(),
+                )?;
+                let records = v["records"].as_array().cloned().unwrap_or_default();
+                left = left.saturating_sub(records.len());
+                page(records)?;
+                match v["next"].as_str() {
+                    Some(next) => after = Some(next.to_owned()),
+                    None => break,
+                }
+            }
+            Ok(())
         }
     }
 }

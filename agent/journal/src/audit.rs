@@ -31,56 +31,177 @@ impl Reader {
             .transpose()
     }
 
-    /// Matching records, oldest first. Undecodable records (and those whose record
-    /// file is damaged) are skipped with a warning (`verify` names them), so that one
-    /// damaged record cannot hide all the others.
+    /// Matching records in the listing's order (see [`Cursor`]), after
+    /// `filter.after`, at most `filter.limit`. Records are read and decoded one by
+    /// one until the page is full, so a page costs what it holds (and what the
+    /// filter passes over), not the journal's size. Undecodable records (and those
+    /// whose record file is damaged) are skipped with a warning (`verify` names
+    /// them), so that one damaged record cannot hide all the others.
+    pub(crate) fn page(&self, filter: &Filter) -> Result<Page, Error> {
+        let limit = filter.limit.unwrap_or(usize::MAX);
+        if limit == 0 {
+            return Ok(Page {
+                records: Vec::new(),
+                next: filter.after.clone(),
+            });
+        }
+        let mut records = Vec::new();
+        let mut last = None;
+        self.each(filter, |position, record| {
+            records.push(record);
+            last = Some(position);
+            Ok(records.len() < limit)
+        })?;
+        let next = last.filter(|_| records.len() == limit).map(Cursor);
+        Ok(Page { records, next })
+    }
+
     pub(crate) fn list(&self, filter: &Filter) -> Result<Vec<Record>, Error> {
-        let mut out = Vec::new();
-        let mut keep = |key: &str, bytes: Result<Vec<u8>, Error>| {
-            match bytes.and_then(|bytes| decode_record(key, &bytes)) {
-                Ok(rec) if filter.matches(&rec) => out.push(rec),
-                Ok(_) => {}
-                Err(e @ Error::Decode { .. }) => {
-                    tracing::warn!(error = %e, "skipping an undecodable journal record");
-                }
-                Err(e) => return Err(e),
+        Ok(self.page(filter)?.records)
+    }
+
+    /// Writes the matching records as JSON Lines as they are read; returns how many.
+    pub(crate) fn export(&self, filter: &Filter, out: &mut dyn Write) -> Result<usize, Error> {
+        let limit = filter.limit.unwrap_or(usize::MAX);
+        let mut written = 0;
+        if limit == 0 {
+            return Ok(0);
+        }
+        self.each(filter, |_, record| {
+            let line = serde_json::to_writer(&mut *out, &record)
+                .and_then(|()| out.write_all(b"\n").map_err(serde_json::Error::io));
+            line.map_err(|e| Error::Storage(format!("cannot write the export: {e}")))?;
+            written += 1;
+            Ok(written < limit)
+        })?;
+        Ok(written)
+    }
+
+    /// Calls `f` with each matching record after `filter.after`, in order, until it
+    /// answers `false`.
+    fn each(
+        &self,
+        filter: &Filter,
+        mut f: impl FnMut(Position, Record) -> Result<bool, Error>,
+    ) -> Result<(), Error> {
+        let after = filter.after.as_ref().map(|cursor| &cursor.0);
+        let mut offer = |position: Position, record: Result<Record, Error>| match record {
+            Ok(record) if filter.matches(&record) => f(position, record),
+            Ok(_) => Ok(true),
+            Err(e @ Error::Decode { .. }) => {
+                tracing::warn!(at = ?position, error = %e, "skipping an undecodable journal record");
+                Ok(true)
             }
-            Ok(())
+            Err(e) => Err(e),
         };
         if let Some(task) = &filter.task {
-            let prefix = keys::task_prefix(task.as_str());
-            for entry in self.store.scan_prefix(&prefix) {
+            // A task's records, found through its index and put in order.
+            let mut positions = Vec::new();
+            for entry in self.store.scan_prefix(&keys::task_prefix(task.as_str())) {
                 let (index, _) = entry?;
                 let Some(key) = keys::task_entry_key(task.as_str(), &index) else {
                     continue;
                 };
-                let key = String::from_utf8_lossy(key);
-                if let Some(bytes) = slots::read(&self.store, &key).transpose() {
-                    keep(&key, bytes)?;
+                let key = String::from_utf8_lossy(key).into_owned();
+                match slots::locate(&self.store, &key)? {
+                    Some(slots::Found::Slot(slot)) => positions.push((Position::Slot(slot), key)),
+                    Some(slots::Found::Inline(_)) => {
+                        positions.push((Position::Inline(key.clone()), key));
+                    }
+                    None => {}
                 }
             }
-        } else {
-            for entry in slots::scan(&self.store)? {
-                let (key, bytes) = entry?;
-                keep(&key, bytes)?;
+            positions.sort_unstable();
+            positions.dedup();
+            for (position, key) in positions {
+                if after.is_some_and(|after| position <= *after) {
+                    continue;
+                }
+                let bytes = match &position {
+                    Position::Slot(slot) => self.store.get(&keys::body(*slot)),
+                    Position::Inline(_) => self
+                        .store
+                        .get(&keys::record(&key))
+                        .map(|bytes| bytes.filter(|b| keys::parse_pointer(b).is_none())),
+                };
+                let record = match bytes {
+                    // A record read must carry the key it was read for.
+                    Ok(Some(bytes)) => decode_listed(&bytes)
+                        .map(|record| (record.key.as_str() == key).then_some(record)),
+                    Ok(None) => Ok(None),
+                    Err(e) => Err(e),
+                };
+                let go_on = match record {
+                    Ok(Some(record)) => offer(position, Ok(record))?,
+                    Ok(None) => true,
+                    Err(e) => offer(position, Err(e))?,
+                };
+                if !go_on {
+                    return Ok(());
+                }
+            }
+            return Ok(());
+        }
+        // Format-1 records, stored under their keys (an older journal read as it is).
+        if !matches!(after, Some(Position::Slot(_))) {
+            let start = match after {
+                Some(Position::Inline(key)) => keys::record(key),
+                _ => keys::RECORDS.to_vec(),
+            };
+            for entry in self.store.range_from(&start).take_while(|e| {
+                e.as_ref()
+                    .map_or(true, |(k, _)| k.starts_with(keys::RECORDS))
+            }) {
+                let (storage_key, value) = entry?;
+                // A pointer of the older index: its record is read by its slot below.
+                if keys::parse_pointer(&value).is_some() {
+                    continue;
+                }
+                let key = String::from_utf8_lossy(&storage_key[keys::RECORDS.len()..]).into_owned();
+                if matches!(after, Some(Position::Inline(k)) if *k == key) {
+                    continue;
+                }
+                let record = decode_listed(&value).and_then(|record| {
+                    if record.key.as_str() == key {
+                        Ok(record)
+                    } else {
+                        Err(Error::Decode {
+                            what: format!("record {key}"),
+                            detail: format!("it holds the record of {}", record.key),
+                        })
+                    }
+                });
+                if !offer(Position::Inline(key), record)? {
+                    return Ok(());
+                }
             }
         }
-        out.sort_by(|a, b| (a.created_at, &a.key).cmp(&(b.created_at, &b.key)));
-        if let Some(limit) = filter.limit {
-            out.truncate(limit);
+        // The others by slot, read in their order on disk from where the page starts.
+        let from = match after {
+            Some(Position::Slot(slot)) => match slot.checked_add(1) {
+                Some(from) => from,
+                None => return Ok(()),
+            },
+            _ => 0,
+        };
+        for entry in self.store.range_each(&keys::body(from), keys::BODIES_END) {
+            let (storage_key, bytes) = entry?;
+            let Some(slot) = keys::body_slot(&storage_key) else {
+                continue;
+            };
+            let record = match bytes.and_then(|bytes| decode_listed(&bytes)) {
+                // A record is read from a slot only if its key's index entry points
+                // there: a slot no key names (left by damage) lists nothing.
+                Ok(record) if !slots::points_at(&self.store, record.key.as_str(), slot)? => {
+                    continue;
+                }
+                record => record,
+            };
+            if !offer(Position::Slot(slot), record)? {
+                return Ok(());
+            }
         }
-        Ok(out)
-    }
-
-    pub(crate) fn export(&self, filter: &Filter, out: &mut dyn Write) -> Result<usize, Error> {
-        let records = self.list(filter)?;
-        for rec in &records {
-            serde_json::to_writer(&mut *out, rec)
-                .map_err(|e| Error::Storage(format!("cannot write the export: {e}")))?;
-            out.write_all(b"\n")
-                .map_err(|e| Error::Storage(format!("cannot write the export: {e}")))?;
-        }
-        Ok(records.len())
+        Ok(())
     }
 
     /// The hash-chain check. It reads while the writer goes on writing, and no
@@ -204,6 +325,68 @@ impl Reader {
     }
 }
 
+/// Where a record is in the order listings follow: records of a format-1 journal
+/// stored under their keys (an older journal read as it is) in key order, then the
+/// others by slot, that is in the order the journal created them.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Position {
+    Inline(String),
+    Slot(u64),
+}
+
+/// Where a page of a listing ended: [`Filter::after`] on the next request goes on
+/// from there. Records created meanwhile come later in the order, so paging until a
+/// page comes back without a `next` returns every record once. As text (the admin
+/// API's `next` and `after`), a slot number, or `k:` and a key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cursor(Position);
+
+impl std::fmt::Display for Cursor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Position::Slot(slot) => write!(f, "{slot}"),
+            Position::Inline(key) => write!(f, "k:{key}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Cursor {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if let Some(key) = s.strip_prefix("k:") {
+            return Ok(Self(Position::Inline(key.to_owned())));
+        }
+        s.parse()
+            .map(|slot| Self(Position::Slot(slot)))
+            .map_err(|_| format!("{s:?} is not a cursor (the `next` of a page before)"))
+    }
+}
+
+/// One page of a listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page {
+    pub records: Vec<Record>,
+    /// Set when the page is full: where the next one starts (it may be empty).
+    pub next: Option<Cursor>,
+}
+
+/// A listed record's bytes, decoded.
+fn decode_listed(bytes: &[u8]) -> Result<Record, Error> {
+    #[cfg(test)]
+    DECODED.set(DECODED.get() + 1);
+    serde_json::from_slice(bytes).map_err(|e| Error::Decode {
+        what: "a listed record".to_owned(),
+        detail: e.to_string(),
+    })
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Records decoded by listings on this thread.
+    pub(crate) static DECODED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
 pub(crate) fn check_namespace(namespace: &str) -> Result<(), Error> {
     if namespace.is_empty() || !namespace.chars().all(|c| c.is_ascii_graphic()) {
         return Err(Error::Invalid {
@@ -284,6 +467,11 @@ impl Audit {
 
     pub fn list(&self, filter: &Filter) -> Result<Vec<Record>, Error> {
         self.reader.list(filter)
+    }
+
+    /// One page of matching records (see [`Cursor`]).
+    pub fn page(&self, filter: &Filter) -> Result<Page, Error> {
+        self.reader.page(filter)
     }
 
     /// Writes the matching records as JSON Lines; returns how many.
@@ -377,4 +565,121 @@ fn first_seq_of(storage_key: &[u8]) -> Result<u64, Error> {
         what: "a stream event key".to_owned(),
         detail: format!("{} bytes, too short", storage_key.len()),
     })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::error::Error as StdError;
+
+    use super::*;
+    use crate::{Begin, Body, Headers, Journal, Options, StoredResponse};
+
+    type TestResult<T = ()> = Result<T, Box<dyn StdError>>;
+
+    /// The keys of every record, paged through `limit` at a time (the cursor going
+    /// through its text form, as over the admin API).
+    pub(crate) fn paged(
+        page: impl Fn(&Filter) -> Result<Page, Error>,
+        limit: usize,
+    ) -> TestResult<Vec<String>> {
+        paged_with(page, Filter::default(), limit)
+    }
+
+    fn paged_with(
+        page: impl Fn(&Filter) -> Result<Page, Error>,
+        mut filter: Filter,
+        limit: usize,
+    ) -> TestResult<Vec<String>> {
+        filter.limit = Some(limit);
+        let mut keys = Vec::new();
+        loop {
+            let got = page(&filter)?;
+            assert!(got.records.len() <= limit);
+            keys.extend(got.records.iter().map(|r| r.key.to_string()));
+            match got.next {
+                Some(next) => filter.after = Some(next.to_string().parse()?),
+                None => return Ok(keys),
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_page_decodes_what_it_holds_and_pages_list_every_record_once() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let (journal, writer, _) = Journal::open(Options::new(dir.path()))?;
+        let task = tokio::spawn(writer.run());
+        let total = 10_000;
+        for batch in 0..total / 500 {
+            let mut calls = tokio::task::JoinSet::new();
+            for i in batch * 500..(batch + 1) * 500 {
+                let journal = journal.clone();
+                let mut intent = crate::tamper_tests::intent(&format!("k{i:05}"))?;
+                if i % 3 == 0 {
+                    intent.task_id = Some(TaskId::new("every-third")?);
+                }
+                calls.spawn(async move {
+                    let Ok(Begin::Execute { ticket, .. }) = journal.begin(intent).await else {
+                        return Err("a fresh key must execute".to_owned());
+                    };
+                    let response = StoredResponse::new(200, Headers::default(), Body::from("{}"));
+                    journal
+                        .complete(&ticket, response)
+                        .await
+                        .map_err(|e| e.to_string())
+                });
+            }
+            while let Some(done) = calls.join_next().await {
+                done??;
+            }
+        }
+
+        // One record asked for, about one decoded: at the start, and from a cursor
+        // in the middle.
+        DECODED.set(0);
+        let first = journal.page(&Filter {
+            limit: Some(1),
+            ..Filter::default()
+        })?;
+        assert_eq!(first.records.len(), 1);
+        assert!(DECODED.get() <= 2, "{} records decoded", DECODED.get());
+        let half = journal.page(&Filter {
+            limit: Some(total / 2),
+            ..Filter::default()
+        })?;
+        DECODED.set(0);
+        let middle = journal.page(&Filter {
+            limit: Some(1),
+            after: half.next,
+            ..Filter::default()
+        })?;
+        assert_eq!(middle.records.len(), 1);
+        assert!(DECODED.get() <= 2, "{} records decoded", DECODED.get());
+
+        // Every record once, in the order of one listing of them all, whatever the
+        // page size; a task's records likewise.
+        let all: Vec<String> = journal
+            .list(&Filter::default())?
+            .iter()
+            .map(|r| r.key.to_string())
+            .collect();
+        assert_eq!(all.len(), total);
+        let unique: std::collections::HashSet<&String> = all.iter().collect();
+        assert_eq!(unique.len(), total);
+        assert_eq!(paged(|f| journal.page(f), 1000)?, all);
+        assert_eq!(paged(|f| journal.page(f), 777)?, all);
+        let by_task = Filter {
+            task: Some(TaskId::new("every-third")?),
+            ..Filter::default()
+        };
+        let in_task: Vec<String> = journal
+            .list(&by_task)?
+            .iter()
+            .map(|r| r.key.to_string())
+            .collect();
+        assert_eq!(in_task.len(), total.div_ceil(3));
+        assert_eq!(paged_with(|f| journal.page(f), by_task, 101)?, in_task);
+        drop(journal);
+        task.await?;
+        Ok(())
+    }
 }

@@ -436,6 +436,11 @@ impl Journal {
         self.inner.reader.list(filter)
     }
 
+    /// One page of matching records (see [`crate::Cursor`]).
+    pub fn page(&self, filter: &Filter) -> Result<crate::Page, Error> {
+        self.inner.reader.page(filter)
+    }
+
     /// Writes the matching records as JSON Lines; returns how many.
     pub fn export(&self, filter: &Filter, out: &mut dyn Write) -> Result<usize, Error> {
         self.inner.reader.export(filter, out)

@@ -52,7 +52,7 @@ mod tamper_tests;
 mod time;
 mod writer;
 
-pub use audit::Audit;
+pub use audit::{Audit, Cursor, Page};
 pub use chain::{Change, LogEntry, Problem, VerifyReport};
 pub use error::Error;
 pub use journal::{Journal, Recovery};

@@ -512,7 +512,11 @@ pub struct Filter {
     pub since: Option<SystemTime>,
     /// Records created before this time.
     pub until: Option<SystemTime>,
+    /// At most this many (a page; see [`crate::Page`]).
     pub limit: Option<usize>,
+    /// Only records after this one in the listing's order: the `next` of the page
+    /// before.
+    pub after: Option<crate::Cursor>,
 }
 
 impl Filter {

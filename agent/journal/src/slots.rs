@@ -96,12 +96,12 @@ fn newest(store: &Store) -> Result<Option<u32>, Error> {
 }
 
 /// Where a record is: in a slot, or inline under its key (format 1, not yet migrated).
-enum Found {
+pub(crate) enum Found {
     Slot(u64),
     Inline(Vec<u8>),
 }
 
-fn locate(store: &Store, key: &str) -> Result<Option<Found>, Error> {
+pub(crate) fn locate(store: &Store, key: &str) -> Result<Option<Found>, Error> {
     if let Some(newest) = newest(store)?
         && let Some(slot) = find(store, key, newest)?
     {
@@ -113,6 +113,16 @@ fn locate(store: &Store, key: &str) -> Result<Option<Found>, Error> {
             Some(slot) => Found::Slot(slot),
             None => Found::Inline(value),
         }))
+}
+
+/// Whether `key`'s index entry points at `slot` (a record read from a slot is
+/// `key`'s only if so), in the generations' index or the older one.
+pub(crate) fn points_at(store: &Store, key: &str, slot: u64) -> Result<bool, Error> {
+    let pointer = keys::pointer(slot);
+    if store.get(&index_key(key, slot))?.as_ref() == Some(&pointer) {
+        return Ok(true);
+    }
+    Ok(store.get(&keys::record(key))?.as_ref() == Some(&pointer))
 }
 
 /// The record stored under `key`, if any. An index entry whose slot is missing reads

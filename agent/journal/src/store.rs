@@ -495,13 +495,22 @@ impl Store {
         start: &[u8],
         end: &[u8],
     ) -> impl DoubleEndedIterator<Item = Result<Entry, Error>> + use<> {
+        self.range_each(start, end).map(resolved)
+    }
+
+    /// [`Store::range`], where a value that cannot be read (a record body whose file
+    /// is damaged) is the error of its own entry, and the range goes on.
+    pub(crate) fn range_each(
+        &self,
+        start: &[u8],
+        end: &[u8],
+    ) -> impl DoubleEndedIterator<Item = Result<Resolved, Error>> + use<> {
         self.settled();
         let held = self.held_in(|key| key < end, start);
         Merged::new(
             self.stored(self.db.range(start.to_vec()..end.to_vec())),
             held,
         )
-        .map(resolved)
     }
 
     /// Entries with `start <= key`, in key order.
@@ -1287,6 +1296,8 @@ pub(crate) mod keys {
     /// The record index since format 4: `i/{generation}{key}`.
     pub(crate) const INDEX: &[u8] = b"i/";
     pub(crate) const BODIES: &[u8] = b"R/";
+    /// The first key after every `R/` key.
+    pub(crate) const BODIES_END: &[u8] = b"R0";
     pub(crate) const LOG: &[u8] = b"l/";
     pub(crate) const EXPIRY: &[u8] = b"x/";
     pub(crate) const STREAMS: &[u8] = b"s/";

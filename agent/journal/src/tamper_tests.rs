@@ -15,7 +15,7 @@ use crate::{
 
 type TestResult = Result<(), Box<dyn StdError>>;
 
-fn intent(key: &str) -> Result<Intent, Box<dyn StdError>> {
+pub(crate) fn intent(key: &str) -> Result<Intent, Box<dyn StdError>> {
     Ok(Intent {
         key: IdempotencyKey::new(key)?,
         fingerprint: Fingerprint([9; 32]),
@@ -371,6 +371,11 @@ async fn an_older_journal_is_read_then_moved_to_the_current_format(
             .ok_or("the audit misses a record of the older index")?;
         assert_eq!(done.final_status, Some(200));
         assert_eq!(audit.list(&crate::Filter::default())?.len(), 3);
+        assert_eq!(
+            crate::audit::tests::paged(|filter| audit.page(filter), 1)?,
+            crate::audit::tests::paged(|filter| audit.page(filter), 100)?,
+            "pages of one record list each once, in order"
+        );
         assert!(audit.verify()?.is_clean());
     }
 

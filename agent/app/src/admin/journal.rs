@@ -1,8 +1,10 @@
 //! `/v1/journal` on the admin plane: list, show, verify, timeline, statistics and the
 //! resolution of in-doubt calls.
 //!
-//! - `GET /v1/journal?task=&tool=&state=&since=&until=&limit=` — records, newest filters
-//!   applied (`since`/`until` are RFC 3339 times or durations ago, e.g. `1h`);
+//! - `GET /v1/journal?task=&tool=&state=&since=&until=&limit=&after=` — one page of
+//!   records, oldest first (`since`/`until` are RFC 3339 times or durations ago, e.g.
+//!   `1h`; `limit` defaults to [`DEFAULT_PAGE`], at most [`MAX_PAGE`]; `after` is the
+//!   `next` of the page before, set when a page is full);
 //! - `GET /v1/journal?view=verify` — the hash-chain check;
 //! - `GET /v1/journal?view=timeline&task=T` — the task's calls in order;
 //! - `GET /v1/journal?view=stats` — writer statistics (flushes per record, states);
@@ -21,6 +23,11 @@ use outrigger_types::{IdempotencyKey, TaskId};
 use serde_json::{Value, json};
 
 use super::json_response;
+
+/// Records in a page of `GET /v1/journal` when the request names no `limit`.
+pub const DEFAULT_PAGE: usize = 100;
+/// The most records one page holds: a page is read, decoded and answered whole.
+pub const MAX_PAGE: usize = 1000;
 
 pub async fn handle(
     journal: Option<&Journal>,
@@ -82,11 +89,19 @@ fn collection(journal: &Journal, query: &str) -> Result<Response<Body>, Problem>
     let get = |k: &str| q.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
     match get("view").unwrap_or("records") {
         "records" => {
-            let filter = filter_from(&q).map_err(bad)?;
-            let records = journal.list(&filter).map_err(journal_error)?;
+            let mut filter = filter_from(&q).map_err(bad)?;
+            let limit = *filter.limit.get_or_insert(DEFAULT_PAGE);
+            if !(1..=MAX_PAGE).contains(&limit) {
+                return Err(bad(format!(
+                    "limit {limit} is not a page size: use 1 to {MAX_PAGE}, and page on with \
+                     after=<next> while a page says next"
+                )));
+            }
+            let page = journal.page(&filter).map_err(journal_error)?;
             Ok(json_response(
                 StatusCode::OK,
-                &json!({"count": records.len(), "records": records}),
+                &json!({"count": page.records.len(), "records": page.records,
+                        "next": page.next.map(|next| next.to_string())}),
             ))
         }
         "verify" => {
@@ -203,10 +218,11 @@ pub fn filter_from(q: &[(String, String)]) -> Result<Filter, String> {
                         .map_err(|_| format!("limit {v:?} is not a number"))?,
                 )
             }
+            "after" => f.after = Some(v.parse().map_err(|e| format!("after: {e}"))?),
             "view" => {}
             other => {
                 return Err(format!(
-                    "unknown filter {other:?}; use task, tool, state, since, until, limit"
+                    "unknown filter {other:?}; use task, tool, state, since, until, limit, after"
                 ));
             }
         }
@@ -305,6 +321,11 @@ mod tests {
         assert!(f.since.is_some());
         assert_eq!(f.limit, Some(5));
         assert!(filter_from(&parse_query("state=bogus")).is_err());
+        let f = filter_from(&parse_query("after=41")).unwrap();
+        assert_eq!(f.after.unwrap().to_string(), "41");
+        let f = filter_from(&parse_query("after=k%3Apayments%2Fa")).unwrap();
+        assert_eq!(f.after.unwrap().to_string(), "k:payments/a");
+        assert!(filter_from(&parse_query("after=yesterday")).is_err());
         assert!(filter_from(&parse_query("colour=red")).is_err());
     }
 }

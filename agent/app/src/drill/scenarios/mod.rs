@@ -578,12 +578,24 @@ impl<'d> Run<'d> {
                     .warnings
                     .push(format!("task {task} could not be ended: {e}")),
             }
-            if let Ok(j) = self
+            // Every page of the task's records (a page holds at most `MAX_PAGE`).
+            let mut after = String::new();
+            while let Ok(j) = self
                 .admin
-                .get_json(&format!("/v1/journal?task={task}"))
+                .get_json(&format!(
+                    "/v1/journal?task={task}&limit={}{after}",
+                    crate::admin::MAX_PAGE
+                ))
                 .await
             {
                 journal_entries += j["count"].as_u64().unwrap_or(0);
+                match j["next"].as_str() {
+                    // A slot number: nothing to escape.
+                    Some(next) if next.bytes().all(|b| b.is_ascii_digit()) => {
+                        after = format!("&after={next}");
+                    }
+                    _ => break,
+                }
             }
         }
         self.record.figure("task_recovery_verdicts", &verdicts);
