@@ -652,6 +652,50 @@ async fn mcp_tool_calls_are_journaled_and_everything_else_passes_through() {
     assert_eq!(e.mcp.effects().len(), 3);
 }
 
+/// A `tools/call` whose params the sidecar cannot forward (not an object, no tool
+/// name) is refused with `-32602` before anything is journaled: the server sees
+/// nothing, and the key runs as new once the call is fixed.
+#[tokio::test]
+async fn mcp_tool_calls_with_unusable_params_are_refused_before_the_journal() {
+    let e = env().await;
+    let url = e.sidecar.url("/mcp/mail");
+    let key = [("idempotency-key", "mail-params")];
+    for params in [
+        json!(["x"]),
+        json!("send_email"),
+        json!({"arguments": {"to": "x"}}),
+    ] {
+        let bad = post_json(
+            &url,
+            &key,
+            &json!({"jsonrpc": "2.0", "id": 5, "method": "tools/call", "params": params}),
+        )
+        .await;
+        assert_eq!(bad.status, StatusCode::OK, "{params}: {}", bad.text());
+        assert_eq!(bad.json()["id"], 5);
+        assert_eq!(bad.json()["error"]["code"], -32602, "{}", bad.text());
+        assert!(
+            bad.json()["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("params"),
+            "{}",
+            bad.text()
+        );
+    }
+    assert!(e.mcp.methods().is_empty(), "nothing reached the server");
+    let good = post_json(
+        &url,
+        &key,
+        &json!({"jsonrpc": "2.0", "id": 6, "method": "tools/call",
+                "params": {"name": "send_email", "arguments": {"to": "x"}}}),
+    )
+    .await;
+    assert_eq!(good.json()["result"]["isError"], false, "{}", good.text());
+    assert_eq!(good.header("outrigger-replayed"), None);
+    assert_eq!(e.mcp.effects().len(), 1);
+}
+
 #[tokio::test]
 async fn mcp_answers_over_sse_are_journaled() {
     let mcp = MockMcp::start(ToolBehaviour::default(), true)

@@ -239,6 +239,17 @@ async fn execute(
     resend: bool,
     proto: &impl Protocol,
 ) -> Result<(Response<Body>, Settled), Error> {
+    let req = match proto.build(downstream) {
+        Ok(req) => req,
+        Err(e) => {
+            // Nothing left for the tool: the key must not stay in flight.
+            let reason = format!("the request could not be built: {e}");
+            if let Err(j) = journal.failed_before_send(ticket, &reason).await {
+                tracing::error!(key = %ticket.key(), error = %j, "could not record a call that was never sent");
+            }
+            return Err(e);
+        }
+    };
     if tool.class == ToolClass::Unsafe {
         // Unsafe tools take two durable writes: a crash between the claim and this
         // one is then provably "never sent" rather than in doubt.
@@ -248,7 +259,6 @@ async fn execute(
         tracing::info!(tool = %tool.name, key = %ticket.key(), attempt = ticket.attempt(),
             "re-sending a call whose earlier attempt may have reached the tool (same downstream key)");
     }
-    let req = proto.build(downstream)?;
     let upstream = shared.upstream.clone();
     let (timeout, max_body) = (tool.timeout, shared.options.limits.max_body_bytes);
     let fault = shared.faults.tool(&tool.name);

@@ -10,7 +10,8 @@
 //! derived from the task and the model's tool-call id (matched by tool name and
 //! arguments). The downstream key is forwarded in both the header and `_meta`.
 //! Refusals are JSON-RPC errors (`-32010` in progress, `-32011` key reused,
-//! `-32012` expired, `-32013` journal unavailable, `-32602` missing key) or, for an
+//! `-32012` expired, `-32013` journal unavailable, `-32602` params that are no
+//! `CallToolRequest`, an invalid or missing key) or, for an
 //! outcome the model should reason about, a `CallToolResult` with `isError: true`.
 
 use std::sync::Arc;
@@ -128,25 +129,17 @@ async fn tool_call(
 ) -> Result<(Response<Body>, Settled, Option<String>), Error> {
     let refused = |resp| Ok((resp, Settled::REFUSED, None));
     let id = message["id"].clone();
-    let tool_name = message["params"]["name"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    let arguments = message["params"]["arguments"].clone();
-    let meta_key = match message["params"]["_meta"][META_KEY].as_str() {
-        None => None,
-        Some(k) => match IdempotencyKey::new(k) {
-            Ok(k) => Some(k),
-            Err(e) => {
-                return refused(rpc_error(
-                    &id,
-                    -32602,
-                    &format!("params._meta[\"{META_KEY}\"]: {e}"),
-                    None,
-                ));
-            }
-        },
+    // Checked before any key is chosen: a call the sidecar could not forward must
+    // never be journaled (its key would stay in flight with nothing sent).
+    let params = match CallParams::of(message) {
+        Ok(p) => p,
+        Err(detail) => return refused(rpc_error(&id, -32602, &detail, None)),
     };
+    let CallParams {
+        name: tool_name,
+        arguments,
+        meta_key,
+    } = params;
     let choice = match tools::choose_key(
         shared,
         agent,
@@ -283,16 +276,7 @@ impl Protocol for McpCall<'_> {
     }
 
     fn build(&self, downstream: &str) -> Result<Request<Full<Bytes>>, Error> {
-        let mut message = self.message.clone();
-        if !message["params"]["_meta"].is_object() {
-            message["params"]["_meta"] = json!({});
-        }
-        message["params"]["_meta"][META_KEY] = json!(downstream);
-        // The server's spans join the sidecar's `execute_tool` span (MCP carries trace
-        // context in `_meta`, not in HTTP headers).
-        if let Some(tp) = outrigger_telemetry::spans::current_traceparent() {
-            message["params"]["_meta"]["traceparent"] = json!(tp);
-        }
+        let message = forwarded(self.message, downstream)?;
         let mut req = build(
             self.server,
             Method::POST,
@@ -390,6 +374,109 @@ impl Protocol for McpCall<'_> {
     fn in_doubt(&self, key: &IdempotencyKey, cause: &str, state: &str) -> Response<Body> {
         tracing::warn!(%key, %cause, "MCP tools/call in doubt");
         unknown_result(self.id, key, state, 0)
+    }
+}
+
+/// The `tools/call` as it goes to the server: the downstream key (and the trace
+/// context) in `params._meta`. It takes `params` apart without indexing, so that
+/// nothing the agent sent can make it panic.
+fn forwarded(message: &Value, downstream: &str) -> Result<Value, Error> {
+    let mut message = message.clone();
+    let params = message
+        .get_mut("params")
+        .and_then(Value::as_object_mut)
+        .ok_or_else(|| Error::BuildRequest("the tools/call has no params object".into()))?;
+    let meta = params.entry("_meta").or_insert_with(|| json!({}));
+    if !meta.is_object() {
+        *meta = json!({});
+    }
+    if let Some(meta) = meta.as_object_mut() {
+        meta.insert(META_KEY.to_owned(), json!(downstream));
+        // The server's spans join the sidecar's `execute_tool` span (MCP carries
+        // trace context in `_meta`, not in HTTP headers).
+        if let Some(tp) = outrigger_telemetry::spans::current_traceparent() {
+            meta.insert("traceparent".to_owned(), json!(tp));
+        }
+    }
+    Ok(message)
+}
+
+/// What the sidecar reads of a `tools/call`, checked as MCP's `CallToolRequest`
+/// defines it: `params` an object naming the tool, `arguments` and `_meta` objects
+/// when given.
+#[derive(Debug, PartialEq)]
+struct CallParams {
+    name: String,
+    /// `null` when not given.
+    arguments: Value,
+    meta_key: Option<IdempotencyKey>,
+}
+
+impl CallParams {
+    /// The call's parts, or what to fix (a JSON-RPC `-32602` message).
+    fn of(message: &Value) -> Result<Self, String> {
+        let Some(params) = message.get("params").and_then(Value::as_object) else {
+            return Err(format!(
+                "invalid params: a tools/call needs `params` as an object holding the tool's \
+                 `name` and its `arguments`, not {}",
+                kind(message.get("params"))
+            ));
+        };
+        let name = match params.get("name") {
+            Some(Value::String(name)) if !name.is_empty() => name.clone(),
+            other => {
+                return Err(format!(
+                    "invalid params: `params.name` must be the name of the tool to call (a \
+                     non-empty string), not {}",
+                    kind(other)
+                ));
+            }
+        };
+        let arguments = match params.get("arguments") {
+            None => Value::Null,
+            Some(a @ (Value::Object(_) | Value::Null)) => a.clone(),
+            other => {
+                return Err(format!(
+                    "invalid params: `params.arguments` must be an object of the tool's \
+                     arguments, not {}",
+                    kind(other)
+                ));
+            }
+        };
+        let meta = match params.get("_meta") {
+            None | Some(Value::Null) => None,
+            Some(Value::Object(meta)) => Some(meta),
+            other => {
+                return Err(format!(
+                    "invalid params: `params._meta` must be an object, not {}",
+                    kind(other)
+                ));
+            }
+        };
+        let meta_key = match meta.and_then(|m| m.get(META_KEY)).and_then(Value::as_str) {
+            None => None,
+            Some(k) => Some(
+                IdempotencyKey::new(k).map_err(|e| format!("params._meta[\"{META_KEY}\"]: {e}"))?,
+            ),
+        };
+        Ok(Self {
+            name,
+            arguments,
+            meta_key,
+        })
+    }
+}
+
+/// A JSON value's kind, for messages that say what was sent instead.
+fn kind(v: Option<&Value>) -> &'static str {
+    match v {
+        None => "nothing",
+        Some(Value::Null) => "null",
+        Some(Value::Bool(_)) => "a boolean",
+        Some(Value::Number(_)) => "a number",
+        Some(Value::String(_)) => "a string",
+        Some(Value::Array(_)) => "an array",
+        Some(Value::Object(_)) => "an object",
     }
 }
 
@@ -540,6 +627,78 @@ fn journal_unavailable(id: &Value, detail: &str) -> Response<Body> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `tools/call` whose params the sidecar could not forward is refused before
+    /// any key is chosen; a valid one yields its name, arguments and `_meta` key.
+    #[test]
+    fn call_params_are_checked_before_anything_is_journaled() {
+        let check = |params: Value, expect: Result<(&str, Value, Option<&str>), &str>| {
+            let mut message = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call"});
+            if !params.is_null() {
+                message["params"] = params.clone();
+            }
+            let got = CallParams::of(&message);
+            match expect {
+                Ok((name, arguments, key)) => assert_eq!(
+                    got,
+                    Ok(CallParams {
+                        name: name.to_owned(),
+                        arguments,
+                        meta_key: key.map(|k| IdempotencyKey::new(k).expect("a key")),
+                    }),
+                    "{params}"
+                ),
+                Err(says) => {
+                    let e = got.expect_err(&params.to_string());
+                    assert!(e.contains(says), "{params}: {e}");
+                }
+            }
+        };
+        check(
+            json!({"name": "send", "arguments": {"to": "a"}, "_meta": {META_KEY: "k-1"}}),
+            Ok(("send", json!({"to": "a"}), Some("k-1"))),
+        );
+        check(json!({"name": "send"}), Ok(("send", Value::Null, None)));
+        check(
+            json!({"name": "send", "arguments": null, "_meta": null}),
+            Ok(("send", Value::Null, None)),
+        );
+        check(Value::Null, Err("`params` as an object"));
+        check(json!(["x"]), Err("not an array"));
+        check(json!("x"), Err("not a string"));
+        check(json!({"arguments": {}}), Err("`params.name`"));
+        check(json!({"name": 7}), Err("not a number"));
+        check(json!({"name": ""}), Err("`params.name`"));
+        check(
+            json!({"name": "send", "arguments": [1]}),
+            Err("`params.arguments`"),
+        );
+        check(json!({"name": "send", "_meta": "k"}), Err("`params._meta`"));
+        check(
+            json!({"name": "send", "_meta": {META_KEY: "has space"}}),
+            Err(META_KEY),
+        );
+    }
+
+    /// The forwarded message carries the downstream key in `_meta`, and building it
+    /// never indexes into something that is not an object.
+    #[test]
+    fn the_forwarded_call_carries_the_downstream_key_in_meta() {
+        for params in [json!({"name": "send"}), json!({"name": "send", "_meta": 5})] {
+            let message =
+                json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params});
+            let sent = forwarded(&message, "k").expect("built");
+            assert_eq!(sent["params"]["_meta"][META_KEY], "k");
+        }
+        for params in [json!(["x"]), json!("x"), Value::Null] {
+            let message =
+                json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params});
+            assert!(matches!(
+                forwarded(&message, "k"),
+                Err(Error::BuildRequest(_))
+            ));
+        }
+    }
 
     #[test]
     fn finds_the_response_in_json_and_sse() {

@@ -110,10 +110,14 @@ impl ModelRequest {
             return self.body.clone();
         }
         match serde_json::from_slice::<Value>(&self.body) {
-            Ok(mut v) => {
-                v["model"] = Value::String(model.to_string());
-                Bytes::from(v.to_string())
-            }
+            // Only an object was accepted (`parse`); anything else goes as it came.
+            Ok(mut v) => match v.as_object_mut() {
+                Some(obj) => {
+                    obj.insert("model".to_owned(), Value::String(model.to_string()));
+                    Bytes::from(v.to_string())
+                }
+                None => self.body.clone(),
+            },
             Err(_) => self.body.clone(),
         }
     }
