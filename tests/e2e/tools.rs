@@ -696,6 +696,27 @@ async fn mcp_tool_calls_with_unusable_params_are_refused_before_the_journal() {
     assert_eq!(e.mcp.effects().len(), 1);
 }
 
+/// A `_meta` key that is no valid key (a number, an empty string) is refused with
+/// `-32602`, not taken for no key: the call would run unprotected.
+#[tokio::test]
+async fn mcp_meta_keys_that_are_not_valid_strings_are_refused() {
+    let e = env().await;
+    let url = e.sidecar.url("/mcp/mail");
+    for key in [json!(1042), json!(""), json!({"k": 1})] {
+        let call = json!({"jsonrpc": "2.0", "id": 8, "method": "tools/call",
+            "params": {"name": "send_email", "arguments": {"to": "x"}, "_meta": {META_KEY: key}}});
+        let refused = post_json(&url, &[], &call).await;
+        assert_eq!(refused.json()["id"], 8, "{}", refused.text());
+        assert_eq!(
+            refused.json()["error"]["code"],
+            -32602,
+            "{key}: {}",
+            refused.text()
+        );
+    }
+    assert!(e.mcp.methods().is_empty(), "nothing reached the server");
+}
+
 #[tokio::test]
 async fn mcp_answers_over_sse_are_journaled() {
     let mcp = MockMcp::start(ToolBehaviour::default(), true)

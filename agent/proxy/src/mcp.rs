@@ -453,11 +453,21 @@ impl CallParams {
                 ));
             }
         };
-        let meta_key = match meta.and_then(|m| m.get(META_KEY)).and_then(Value::as_str) {
-            None => None,
-            Some(k) => Some(
-                IdempotencyKey::new(k).map_err(|e| format!("params._meta[\"{META_KEY}\"]: {e}"))?,
+        // A key the agent meant to send but cannot be read is refused, never taken
+        // for no key: the call would run unprotected.
+        let meta_key = match meta.and_then(|m| m.get(META_KEY)) {
+            None | Some(Value::Null) => None,
+            Some(Value::String(k)) => Some(
+                IdempotencyKey::new(k.as_str())
+                    .map_err(|e| format!("params._meta[\"{META_KEY}\"]: {e}"))?,
             ),
+            other => {
+                return Err(format!(
+                    "params._meta[\"{META_KEY}\"] must be a string of 1 to 255 visible ASCII \
+                     characters, not {}",
+                    kind(other)
+                ));
+            }
         };
         Ok(Self {
             name,
@@ -677,6 +687,18 @@ mod tests {
         check(
             json!({"name": "send", "_meta": {META_KEY: "has space"}}),
             Err(META_KEY),
+        );
+        check(
+            json!({"name": "send", "_meta": {META_KEY: 1042}}),
+            Err("must be a string"),
+        );
+        check(
+            json!({"name": "send", "_meta": {META_KEY: ""}}),
+            Err(META_KEY),
+        );
+        check(
+            json!({"name": "send", "_meta": {META_KEY: null}}),
+            Ok(("send", Value::Null, None)),
         );
     }
 
