@@ -443,6 +443,72 @@ async fn an_unsafe_tool_in_doubt_is_held_for_an_operator() {
     assert_eq!(e.tool.effects().len(), 1);
 }
 
+/// A call recorded while its tool was `unsafe` keeps the unsafe class's second
+/// durable write after an operator reclassifies the tool (`keyed`) and restarts:
+/// a crash while its next attempt is at the tool leaves it in doubt (held for an
+/// operator, as its record's class says), never "not sent" and executed again.
+#[tokio::test]
+async fn a_call_recorded_as_unsafe_keeps_its_dispatch_write_after_the_tool_is_reclassified() {
+    let tool = MockTool::start(ToolBehaviour::default())
+        .await
+        .expect("tool");
+    let config = |class: &str| {
+        format!(
+            "[[tools]]\nname = \"payments\"\nkind = \"http\"\nbase_url = \"{}\"\nclass = \"{class}\"\ntimeout = \"20s\"\n",
+            tool.url()
+        )
+    };
+    let mut sidecar = Sidecar::start(&config("unsafe"), &[]).await;
+    let body = json!({"amount": 3});
+    let path = "/tools/payments/charge";
+    // A 429: not applied, so the key's next request executes again.
+    let refused = call(
+        &sidecar,
+        path,
+        Some("reclassified"),
+        &body,
+        &[("x-mock-tool", "status=429")],
+    )
+    .await;
+    assert_eq!(
+        refused.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "{}",
+        refused.text()
+    );
+
+    // The operator declares the tool keyed and restarts the sidecar.
+    sidecar.kill();
+    let file = sidecar.dir.path().join("outrigger.toml");
+    let text = std::fs::read_to_string(&file).expect("config");
+    std::fs::write(&file, text.replace(&config("unsafe"), &config("keyed"))).expect("config");
+    sidecar.spawn().await;
+
+    // The next attempt reaches the tool, which hangs; the sidecar dies meanwhile.
+    let url = sidecar.url(path);
+    let hung = tokio::spawn(async move {
+        let h = [
+            ("content-type", "application/json"),
+            ("idempotency-key", "reclassified"),
+            ("x-mock-tool", "hang=after"),
+        ];
+        let req = request(Method::POST, &url, &h, json!({"amount": 3}).to_string());
+        let _ = tokio::time::timeout(Duration::from_secs(20), client().request(req)).await;
+    });
+    assert!(
+        eventually(Duration::from_secs(10), || tool.effects().len() == 2).await,
+        "the second attempt reached the tool"
+    );
+    sidecar.kill();
+    hung.abort();
+    sidecar.spawn().await;
+
+    let again = call(&sidecar, path, Some("reclassified"), &body, &[]).await;
+    assert_eq!(again.status, StatusCode::CONFLICT, "{}", again.text());
+    assert_eq!(again.json()["state"], "needs_operator", "{}", again.text());
+    assert_eq!(tool.effects().len(), 2, "not executed again");
+}
+
 #[tokio::test]
 async fn a_keyed_tool_in_doubt_is_resent_with_the_same_key() {
     let e = env().await;

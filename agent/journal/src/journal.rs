@@ -369,7 +369,15 @@ impl Journal {
         };
         let (record, effect) = self.event(ticket.key(), event).await?;
         match effect {
-            Effect::Execute { ticket, resend } => Ok(Begin::Execute { ticket, resend }),
+            Effect::Execute {
+                ticket,
+                resend,
+                dispatch_write,
+            } => Ok(Begin::Execute {
+                ticket,
+                resend,
+                dispatch_write,
+            }),
             _ if record.state == State::Completed => Ok(Begin::Replay(record)),
             other => Err(Error::Invalid {
                 what: "reconciliation",

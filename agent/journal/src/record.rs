@@ -482,10 +482,17 @@ impl Record {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Begin {
     /// Send now. For keyed, idempotent and probe tools the intent (claimed + dispatched)
-    /// is already durable; for unsafe tools call `dispatched(&ticket)` right before the
-    /// send. `resend` is true when an earlier attempt may have reached the tool: the
-    /// proxy forwards the same downstream key so the tool can deduplicate.
-    Execute { ticket: Ticket, resend: bool },
+    /// is already durable; for unsafe tools `dispatch_write` is true: call
+    /// `dispatched(&ticket)` right before the send. It follows the class the record
+    /// was created with, not the tool's configured class now (an operator may have
+    /// changed it since). `resend` is true when an earlier attempt may have reached
+    /// the tool: the proxy forwards the same downstream key so the tool can
+    /// deduplicate.
+    Execute {
+        ticket: Ticket,
+        resend: bool,
+        dispatch_write: bool,
+    },
     /// A definitive outcome exists: answer from `record.response`, do not execute.
     Replay(Record),
     /// A live attempt owns the key: 409 + Retry-After, or wait (`Prefer: wait=N`).

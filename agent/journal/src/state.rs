@@ -53,8 +53,14 @@ pub enum Event {
 /// What applying an event asks of the caller.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Effect {
-    /// Send the request under this ticket.
-    Execute { ticket: Ticket, resend: bool },
+    /// Send the request under this ticket. `dispatch_write`: the attempt rests at
+    /// `claimed` (the record's class is `unsafe`), and its `Dispatched` must be
+    /// durable before the send.
+    Execute {
+        ticket: Ticket,
+        resend: bool,
+        dispatch_write: bool,
+    },
     /// Probe the tool under this ticket, then report `Reconciled`.
     Probe { ticket: Ticket },
     /// Answer from the stored response.
@@ -307,11 +313,13 @@ fn create(mut intent: Intent, epoch: u64, now: Timestamp) -> (Record, Effect) {
         dispatch(&mut rec, now, "attempt 1 dispatched".to_owned());
     }
     let ticket = Ticket::new(rec.key.clone(), 1, epoch);
+    let dispatch_write = rec.state == State::Claimed;
     (
         rec,
         Effect::Execute {
             ticket,
             resend: false,
+            dispatch_write,
         },
     )
 }
@@ -408,6 +416,7 @@ fn new_attempt(
     Effect::Execute {
         ticket: Ticket::new(rec.key.clone(), n, epoch),
         resend,
+        dispatch_write: rec.state == State::Claimed,
     }
 }
 

@@ -702,7 +702,15 @@ impl Core {
             rec
         };
         Ok(match effect {
-            Effect::Execute { ticket, resend } => Begin::Execute { ticket, resend },
+            Effect::Execute {
+                ticket,
+                resend,
+                dispatch_write,
+            } => Begin::Execute {
+                ticket,
+                resend,
+                dispatch_write,
+            },
             Effect::Probe { ticket } => Begin::Probe { ticket },
             Effect::Replay => {
                 batch.replays += 1;

@@ -97,7 +97,7 @@ async fn one_key_twenty_requests_one_execution() -> TestResult {
     let mut in_flight = 0;
     for task in tasks {
         match task.await?? {
-            Begin::Execute { ticket, resend } => {
+            Begin::Execute { ticket, resend, .. } => {
                 assert!(!resend);
                 tickets.push(ticket);
             }
@@ -283,7 +283,7 @@ async fn a_restart_settles_what_was_in_flight() -> TestResult {
 
     // What each class does with the next request for the same key.
     match run.journal.begin(intent("keyed", ToolClass::Keyed)).await? {
-        Begin::Execute { ticket, resend } => {
+        Begin::Execute { ticket, resend, .. } => {
             assert!(resend);
             assert_eq!(ticket.attempt(), 2);
             assert_eq!(ticket.epoch(), recovery.epoch);
@@ -465,7 +465,7 @@ async fn probe_tools_are_reconciled_before_a_resend() -> TestResult {
         run.journal.begin(intent("p", ToolClass::Probe)).await?,
         Begin::InFlight { .. }
     ));
-    let Begin::Execute { ticket, resend } = run.journal.reconciled(&ticket, None).await? else {
+    let Begin::Execute { ticket, resend, .. } = run.journal.reconciled(&ticket, None).await? else {
         return Err("a probe that found nothing re-sends".into());
     };
     assert!(resend);

@@ -18,7 +18,7 @@ use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use outrigger_journal::{Begin, Intent, Journal, Record, State, StoredResponse, Ticket};
 use outrigger_telemetry::slo::Failed;
-use outrigger_types::{IdempotencyKey, ToolClass};
+use outrigger_types::IdempotencyKey;
 
 use crate::Shared;
 use crate::body::{self, Body};
@@ -169,8 +169,17 @@ pub(crate) async fn run(
     let mut waited = false;
     loop {
         begin = match begin {
-            Begin::Execute { ticket, resend } => {
-                return execute(shared, journal, tool, &ticket, &downstream, resend, proto).await;
+            Begin::Execute {
+                ticket,
+                resend,
+                dispatch_write,
+            } => {
+                let attempt = Attempt {
+                    ticket: &ticket,
+                    resend,
+                    dispatch_write,
+                };
+                return execute(shared, journal, tool, attempt, &downstream, proto).await;
             }
             Begin::Replay(record) => {
                 return Ok((proto.replay(&record), Settled::replayed(&record)));
@@ -230,15 +239,30 @@ pub(crate) async fn run(
     }
 }
 
+/// One attempt the journal decided to send.
+struct Attempt<'a> {
+    ticket: &'a Ticket,
+    /// An earlier attempt may have reached the tool.
+    resend: bool,
+    /// The record rests at `claimed` (its class is `unsafe`): `dispatched` must be
+    /// durable before the send. The record's class decides, not the tool's class
+    /// in the configuration now, which may have changed since the record was made.
+    dispatch_write: bool,
+}
+
 async fn execute(
     shared: &Shared,
     journal: &Journal,
     tool: &Tool,
-    ticket: &Ticket,
+    attempt: Attempt<'_>,
     downstream: &str,
-    resend: bool,
     proto: &impl Protocol,
 ) -> Result<(Response<Body>, Settled), Error> {
+    let Attempt {
+        ticket,
+        resend,
+        dispatch_write,
+    } = attempt;
     let req = match proto.build(downstream) {
         Ok(req) => req,
         Err(e) => {
@@ -250,7 +274,7 @@ async fn execute(
             return Err(e);
         }
     };
-    if tool.class == ToolClass::Unsafe {
+    if dispatch_write {
         // Unsafe tools take two durable writes: a crash between the claim and this
         // one is then provably "never sent" rather than in doubt.
         journal.dispatched(ticket).await.map_err(Error::Journal)?;

@@ -547,6 +547,47 @@ fn transitions() {
 }
 
 /// Events that must be refused: (class, setup, refused step, error).
+/// Whether an attempt takes the second durable write (`dispatched`) follows the
+/// class the record was made with, whatever class the request names now: a tool
+/// reclassified from `unsafe` after its record was made still gets the write before
+/// its send, so a crash before it stays provably "never sent" and one after it in
+/// doubt. (class of the record, class of the request, steps, dispatch write)
+#[test]
+fn the_dispatch_write_follows_the_records_class() {
+    let rows: &[(ToolClass, ToolClass, &[Step], bool)] = &[
+        (Unsafe, Unsafe, &[], true),
+        (Keyed, Keyed, &[], false),
+        (Unsafe, Unsafe, &[Begin, FailPre], true),
+        (Unsafe, Keyed, &[Begin, FailPre], true),
+        (Unsafe, Idempotent, &[Begin, Dispatched, Doubt, Retry], true),
+        (Keyed, Unsafe, &[Begin, FailPre], false),
+        (Keyed, Unsafe, &[Begin, Doubt], false),
+        (Probe, Unsafe, &[Begin, Doubt, Begin, NotFound], false),
+    ];
+    for (made, now, steps, dispatch) in rows {
+        let label = format!("{made:?} then {now:?} {steps:?}");
+        let mut d = Driver::new(*made);
+        let mut last = d
+            .run(steps)
+            .unwrap_or_else(|e| panic!("{label}: setup failed: {e}"));
+        if !steps.ends_with(&[NotFound]) {
+            d.class = *now;
+            last = d.step(Begin).unwrap_or_else(|e| panic!("{label}: {e}"));
+        }
+        let Effect::Execute { dispatch_write, .. } = last else {
+            panic!("{label}: expected an execute, got {last:?}");
+        };
+        assert_eq!(dispatch_write, *dispatch, "{label}");
+        let state = d.record.as_ref().map(|r| r.state);
+        let rests = if *dispatch {
+            State::Claimed
+        } else {
+            State::Dispatched
+        };
+        assert_eq!(state, Some(rests), "{label}: state");
+    }
+}
+
 #[test]
 fn refusals() {
     let rows: &[(ToolClass, &[Step], Step, &str)] = &[
