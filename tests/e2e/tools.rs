@@ -625,6 +625,67 @@ async fn a_probe_tool_in_doubt_is_checked_before_anything_is_resent() {
     assert_eq!(e.probe.effects().len(), 2);
 }
 
+/// A probe whose agent goes away (here: gives up after 200 ms of a probe that takes
+/// 800) is not cut short: what it finds is journaled, so the key's next request gets
+/// the answer it found, or (it found nothing) executes, instead of `409` until a
+/// restart.
+#[tokio::test]
+async fn a_probe_whose_agent_goes_away_still_journals_what_it_found() {
+    let e = env().await;
+    let path = "/tools/orders/place";
+    let give_up = |key: &'static str, body: serde_json::Value| {
+        let url = e.sidecar.url(path);
+        async move {
+            let h = [
+                ("content-type", "application/json"),
+                ("idempotency-key", key),
+                ("x-mock-tool", "delay_ms=800"),
+            ];
+            let req = request(Method::POST, &url, &h, body.to_string());
+            let gave_up =
+                tokio::time::timeout(Duration::from_millis(200), client().request(req)).await;
+            assert!(
+                gave_up.is_err(),
+                "the probe answered before the agent gave up"
+            );
+        }
+    };
+    let wait = [("prefer", "wait=10")];
+
+    // The call happened: the probe finds it.
+    e.probe.push(ToolBehaviour {
+        fail: Some(Fail::Reset),
+        ..ToolBehaviour::default()
+    });
+    let body = json!({"sku": "gone-1"});
+    let first = call(&e.sidecar, path, Some("probe-gone-1"), &body, &[]).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{}", first.text());
+    give_up("probe-gone-1", body.clone()).await;
+    let after = call(&e.sidecar, path, Some("probe-gone-1"), &body, &wait).await;
+    assert_eq!(after.status, StatusCode::OK, "{}", after.text());
+    assert_eq!(after.header("outrigger-replayed"), Some("true"));
+    assert_eq!(after.json()["effect"], 1, "{}", after.text());
+
+    // It did not: the probe finds nothing, and the next request executes it.
+    e.probe.push(ToolBehaviour {
+        fail: Some(Fail::Before),
+        ..ToolBehaviour::default()
+    });
+    let body = json!({"sku": "gone-2"});
+    let lost = call(&e.sidecar, path, Some("probe-gone-2"), &body, &[]).await;
+    assert_eq!(
+        lost.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "{}",
+        lost.text()
+    );
+    give_up("probe-gone-2", body.clone()).await;
+    let ran = call(&e.sidecar, path, Some("probe-gone-2"), &body, &wait).await;
+    assert_eq!(ran.status, StatusCode::OK, "{}", ran.text());
+    assert_eq!(ran.header("outrigger-replayed"), None);
+    assert_eq!(e.probe.effects().len(), 2, "each call took effect once");
+}
+
 #[tokio::test]
 async fn mcp_tool_calls_are_journaled_and_everything_else_passes_through() {
     let e = env().await;

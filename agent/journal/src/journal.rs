@@ -274,20 +274,29 @@ impl Journal {
             },
             move |begin: Begin| {
                 Box::pin(async move {
-                    let settled = match &begin {
-                        Begin::Execute { ticket, .. } => {
-                            journal.failed_before_send(ticket, UNANSWERED).await
-                        }
-                        Begin::Probe { ticket } => journal.in_doubt(ticket, UNANSWERED).await.map(drop),
-                        _ => Ok(()),
-                    };
-                    if let Err(e) = settled {
+                    if let Err(e) = journal.unanswered(&begin, UNANSWERED).await {
                         tracing::warn!(error = %e, "could not settle a call whose caller went away");
                     }
                 })
             },
         )
         .await
+    }
+
+    /// Settles a decision nobody will act on (its caller went away): a call to
+    /// execute was never sent (`failed_before_send`), and one to probe goes back in
+    /// doubt, so that the key is not left in flight until a restart. The other
+    /// decisions changed nothing to settle.
+    pub async fn unanswered(&self, begin: &Begin, why: &str) -> Result<(), Error> {
+        match begin {
+            Begin::Execute { ticket, .. } => self.failed_before_send(ticket, why).await,
+            Begin::Probe { ticket } => self.in_doubt(ticket, why).await.map(drop),
+            Begin::Replay(_)
+            | Begin::InFlight { .. }
+            | Begin::Mismatch { .. }
+            | Begin::OutcomeUnknown { .. }
+            | Begin::Tombstoned { .. } => Ok(()),
+        }
     }
 
     /// An unsafe tool's request is about to leave: the second durable write. If the

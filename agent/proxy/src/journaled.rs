@@ -4,8 +4,8 @@
 //! this loop enforces it: execute (with the unsafe class's second durable write just
 //! before the send), replay the stored answer, refuse, wait (`Prefer: wait=N`),
 //! probe, and record every outcome durably before the agent sees it. A call that has
-//! left for the tool is not cancelled when its agent goes away: it finishes on its
-//! own and is journaled, as if the agent were still there. How a request
+//! left for the tool, or a probe under way, is not cancelled when its agent goes
+//! away: it finishes on its own and is journaled, as if the agent were still there. How a request
 //! is built and how answers and refusals are worded is the [`Protocol`]'s business.
 
 use std::pin::Pin;
@@ -212,22 +212,13 @@ pub(crate) async fn run(
                 return Ok((proto.tombstoned(&record), Settled::refused(record.state)));
             }
             Begin::Probe { ticket } => {
-                match probe(shared, tool, &downstream, proto.agent_headers()).await {
-                    Probed::Found(resp) => journal
-                        .reconciled(&ticket, Some(resp))
-                        .await
-                        .map_err(Error::Journal)?,
-                    Probed::NotFound => journal
-                        .reconciled(&ticket, None)
-                        .await
-                        .map_err(Error::Journal)?,
-                    Probed::Failed(detail, failed) => {
-                        tracing::warn!(tool = %tool.name, %key, %detail, "probe failed; the call stays in doubt");
-                        // Back to in doubt (not left reconciling): the next request probes again.
-                        let state = journal
-                            .in_doubt(&ticket, &format!("the probe failed: {detail}"))
-                            .await
-                            .map_err(Error::Journal)?;
+                match reconcile(shared, journal, tool, &ticket, &downstream, proto).await? {
+                    Reconciled::Decided(next) => *next,
+                    Reconciled::Unknown {
+                        detail,
+                        state,
+                        failed,
+                    } => {
                         return Ok((
                             proto.in_doubt(&key, &detail, state.as_str()),
                             Settled::of(state, Some(failed)),
@@ -236,6 +227,128 @@ pub(crate) async fn run(
                 }
             }
         };
+    }
+}
+
+/// What a probe, once journaled, made of a call in doubt.
+enum Reconciled {
+    /// The journal's decision: replay what the probe found, or (it found nothing)
+    /// execute the next attempt, already durable as dispatched.
+    Decided(Box<Begin>),
+    /// The probe could not tell: the call is back in doubt (the next request probes
+    /// again).
+    Unknown {
+        detail: String,
+        state: State,
+        failed: Failed,
+    },
+}
+
+/// Probes a call in doubt and journals what the probe found. Like a call at the
+/// tool, it is not cut short when its agent goes away: it goes on by itself and
+/// journals its outcome, and a decision to execute that nobody will act on is
+/// settled as never sent, so the key is not left reconciling (or dispatched) until a
+/// restart.
+async fn reconcile(
+    shared: &Shared,
+    journal: &Journal,
+    tool: &Tool,
+    ticket: &Ticket,
+    downstream: &str,
+    proto: &impl Protocol,
+) -> Result<Reconciled, Error> {
+    let upstream = shared.upstream.clone();
+    let max_body = shared.options.limits.max_body_bytes;
+    let (owned_journal, owned_ticket) = (journal.clone(), ticket.clone());
+    let (owned_tool, downstream, agent) = (
+        tool.clone(),
+        downstream.to_owned(),
+        proto.agent_headers().clone(),
+    );
+    let probing = async move {
+        let (journal, ticket, tool) = (&owned_journal, &owned_ticket, &owned_tool);
+        match probe(&upstream, max_body, tool, &downstream, &agent).await {
+            Probed::Found(resp) => journal
+                .reconciled(ticket, Some(resp))
+                .await
+                .map(|next| Reconciled::Decided(Box::new(next))),
+            Probed::NotFound => journal
+                .reconciled(ticket, None)
+                .await
+                .map(|next| Reconciled::Decided(Box::new(next))),
+            Probed::Failed(detail, failed) => {
+                tracing::warn!(tool = %tool.name, key = %ticket.key(), %detail, "probe failed; the call stays in doubt");
+                // Back to in doubt (not left reconciling): the next request probes again.
+                journal
+                    .in_doubt(ticket, &format!("the probe failed: {detail}"))
+                    .await
+                    .map(|state| Reconciled::Unknown {
+                        detail,
+                        state,
+                        failed,
+                    })
+            }
+        }
+    };
+    let (journal, key, on_detached) = (journal.clone(), ticket.key().clone(), proto.on_detached());
+    let orphaned: Orphaned<Result<Reconciled, outrigger_journal::Error>> = Box::new(
+        move |reconciled| {
+            Box::pin(async move {
+                let end = match reconciled {
+                    Ok(Reconciled::Decided(next)) => {
+                        match journal.unanswered(&next, GONE_BEFORE_SEND).await {
+                            Ok(()) => {
+                                tracing::info!(%key, "the agent went away during a probe; what it found was journaled");
+                                Ok(settled_unanswered(&next))
+                            }
+                            Err(e) => {
+                                tracing::error!(%key, error = %e, "the agent went away during a probe; the decision that followed could not be settled");
+                                Err(Error::Journal(e))
+                            }
+                        }
+                    }
+                    Ok(Reconciled::Unknown { state, failed, .. }) => {
+                        tracing::info!(%key, state = state.as_str(), "the agent went away during a probe that could not tell");
+                        Ok((
+                            Settled::of(state, Some(failed)),
+                            Some("outcome-unknown".to_owned()),
+                        ))
+                    }
+                    Err(e) => {
+                        tracing::error!(%key, error = %e, "the agent went away during a probe whose outcome could not be journaled");
+                        Err(Error::Journal(e))
+                    }
+                };
+                on_detached(end);
+            })
+        },
+    );
+    Detachable::new(probing, shared.detached.count(), orphaned)
+        .await
+        .map_err(Error::Journal)
+}
+
+/// Why a decision to execute that followed a probe is settled as never sent.
+const GONE_BEFORE_SEND: &str = "the agent went away before the call was sent";
+
+/// How a call settled whose agent went away before it acted on `begin` (which
+/// [`Journal::unanswered`] has settled).
+fn settled_unanswered(begin: &Begin) -> (Settled, Option<String>) {
+    match begin {
+        Begin::Replay(record) => {
+            let status = record.response.as_ref().map(|r| r.status).unwrap_or(500);
+            let failed = (!(200..300).contains(&status)).then(|| status.to_string());
+            (Settled::replayed(record), failed)
+        }
+        Begin::Execute { .. } => (Settled::of(State::FailedBeforeSend, None), None),
+        Begin::Probe { .. } => (
+            Settled::of(State::InDoubt, None),
+            Some("outcome-unknown".to_owned()),
+        ),
+        Begin::InFlight { record }
+        | Begin::Mismatch { record }
+        | Begin::OutcomeUnknown { record }
+        | Begin::Tombstoned { record } => (Settled::refused(record.state), None),
     }
 }
 
@@ -288,16 +401,31 @@ async fn execute(
     let fault = shared.faults.tool(&tool.name);
     let (owned_journal, owned_ticket) = (journal.clone(), ticket.clone());
     let answer = proto.answerer();
-    let at_tool = AtTool {
-        running: Some(Box::pin(async move {
-            let reached = dispatch(upstream, req, timeout, max_body, fault).await;
-            record(&owned_journal, &owned_ticket, reached, answer).await
-        })),
-        key: ticket.key().clone(),
-        counted: Some(shared.detached.count()),
-        on_detached: Some(proto.on_detached()),
+    let at_tool = async move {
+        let reached = dispatch(upstream, req, timeout, max_body, fault).await;
+        record(&owned_journal, &owned_ticket, reached, answer).await
     };
-    let recorded = at_tool.await;
+    let (key, on_detached) = (ticket.key().clone(), proto.on_detached());
+    let orphaned: Orphaned<Recorded> = Box::new(move |recorded| {
+        Box::pin(async move {
+            match &recorded {
+                Recorded::Answered(_, settled) => {
+                    tracing::info!(%key, state = settled.state, "the agent went away; its call finished and was journaled");
+                }
+                Recorded::NotSent(e) => {
+                    tracing::info!(%key, error = %e, "the agent went away; its call was never sent");
+                }
+                Recorded::InDoubt { cause, settled } => {
+                    tracing::info!(%key, %cause, state = settled.state, "the agent went away; its call ended in doubt");
+                }
+                Recorded::Unrecorded(e) | Recorded::Failed(e) => {
+                    tracing::error!(%key, error = %e, "the agent went away; its call's outcome could not be journaled");
+                }
+            }
+            on_detached(recorded.detached_end());
+        })
+    });
+    let recorded = Detachable::new(at_tool, shared.detached.count(), orphaned).await;
     respond(recorded, tool, ticket, proto)
 }
 
@@ -379,42 +507,65 @@ async fn dispatch(
     }
 }
 
-/// A call at the tool, up to its outcome's journaling. Dropped before it finished
-/// (the agent went away, and its request with it), it is not cancelled: it goes on
-/// as a task of its own and journals its outcome, so that the agent's retry with the
-/// same key replays the answer (or waits for it) rather than finding in doubt a call
-/// the tool completed. Only that case spawns; an attached call costs one box.
-struct AtTool<F>
+/// What becomes of the outcome of work whose agent went away (a call at the tool, a
+/// probe): it is logged, settled where nobody will act on it, and told to the
+/// call's observer.
+type Orphaned<T> = Box<dyn FnOnce(T) -> Pin<Box<dyn Future<Output = ()> + Send>> + Send>;
+
+/// Work on a call that must reach the journal whatever the agent does: a call at the
+/// tool up to its outcome's journaling, a probe up to what it found. Dropped before
+/// it finished (the agent went away, and its request with it), it is not cancelled:
+/// it goes on as a task of its own, journals its outcome and hands it to
+/// `orphaned`, so that the agent's retry with the same key replays the answer (or
+/// waits for it) rather than finding in doubt a call the tool completed, or a key
+/// left in flight. Only that case spawns; attached work costs one box.
+struct Detachable<F>
 where
-    F: Future<Output = Recorded> + Send + 'static,
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
 {
     running: Option<Pin<Box<F>>>,
-    key: IdempotencyKey,
-    /// Keeps a drain waiting for the call, here and then in its own task.
+    /// Keeps a drain waiting for the work, here and then in its own task.
     counted: Option<detached::Counted>,
-    on_detached: Option<DetachedEnd>,
+    orphaned: Option<Orphaned<F::Output>>,
 }
 
-impl<F> Future for AtTool<F>
+impl<F> Detachable<F>
 where
-    F: Future<Output = Recorded> + Send + 'static,
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
 {
-    type Output = Recorded;
+    fn new(running: F, counted: detached::Counted, orphaned: Orphaned<F::Output>) -> Self {
+        Self {
+            running: Some(Box::pin(running)),
+            counted: Some(counted),
+            orphaned: Some(orphaned),
+        }
+    }
+}
 
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Recorded> {
+impl<F> Future for Detachable<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         // Polled again after it finished: it stays finished.
         let Some(running) = self.running.as_mut() else {
             return Poll::Pending;
         };
-        let recorded = std::task::ready!(running.as_mut().poll(cx));
+        let done = std::task::ready!(running.as_mut().poll(cx));
         self.running = None;
-        Poll::Ready(recorded)
+        Poll::Ready(done)
     }
 }
 
-impl<F> Drop for AtTool<F>
+impl<F> Drop for Detachable<F>
 where
-    F: Future<Output = Recorded> + Send + 'static,
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
 {
     fn drop(&mut self) {
         let Some(running) = self.running.take() else {
@@ -425,28 +576,13 @@ where
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let key = self.key.clone();
         let counted = self.counted.take();
-        let on_detached = self.on_detached.take();
+        let orphaned = self.orphaned.take();
         runtime.spawn(async move {
             let _counted = counted;
-            let recorded = running.await;
-            match &recorded {
-                Recorded::Answered(_, settled) => {
-                    tracing::info!(%key, state = settled.state, "the agent went away; its call finished and was journaled");
-                }
-                Recorded::NotSent(e) => {
-                    tracing::info!(%key, error = %e, "the agent went away; its call was never sent");
-                }
-                Recorded::InDoubt { cause, settled } => {
-                    tracing::info!(%key, %cause, state = settled.state, "the agent went away; its call ended in doubt");
-                }
-                Recorded::Unrecorded(e) | Recorded::Failed(e) => {
-                    tracing::error!(%key, error = %e, "the agent went away; its call's outcome could not be journaled");
-                }
-            }
-            if let Some(tell) = on_detached {
-                tell(recorded.detached_end());
+            let done = running.await;
+            if let Some(orphaned) = orphaned {
+                orphaned(done).await;
             }
         });
     }
@@ -625,7 +761,13 @@ enum Probed {
 /// with the agent's headers, as the call itself did: a tool that needs the agent's
 /// credentials must not answer an anonymous probe with a 404 that reads as "never
 /// happened". An answer whose body cannot be read whole is no answer.
-async fn probe(shared: &Shared, tool: &Tool, downstream: &str, agent: &HeaderMap) -> Probed {
+async fn probe(
+    upstream: &crate::upstream::Upstream,
+    max_body: usize,
+    tool: &Tool,
+    downstream: &str,
+    agent: &HeaderMap,
+) -> Probed {
     let Some(path) = &tool.probe_path else {
         return Probed::Failed(
             format!("tool {} has no probe_path", tool.name),
@@ -653,11 +795,11 @@ async fn probe(shared: &Shared, tool: &Tool, downstream: &str, agent: &HeaderMap
         Ok(r) => r,
         Err(e) => return Probed::Failed(e.to_string(), Failed::Internal),
     };
-    match shared.upstream.send(req, tool.timeout).await {
+    match upstream.send(req, tool.timeout).await {
         Ok(resp) => {
             let status = resp.status();
             let (parts, body) = resp.into_parts();
-            let read = body::read_limited(body, shared.options.limits.max_body_bytes);
+            let read = body::read_limited(body, max_body);
             let bytes = match tokio::time::timeout(tool.timeout, read).await {
                 Ok(Ok(bytes)) => bytes,
                 Ok(Err(e)) => {
@@ -756,19 +898,20 @@ mod tests {
         let detached = detached::Detached::default();
         let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
         let (done_tx, done_rx) = tokio::sync::oneshot::channel();
-        let call = AtTool {
-            running: Some(Box::pin(async move {
+        let (told_tx, told_rx) = tokio::sync::oneshot::channel();
+        let call = Detachable::new(
+            async move {
                 let _ = go_rx.await;
                 let _ = done_tx.send(());
-                Recorded::NotSent(crate::upstream::Error::Connect {
-                    authority: "tool".into(),
-                    detail: "refused".into(),
+                7
+            },
+            detached.count(),
+            Box::new(move |done: u32| {
+                Box::pin(async move {
+                    let _ = told_tx.send(done);
                 })
-            })),
-            key: IdempotencyKey::new("k").expect("a key"),
-            counted: Some(detached.count()),
-            on_detached: None,
-        };
+            }),
+        );
         // The agent goes away while the call is pending.
         let pending = tokio::time::timeout(Duration::from_millis(10), call).await;
         assert!(pending.is_err(), "the call was still pending");
@@ -784,6 +927,12 @@ mod tests {
             .await
             .expect("the drain's wait ended")
             .expect("no panic");
+        let told = tokio::time::timeout(Duration::from_secs(5), told_rx).await;
+        assert_eq!(
+            told.ok().and_then(Result::ok),
+            Some(7),
+            "its outcome was handed on"
+        );
     }
 
     #[test]

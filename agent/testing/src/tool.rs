@@ -3,7 +3,8 @@
 //!
 //! Any `POST|PUT|PATCH|DELETE` applies an effect and answers
 //! `{"ok":true,"effect":<n>,"key":…,"echo":<body>}`. `GET /status/{key}` is a probe:
-//! 200 with the effect if one was applied under that key, 404 otherwise.
+//! 200 with the effect if one was applied under that key, 404 otherwise (after
+//! `delay_ms` when its `x-mock-tool` header says so).
 //! Behaviour comes from an `x-mock-tool` header (`delay_ms=50,fail=after`), a queue,
 //! or the default:
 //!
@@ -186,6 +187,14 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
     if method == "GET" {
         if let Some(key) = path.strip_prefix("/status/") {
+            // A probe can be slowed down too (`x-mock-tool: delay_ms=N`).
+            let mut probe = ToolBehaviour::default();
+            if let Some(spec) = header(&req, "x-mock-tool")
+                && probe.apply_overrides(&spec).is_ok()
+                && !probe.delay.is_zero()
+            {
+                tokio::time::sleep(probe.delay).await;
+            }
             let found = state
                 .effects
                 .lock()
