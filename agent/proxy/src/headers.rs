@@ -14,23 +14,43 @@ pub const ATTEMPTS: &str = "outrigger-attempts";
 pub const FAULT_INJECTED: &str = "outrigger-fault-injected";
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 
-/// Hop-by-hop headers (RFC 9110 §7.6.1) plus the ones the sidecar owns.
-fn is_hop_or_owned(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "connection"
-            | "keep-alive"
-            | "proxy-connection"
-            | "te"
-            | "trailer"
-            | "transfer-encoding"
-            | "upgrade"
-            | "host"
-            | "content-length"
-    ) || name.as_str().starts_with("outrigger-")
+/// Hop-by-hop headers (RFC 9110 §7.6.1 and the obsolete ones still seen), and the
+/// proxy authentication of one hop (`Proxy-Authorization`, `Proxy-Authenticate`):
+/// never relayed, in either direction.
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "proxy-authorization",
+    "proxy-authenticate",
+];
+
+/// The names a message's `Connection` header lists: hop-by-hop for that message
+/// too (RFC 9110 §7.6.1).
+fn nominated(h: &HeaderMap) -> Vec<HeaderName> {
+    h.get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect()
 }
 
-/// Headers carrying the agent's own credentials: never forwarded, never journaled.
+fn is_hop_by_hop(name: &HeaderName, nominated: &[HeaderName]) -> bool {
+    HOP_BY_HOP.contains(&name.as_str()) || nominated.contains(name)
+}
+
+/// Headers the sidecar sets itself on an upstream request.
+fn is_owned(name: &HeaderName) -> bool {
+    matches!(name.as_str(), "host" | "content-length") || name.as_str().starts_with("outrigger-")
+}
+
+/// Headers carrying the agent's own credentials: never forwarded to a provider,
+/// never journaled (a tool, the agent's own service, gets them).
 pub fn is_credential(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
@@ -38,12 +58,13 @@ pub fn is_credential(name: &HeaderName) -> bool {
     )
 }
 
-/// Copies the agent's request headers for an upstream request, without hop-by-hop
-/// headers, the sidecar's own, and the agent's credentials.
+/// Copies the agent's request headers for a provider, without hop-by-hop headers,
+/// the sidecar's own, and the agent's credentials.
 pub fn forwardable(from: &HeaderMap) -> HeaderMap {
+    let hop = nominated(from);
     let mut out = HeaderMap::with_capacity(from.len());
     for (k, v) in from {
-        if !is_hop_or_owned(k) && !is_credential(k) {
+        if !is_hop_by_hop(k, &hop) && !is_owned(k) && !is_credential(k) {
             out.append(k.clone(), v.clone());
         }
     }
@@ -52,11 +73,13 @@ pub fn forwardable(from: &HeaderMap) -> HeaderMap {
 
 /// Copies the agent's request headers for a tool: everything end to end (the
 /// agent's own credentials included: tools are the agent's services), without
-/// hop-by-hop headers and the sidecar's own.
+/// hop-by-hop headers (the agent's credentials for a proxy among them) and the
+/// sidecar's own.
 pub fn end_to_end(from: &HeaderMap) -> HeaderMap {
+    let hop = nominated(from);
     let mut out = HeaderMap::with_capacity(from.len());
     for (k, v) in from {
-        if !is_hop_or_owned(k) && k.as_str() != IDEMPOTENCY_KEY {
+        if !is_hop_by_hop(k, &hop) && !is_owned(k) && k.as_str() != IDEMPOTENCY_KEY {
             out.append(k.clone(), v.clone());
         }
     }
@@ -85,17 +108,13 @@ pub fn inject_credential(headers: &mut HeaderMap, dialect: Dialect, key: Option<
     }
 }
 
-/// Removes hop-by-hop headers from an upstream response before it is relayed.
+/// Removes hop-by-hop headers (those its `Connection` header lists among them) from
+/// an upstream response before it is relayed or stored.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    for name in [
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    ] {
+    for name in nominated(headers) {
+        headers.remove(name);
+    }
+    for name in HOP_BY_HOP {
         headers.remove(name);
     }
 }
@@ -128,6 +147,52 @@ mod tests {
         let out = forwardable(&h);
         let names: Vec<&str> = out.keys().map(|k| k.as_str()).collect();
         assert_eq!(names, vec!["content-type", "x-custom"]);
+    }
+
+    fn map(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(HeaderName::from_static(k), HeaderValue::from_static(v));
+        }
+        h
+    }
+
+    fn names(h: &HeaderMap) -> Vec<&str> {
+        h.keys().map(|k| k.as_str()).collect()
+    }
+
+    /// RFC 9110 §7.6.1: what `Connection` lists is hop-by-hop, and so is a proxy's
+    /// authentication; neither reaches a tool or a provider, nor the agent.
+    #[test]
+    fn headers_named_in_connection_and_proxy_credentials_stay_on_their_hop() {
+        let agent = map(&[
+            ("connection", "keep-alive, X-Hop , x-trace-hop"),
+            ("x-hop", "1"),
+            ("x-trace-hop", "2"),
+            ("proxy-authorization", "Basic cHJveHk6cHc="),
+            ("authorization", "Bearer agent"),
+            ("idempotency-key", "k"),
+            ("content-type", "application/json"),
+        ]);
+        assert_eq!(
+            names(&end_to_end(&agent)),
+            ["authorization", "content-type"]
+        );
+        assert_eq!(
+            names(&forwardable(&agent)),
+            ["idempotency-key", "content-type"]
+        );
+
+        let mut answer = map(&[
+            ("connection", "close, x-upstream-hop"),
+            ("x-upstream-hop", "1"),
+            ("proxy-authenticate", "Basic realm=\"proxy\""),
+            ("transfer-encoding", "chunked"),
+            ("www-authenticate", "Bearer realm=\"tool\""),
+            ("retry-after", "3"),
+        ]);
+        strip_hop_by_hop(&mut answer);
+        assert_eq!(names(&answer), ["www-authenticate", "retry-after"]);
     }
 
     #[test]

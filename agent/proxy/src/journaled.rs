@@ -818,25 +818,28 @@ async fn probe(
                     );
                 }
             };
-            if status.is_success() {
-                Probed::Found(StoredResponse::new(
-                    status.as_u16(),
-                    tools::redacted_headers(&parts.headers),
-                    bytes,
-                ))
-            } else if status == StatusCode::NOT_FOUND {
-                Probed::NotFound
-            } else {
-                Probed::Failed(
-                    format!("the probe answered {status}"),
-                    Failed::of_tool_status(status.as_u16()).unwrap_or(Failed::Unclassified),
-                )
-            }
+            probed(status, &parts.headers, bytes)
         }
         Err(e) => Probed::Failed(
             format!("the probe failed: {e}"),
             crate::observe::failed_of_upstream(&e),
         ),
+    }
+}
+
+/// What a probe's answer, read whole, says. What it found is stored as the call's
+/// answer, as a call's own answer is (its hop-by-hop headers left out).
+fn probed(status: StatusCode, h: &HeaderMap, bytes: Bytes) -> Probed {
+    if status.is_success() {
+        let (stored, _) = tools::relayed(status, h, bytes);
+        Probed::Found(stored)
+    } else if status == StatusCode::NOT_FOUND {
+        Probed::NotFound
+    } else {
+        Probed::Failed(
+            format!("the probe answered {status}"),
+            Failed::of_tool_status(status.as_u16()).unwrap_or(Failed::Unclassified),
+        )
     }
 }
 
@@ -933,6 +936,37 @@ mod tests {
             Some(7),
             "its outcome was handed on"
         );
+    }
+
+    /// What a probe found is stored like a call's answer: without hop-by-hop
+    /// headers, which a replay would otherwise send again.
+    #[test]
+    fn a_found_call_is_stored_without_hop_by_hop_headers() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("transfer-encoding", "chunked"),
+            ("connection", "keep-alive, x-hop"),
+            ("x-hop", "1"),
+            ("keep-alive", "timeout=5"),
+            ("content-length", "9"),
+            ("content-type", "application/json"),
+            ("x-order", "7"),
+        ] {
+            h.insert(
+                http::HeaderName::from_static(k),
+                HeaderValue::from_static(v),
+            );
+        }
+        let Probed::Found(stored) = probed(StatusCode::OK, &h, Bytes::from_static(b"{}")) else {
+            panic!("a 2xx is found");
+        };
+        let mut names: Vec<&str> = stored.headers.iter().map(|(k, _)| k).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["content-type", "x-order"]);
+        assert!(matches!(
+            probed(StatusCode::NOT_FOUND, &h, Bytes::new()),
+            Probed::NotFound
+        ));
     }
 
     #[test]

@@ -493,20 +493,7 @@ impl Protocol for Http<'_> {
             )
             .into_response();
         };
-        let mut resp = Response::new(body::full(stored.body.bytes().clone()));
-        *resp.status_mut() = replayed_status(stored.status);
-        for (k, v) in stored.headers.iter() {
-            if let (Ok(k), Ok(v)) = (
-                header::HeaderName::from_bytes(k.as_bytes()),
-                HeaderValue::from_str(v),
-            ) {
-                resp.headers_mut().append(k, v);
-            }
-        }
-        resp.headers_mut().remove(header::CONTENT_LENGTH);
-        resp.headers_mut()
-            .insert(headers::REPLAYED, HeaderValue::from_static("true"));
-        resp
+        replay_stored(stored)
     }
 
     fn in_flight(&self, record: &Record) -> Response<Body> {
@@ -608,14 +595,52 @@ impl Protocol for Http<'_> {
 /// An HTTP tool's answer is the call's outcome, whatever its status: the journal's
 /// rules say what each status means.
 fn answer(status: StatusCode, h: &HeaderMap, body: Bytes) -> Answered {
-    let mut h = h.clone();
-    headers::strip_hop_by_hop(&mut h);
-    h.remove(header::CONTENT_LENGTH);
+    let (stored, resp) = relayed(status, h, body);
+    Answered::Outcome(stored, resp)
+}
+
+/// A tool's answer as it is stored and as it is passed on: status, body, and the
+/// end-to-end headers (`Location`, `Retry-After`, `WWW-Authenticate`…) without the
+/// hop-by-hop ones and the length, which the body's own framing says.
+pub(crate) fn relayed(
+    status: StatusCode,
+    h: &HeaderMap,
+    body: Bytes,
+) -> (StoredResponse, Response<Body>) {
+    let h = answer_headers(h);
     let stored = StoredResponse::new(status.as_u16(), redacted_headers(&h), body.clone());
     let mut resp = Response::new(body::full(body));
     *resp.status_mut() = status;
     *resp.headers_mut() = h;
-    Answered::Outcome(stored, resp)
+    (stored, resp)
+}
+
+/// An answer's headers as they are stored and relayed.
+pub(crate) fn answer_headers(h: &HeaderMap) -> HeaderMap {
+    let mut h = h.clone();
+    headers::strip_hop_by_hop(&mut h);
+    h.remove(header::CONTENT_LENGTH);
+    h
+}
+
+/// A stored answer, replayed as it was given: status, end-to-end headers and body,
+/// marked `Outrigger-Replayed`. Hop-by-hop headers a record may hold (one stored
+/// before they were left out) are not replayed.
+pub(crate) fn replay_stored(stored: &StoredResponse) -> Response<Body> {
+    let mut resp = Response::new(body::full(stored.body.bytes().clone()));
+    *resp.status_mut() = replayed_status(stored.status);
+    for (k, v) in stored.headers.iter() {
+        if let (Ok(k), Ok(v)) = (
+            header::HeaderName::from_bytes(k.as_bytes()),
+            HeaderValue::from_str(v),
+        ) {
+            resp.headers_mut().append(k, v);
+        }
+    }
+    *resp.headers_mut() = answer_headers(resp.headers());
+    resp.headers_mut()
+        .insert(headers::REPLAYED, HeaderValue::from_static("true"));
+    resp
 }
 
 /// The status a stored answer is replayed with. One HTTP cannot carry (which no tool
@@ -627,6 +652,32 @@ fn replayed_status(stored: u16) -> StatusCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stored answer is replayed with its end-to-end headers only, whatever the
+    /// record holds.
+    #[test]
+    fn a_replay_carries_no_hop_by_hop_headers() {
+        let stored = StoredResponse::new(
+            201,
+            Headers::redacted(
+                [
+                    ("transfer-encoding", "chunked"),
+                    ("connection", "close, x-hop"),
+                    ("x-hop", "1"),
+                    ("content-length", "12"),
+                    ("location", "/orders/7"),
+                    ("content-type", "application/json"),
+                ]
+                .map(|(k, v)| (k.to_owned(), v.to_owned())),
+            ),
+            Bytes::from_static(b"{\"id\":7}"),
+        );
+        let resp = replay_stored(&stored);
+        assert_eq!(resp.status(), StatusCode::CREATED);
+        let mut names: Vec<&str> = resp.headers().keys().map(|k| k.as_str()).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["content-type", "location", headers::REPLAYED]);
+    }
 
     #[test]
     fn a_stored_status_is_replayed_as_it_is_and_never_turns_into_a_success() {
