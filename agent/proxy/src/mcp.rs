@@ -296,38 +296,7 @@ impl Protocol for McpCall<'_> {
     }
 
     fn replay(&self, record: &Record) -> Response<Body> {
-        // Only what `answer` stored as a JSON-RPC outcome is re-wrapped with the new
-        // request's id; anything else is replayed as it came (status, type, bytes).
-        let outcome = record
-            .response
-            .as_ref()
-            .filter(|r| r.status == 200 && r.headers.get(OUTCOME_MARK).is_some())
-            .and_then(|r| serde_json::from_slice::<Value>(r.body.bytes()).ok());
-        match outcome {
-            Some(outcome) => rpc_response(self.id, &outcome, true),
-            None => {
-                let (status, body, content_type) = record
-                    .response
-                    .as_ref()
-                    .map(|r| {
-                        (
-                            r.status,
-                            r.body.bytes().clone(),
-                            r.headers.get("content-type").map(str::to_owned),
-                        )
-                    })
-                    .unwrap_or((500, Bytes::new(), None));
-                let mut resp = Response::new(body::full(body));
-                *resp.status_mut() =
-                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-                if let Some(ct) = content_type.and_then(|c| HeaderValue::from_str(&c).ok()) {
-                    resp.headers_mut().insert(header::CONTENT_TYPE, ct);
-                }
-                resp.headers_mut()
-                    .insert(headers::REPLAYED, HeaderValue::from_static("true"));
-                resp
-            }
-        }
+        replay(self.id, record.response.as_ref())
     }
 
     fn in_flight(&self, record: &Record) -> Response<Body> {
@@ -490,6 +459,27 @@ fn kind(v: Option<&Value>) -> &'static str {
     }
 }
 
+/// A completed call's stored answer for the request with JSON-RPC `id`. Only what
+/// `answer` stored as a JSON-RPC outcome is re-wrapped with the new request's id;
+/// anything else is replayed as it came (status, end-to-end headers, bytes), as an
+/// HTTP tool's answer is.
+fn replay(id: &Value, stored: Option<&StoredResponse>) -> Response<Body> {
+    let Some(stored) = stored else {
+        let mut resp = Response::new(body::full(Bytes::new()));
+        *resp.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+        resp.headers_mut()
+            .insert(headers::REPLAYED, HeaderValue::from_static("true"));
+        return resp;
+    };
+    let outcome = Some(stored)
+        .filter(|r| r.status == 200 && r.headers.get(OUTCOME_MARK).is_some())
+        .and_then(|r| serde_json::from_slice::<Value>(r.body.bytes()).ok());
+    match outcome {
+        Some(outcome) => rpc_response(id, &outcome, true),
+        None => tools::replay_stored(stored),
+    }
+}
+
 /// What a tool server's answer to the call with JSON-RPC `id` means.
 fn answer(id: &Value, status: StatusCode, h: &HeaderMap, body: Bytes) -> Answered {
     if status.is_success() {
@@ -506,21 +496,29 @@ fn answer(id: &Value, status: StatusCode, h: &HeaderMap, body: Bytes) -> Answere
             )),
         };
     }
-    // Not a JSON-RPC answer: passed on as it came.
-    let stored = StoredResponse::new(status.as_u16(), tools::redacted_headers(h), body.clone());
-    let mut resp = Response::new(body::full(body));
-    *resp.status_mut() = status;
-    if let Some(ct) = h.get(header::CONTENT_TYPE) {
-        resp.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+    if status.is_informational() {
+        // No final answer at all (a 101 to a POST): the server may have acted.
+        return Answered::Unknown(format!(
+            "the server answered {status}, which is no answer to a tools/call"
+        ));
     }
-    if status.is_client_error() {
-        // The transport refused the message (an unknown or expired session, a
-        // missing token, a malformed request): the call was not applied, and
-        // once the client has fixed that, the same key must run it.
-        return Answered::NotApplied(
-            resp,
-            format!("the server refused the message with {status}"),
-        );
+    // Not a JSON-RPC answer: passed on as it came, with the end-to-end headers the
+    // client needs to act on it (`WWW-Authenticate`, `Retry-After`, `Location`), as
+    // an HTTP tool's answer is.
+    let (stored, resp) = tools::relayed(status, h, body);
+    if status.is_redirection() || status.is_client_error() {
+        // The transport moved or refused the message (an endpoint that moved, an
+        // unknown or expired session, a missing token, a malformed request): an MCP
+        // server answers a call it applied with a JSON-RPC response, so the call
+        // was not applied, and once the client has followed or fixed that, the
+        // same key must run it. (An HTTP tool's 3xx is its answer, and stored: a
+        // 303 after a POST is how a REST API says where the result is.)
+        let what = if status.is_redirection() {
+            "redirected"
+        } else {
+            "refused"
+        };
+        return Answered::NotApplied(resp, format!("the server {what} the message with {status}"));
     }
     // A 5xx: the journal's rules make it in doubt.
     Answered::Outcome(stored, resp)
@@ -774,5 +772,68 @@ mod tests {
             answer(id, StatusCode::BAD_GATEWAY, &HeaderMap::new(), Bytes::new()),
             Answered::Outcome(..)
         ));
+        // No final answer: the server may have acted.
+        assert!(matches!(
+            answer(
+                id,
+                StatusCode::SWITCHING_PROTOCOLS,
+                &HeaderMap::new(),
+                Bytes::new()
+            ),
+            Answered::Unknown(_)
+        ));
+    }
+
+    /// An answer that is no JSON-RPC response keeps the end-to-end headers the
+    /// client acts on, fresh and replayed; a redirect is not the call's outcome.
+    #[test]
+    fn transport_answers_keep_their_headers_and_a_redirect_is_not_stored() {
+        let id = json!(7);
+        let with = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in pairs {
+                h.insert(
+                    http::HeaderName::from_static(k),
+                    HeaderValue::from_static(v),
+                );
+            }
+            h
+        };
+        let moved = with(&[
+            ("location", "http://tool.internal/mcp2"),
+            ("connection", "close"),
+        ]);
+        let Answered::NotApplied(resp, why) =
+            answer(&id, StatusCode::TEMPORARY_REDIRECT, &moved, Bytes::new())
+        else {
+            panic!("a redirect is not applied");
+        };
+        assert_eq!(resp.headers()["location"], "http://tool.internal/mcp2");
+        assert!(resp.headers().get("connection").is_none());
+        assert!(why.contains("redirected"), "{why}");
+
+        let unauthorized = with(&[("www-authenticate", "Bearer resource_metadata=\"x\"")]);
+        let Answered::NotApplied(resp, _) =
+            answer(&id, StatusCode::UNAUTHORIZED, &unauthorized, Bytes::new())
+        else {
+            panic!("a 401 is not applied");
+        };
+        assert!(resp.headers().get("www-authenticate").is_some());
+
+        let busy = with(&[("retry-after", "3"), ("content-type", "text/plain")]);
+        let Answered::Outcome(stored, resp) = answer(
+            &id,
+            StatusCode::SERVICE_UNAVAILABLE,
+            &busy,
+            Bytes::from_static(b"busy"),
+        ) else {
+            panic!("a 5xx goes to the journal's rules");
+        };
+        assert_eq!(resp.headers()["retry-after"], "3");
+        let replayed = replay(&json!(9), Some(&stored));
+        assert_eq!(replayed.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(replayed.headers()["retry-after"], "3");
+        assert_eq!(replayed.headers()["content-type"], "text/plain");
+        assert_eq!(replayed.headers()[headers::REPLAYED], "true");
     }
 }
