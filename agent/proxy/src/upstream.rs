@@ -10,7 +10,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{HttpConnector, capture_connection};
 use hyper_util::rt::TokioExecutor;
 
 /// Why an upstream exchange failed before a response head arrived.
@@ -74,15 +74,24 @@ impl Upstream {
         self.clients[slot].get_or_init(|| pooled(self.connect_timeout))
     }
 
-    /// Sends `req` and waits up to `timeout` for the response head.
+    /// Sends `req` and waits up to `timeout` for the response head. A `timeout`
+    /// that ends before the request had a connection (a connect slower than it,
+    /// whatever `connect_timeout` allows) is a [`Error::Connect`]: nothing was sent.
     pub async fn send(
         &self,
-        req: Request<Full<Bytes>>,
+        mut req: Request<Full<Bytes>>,
         timeout: Duration,
     ) -> Result<Response<Incoming>, Error> {
         let target = req.uri().authority().cloned();
         let authority = || target.as_ref().map(|a| a.to_string()).unwrap_or_default();
+        // Set once the request has a connection (new or pooled): before that, not a
+        // byte of it can have left.
+        let connection = capture_connection(&mut req);
         match tokio::time::timeout(timeout, self.client().request(req)).await {
+            Err(_) if connection.connection_metadata().is_none() => Err(Error::Connect {
+                authority: authority(),
+                detail: format!("no connection within {timeout:?}"),
+            }),
             Err(_) => Err(Error::Timeout {
                 authority: authority(),
                 timeout,
@@ -131,4 +140,68 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
         src = inner.source();
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+    use super::*;
+
+    fn get(addr: SocketAddr) -> Request<Full<Bytes>> {
+        let mut req = Request::new(Full::new(Bytes::new()));
+        *req.uri_mut() = format!("http://{addr}/").parse().expect("a URI");
+        req
+    }
+
+    /// A tool `timeout` shorter than `connect_timeout` that ends while the connect
+    /// is still going is a connect failure (nothing was sent), not a timeout after
+    /// the send; one that ends while the answer is awaited is a timeout.
+    #[tokio::test]
+    async fn a_timeout_before_the_connection_is_a_connect_failure() {
+        // A listener that never accepts, its backlog full: a further connect hangs
+        // (the kernel drops its SYN).
+        let socket = TcpSocket::new_v4().expect("a socket");
+        socket
+            .bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .expect("bound");
+        let full = socket.listen(1).expect("listening");
+        let addr = full.local_addr().expect("an address");
+        let mut held = Vec::new();
+        while let Ok(Ok(stream)) =
+            tokio::time::timeout(Duration::from_millis(200), TcpStream::connect(addr)).await
+        {
+            held.push(stream);
+            assert!(held.len() < 64, "the backlog never filled");
+        }
+        let upstream = Upstream::new(Duration::from_secs(30));
+        let e = upstream
+            .send(get(addr), Duration::from_millis(300))
+            .await
+            .expect_err("no connection");
+        assert!(matches!(e, Error::Connect { .. }), "{e:?}");
+        assert!(!e.may_have_been_sent());
+
+        // Connected, then silence: the request may have been processed.
+        let silent = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .await
+            .expect("listening");
+        let addr = silent.local_addr().expect("an address");
+        let accepting = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((stream, _)) = silent.accept().await {
+                kept.push(stream);
+            }
+        });
+        let e = upstream
+            .send(get(addr), Duration::from_millis(300))
+            .await
+            .expect_err("no answer");
+        assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
+        assert!(e.may_have_been_sent());
+        accepting.abort();
+        drop((full, held));
+    }
 }
