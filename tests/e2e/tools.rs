@@ -328,9 +328,25 @@ async fn a_journal_that_cannot_write_fails_closed() {
         "{}",
         late.text()
     );
+    // What it says a retry gets is what a retry gets: in progress until a restart.
+    assert!(
+        late.text().contains("until the sidecar restarts") && !late.text().contains("is safe"),
+        "{}",
+        late.text()
+    );
+    assert_eq!(late.json()["attempt"], 1, "{}", late.text());
     assert_eq!(e.tool.effects().len(), 2, "the tool did act");
     let off = post_json(&faults, &[], &json!({"journal": null})).await;
     assert_eq!(off.status, StatusCode::OK);
+    let retry = call(
+        &e.sidecar,
+        "/tools/payments/charge",
+        Some("k-late"),
+        &amount,
+        &[],
+    )
+    .await;
+    assert_eq!(retry.status, StatusCode::CONFLICT, "{}", retry.text());
 }
 
 #[tokio::test]
@@ -740,6 +756,12 @@ async fn mcp_tool_calls_are_journaled_and_everything_else_passes_through() {
         "params": {"name": "send_email", "arguments": {"to": "cy"}, "_meta": {META_KEY: "mail-2"}}});
     let doubt = post_json(&url, &[], &call2).await;
     assert_eq!(doubt.json()["result"]["isError"], true, "{}", doubt.text());
+    assert_eq!(
+        doubt.json()["result"]["structuredContent"]["attempt"],
+        1,
+        "{}",
+        doubt.text()
+    );
     assert!(
         doubt.json()["result"]["content"][0]["text"]
             .as_str()
@@ -842,6 +864,43 @@ async fn mcp_meta_keys_that_are_not_valid_strings_are_refused() {
         );
     }
     assert!(e.mcp.methods().is_empty(), "nothing reached the server");
+}
+
+/// Whatever goes wrong with a `tools/call` comes back as a JSON-RPC error with the
+/// call's id (here: the server cannot be reached, so nothing was sent), keeping
+/// the HTTP status a problem document would have had.
+#[tokio::test]
+async fn mcp_tool_call_errors_are_json_rpc_errors() {
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+        l.local_addr().expect("an address")
+    };
+    let config = format!(
+        "[[tools]]\nname = \"m\"\nkind = \"mcp\"\nbase_url = \"http://{closed}/mcp\"\nclass = \"unsafe\"\n"
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let call = json!({"jsonrpc": "2.0", "id": "c-1", "method": "tools/call",
+        "params": {"name": "send_email", "arguments": {"to": "z"}}});
+    let failed = post_json(
+        &sidecar.url("/mcp/m"),
+        &[("idempotency-key", "gone-1")],
+        &call,
+    )
+    .await;
+    assert_eq!(failed.status, StatusCode::BAD_GATEWAY, "{}", failed.text());
+    assert_eq!(
+        failed.header("content-type"),
+        Some("application/json"),
+        "{}",
+        failed.text()
+    );
+    let doc = failed.json();
+    assert_eq!(doc["id"], "c-1");
+    assert_eq!(doc["error"]["code"], -32603, "{doc}");
+    assert_eq!(
+        doc["error"]["data"]["type"],
+        "urn:outrigger:problem:upstream-unreachable"
+    );
 }
 
 #[tokio::test]

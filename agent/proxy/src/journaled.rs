@@ -43,8 +43,16 @@ pub(crate) trait Protocol {
     fn mismatch(&self, record: &Record) -> Response<Body>;
     fn outcome_unknown(&self, record: &Record) -> Response<Body>;
     fn tombstoned(&self, record: &Record) -> Response<Body>;
-    /// The attempt reached the tool but no answer came back; the call is now `state`.
-    fn in_doubt(&self, key: &IdempotencyKey, cause: &str, state: &str) -> Response<Body>;
+    /// Attempt `attempt` may have reached the tool and its outcome is unknown
+    /// (`cause`: no answer came back, a probe could not tell, or the journal could
+    /// not record the answer); the call is now `state` (see [`next_step`]).
+    fn in_doubt(
+        &self,
+        key: &IdempotencyKey,
+        attempt: u32,
+        cause: &str,
+        state: &str,
+    ) -> Response<Body>;
     /// Who to tell how the call ended if it ends without its agent (the call's
     /// observer, for metrics, SLOs and the task).
     fn on_detached(&self) -> DetachedEnd;
@@ -220,7 +228,7 @@ pub(crate) async fn run(
                         failed,
                     } => {
                         return Ok((
-                            proto.in_doubt(&key, &detail, state.as_str()),
+                            proto.in_doubt(&key, ticket.attempt(), &detail, state.as_str()),
                             Settled::of(state, Some(failed)),
                         ));
                     }
@@ -690,7 +698,8 @@ fn respond(
             source,
         }),
         Recorded::InDoubt { cause, settled } => {
-            Ok((proto.in_doubt(ticket.key(), &cause, settled.state), settled))
+            let resp = proto.in_doubt(ticket.key(), ticket.attempt(), &cause, settled.state);
+            Ok((resp, settled))
         }
         Recorded::Unrecorded(e) => Ok(unrecorded(ticket, proto, &e)),
         Recorded::Failed(e) => Err(Error::Journal(e)),
@@ -708,8 +717,36 @@ fn unrecorded(
 ) -> (Response<Body>, Settled) {
     tracing::error!(key = %ticket.key(), error = %e, "the call's outcome could not be journaled; it may have executed");
     let cause = format!("its outcome could not be journaled ({e})");
-    let resp = proto.in_doubt(ticket.key(), &cause, Settled::UNRECORDED.state);
+    let resp = proto.in_doubt(
+        ticket.key(),
+        ticket.attempt(),
+        &cause,
+        Settled::UNRECORDED.state,
+    );
     (resp, Settled::UNRECORDED)
+}
+
+/// What a retry with the same key does to a call whose outcome is unknown and that
+/// rests in `state`, told to the agent (or its model) with the in-doubt answer.
+pub(crate) fn next_step(state: &str) -> &'static str {
+    match state {
+        "needs_operator" => {
+            "The tool is not safe to re-send, so the call is held for an operator and is \
+             never retried automatically: do not repeat it, not even with a new key, until an \
+             operator has resolved it."
+        }
+        "in_doubt" => {
+            "Retrying with the same key is safe: as the tool's class says, the call is re-sent \
+             with the same key (the tool deduplicates it, or repeating it is harmless), or the \
+             tool is first asked whether it happened."
+        }
+        // Still in flight: the journal could not record how the attempt ended.
+        _ => {
+            "Its end could not be journaled, so a retry with the same key is answered \
+             \"request in progress\" until the sidecar restarts and marks the call in doubt; \
+             retry with the same key then, never with a new one."
+        }
+    }
 }
 
 /// Calls going on without their agents, counted so that a drain waits for them.

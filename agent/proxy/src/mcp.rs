@@ -9,10 +9,11 @@
 //! `Idempotency-Key` header, `params._meta["outrigger/idempotency-key"]`, or is
 //! derived from the task and the model's tool-call id (matched by tool name and
 //! arguments). The downstream key is forwarded in both the header and `_meta`.
-//! Refusals are JSON-RPC errors (`-32010` in progress, `-32011` key reused,
-//! `-32012` expired, `-32013` journal unavailable, `-32602` params that are no
-//! `CallToolRequest`, an invalid or missing key) or, for an
-//! outcome the model should reason about, a `CallToolResult` with `isError: true`.
+//! Refusals and errors of a `tools/call` are JSON-RPC errors, never problem
+//! documents (`-32010` in progress, `-32011` key reused, `-32012` expired, `-32013`
+//! the journal cannot take the call, `-32602` params that are no `CallToolRequest`,
+//! an invalid or missing key, `-32603` anything else) or, for an outcome the model
+//! should reason about, a `CallToolResult` with `isError: true`.
 
 use std::sync::Arc;
 
@@ -114,7 +115,12 @@ pub async fn call(
     if let Some(rec) = pending.take() {
         tools::finish(rec, &result);
     }
-    result.map(|(resp, _, _)| resp)
+    // An MCP client reads JSON-RPC: whatever went wrong with its call is answered
+    // as a JSON-RPC error with the call's id, not as a problem document.
+    Ok(match result {
+        Ok((resp, _, _)) => resp,
+        Err(e) => rpc_failure(&message["id"], &e),
+    })
 }
 
 /// A `tools/call`: journaled when it has (or can be given) a key.
@@ -340,9 +346,15 @@ impl Protocol for McpCall<'_> {
         )
     }
 
-    fn in_doubt(&self, key: &IdempotencyKey, cause: &str, state: &str) -> Response<Body> {
-        tracing::warn!(%key, %cause, "MCP tools/call in doubt");
-        unknown_result(self.id, key, state, 0)
+    fn in_doubt(
+        &self,
+        key: &IdempotencyKey,
+        attempt: u32,
+        cause: &str,
+        state: &str,
+    ) -> Response<Body> {
+        tracing::warn!(%key, attempt, %cause, "MCP tools/call in doubt");
+        unknown_result(self.id, key, state, attempt)
     }
 }
 
@@ -526,12 +538,17 @@ fn answer(id: &Value, status: StatusCode, h: &HeaderMap, body: Bytes) -> Answere
 
 /// A `CallToolResult` the model can read: the call may have happened.
 fn unknown_result(id: &Value, key: &IdempotencyKey, state: &str, attempt: u32) -> Response<Body> {
-    let text = format!(
-        "The previous attempt of this tool call may have executed, and its outcome is unknown \
-         (state={state}). Do not retry it blindly: check whether it took effect first. \
-         An operator can resolve it at {}.",
-        tools::resolve_url(key)
+    let mut text = format!(
+        "Attempt {attempt} of this tool call may have executed, and its outcome is unknown \
+         (state={state}). Check whether it took effect before acting on it. {}",
+        journaled::next_step(state)
     );
+    if state == "needs_operator" {
+        text.push_str(&format!(
+            " An operator can resolve it at {}.",
+            tools::resolve_url(key)
+        ));
+    }
     rpc_response(
         id,
         &json!({"result": {
@@ -617,6 +634,59 @@ fn rpc_error(id: &Value, code: i64, message: &str, data: Option<Value>) -> Respo
         error["data"] = d;
     }
     rpc_response(id, &json!({"error": error}), false)
+}
+
+/// A sidecar error on a `tools/call` as a JSON-RPC error: the problem document's
+/// detail as the message, its type, status and members in `data`, and its HTTP
+/// status and headers (`Retry-After`) kept. The code says what the client may do:
+/// `-32013` the journal could not take the call (not executed), `-32010` the call
+/// moved on to a newer attempt, `-32603` anything else (the server could not be
+/// reached, nothing was sent; the request could not be built).
+fn rpc_failure(id: &Value, e: &Error) -> Response<Body> {
+    let code = match e {
+        Error::Journal(journal::Error::Stale { .. }) => -32010,
+        Error::Journal(_) => -32013,
+        Error::MalformedJson(_)
+        | Error::InvalidRequest(_)
+        | Error::BadHeader { .. }
+        | Error::UnknownModel { .. }
+        | Error::BodyTooLarge { .. }
+        | Error::MethodNotAllowed { .. }
+        | Error::NotFound { .. }
+        | Error::UnknownTool { .. }
+        | Error::ReadBody(_)
+        | Error::Upstream { .. }
+        | Error::BuildRequest(_)
+        | Error::MissingKey { .. }
+        | Error::NoCandidate { .. }
+        | Error::CircuitOpen { .. }
+        | Error::Overloaded { .. }
+        | Error::StreamBroke { .. }
+        | Error::BudgetExceeded { .. }
+        | Error::StreamKeyReused { .. }
+        | Error::StreamInProgress { .. }
+        | Error::UnknownStream { .. } => -32603,
+    };
+    let problem = e.to_problem();
+    let mut data = problem.to_json();
+    if let Some(obj) = data.as_object_mut() {
+        obj.remove("detail");
+        obj.remove("title");
+        let retry_after = problem
+            .headers
+            .iter()
+            .find(|(name, _)| name == header::RETRY_AFTER)
+            .and_then(|(_, v)| v.to_str().ok()?.parse::<u64>().ok());
+        if let Some(secs) = retry_after {
+            obj.insert("retryAfterMs".to_owned(), json!(secs.saturating_mul(1000)));
+        }
+    }
+    let mut resp = rpc_error(id, code, &problem.detail, Some(data));
+    *resp.status_mut() = problem.status;
+    for (name, value) in problem.headers {
+        resp.headers_mut().append(name, value);
+    }
+    resp
 }
 
 fn journal_unavailable(id: &Value, detail: &str) -> Response<Body> {
@@ -718,6 +788,73 @@ mod tests {
                 Err(Error::BuildRequest(_))
             ));
         }
+    }
+
+    /// Whatever goes wrong with a `tools/call` is a JSON-RPC error with the call's
+    /// id, keeping the HTTP status and `Retry-After` the problem document has.
+    #[tokio::test]
+    async fn errors_on_a_tool_call_are_json_rpc_errors() {
+        let id = json!("call-3");
+        let check = async |e: Error, code: i64, status: StatusCode, kind: &str| {
+            let resp = rpc_failure(&id, &e);
+            assert_eq!(resp.status(), status, "{e}");
+            assert_eq!(resp.headers()[header::CONTENT_TYPE], "application/json");
+            let retry_after = resp.headers().get(header::RETRY_AFTER).cloned();
+            let body = resp.into_body();
+            let bytes = http_body_util::BodyExt::collect(body)
+                .await
+                .expect("a body")
+                .to_bytes();
+            let doc: Value = serde_json::from_slice(&bytes).expect("JSON");
+            assert_eq!(doc["jsonrpc"], "2.0");
+            assert_eq!(doc["id"], "call-3");
+            assert_eq!(doc["error"]["code"], code, "{doc}");
+            assert_eq!(
+                doc["error"]["data"]["type"],
+                format!("urn:outrigger:problem:{kind}"),
+                "{doc}"
+            );
+            assert!(
+                doc["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| !m.is_empty())
+            );
+            (retry_after, doc)
+        };
+        let (retry_after, doc) = check(
+            Error::Journal(journal::Error::Storage("disk gone".into())),
+            -32013,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "journal-error",
+        )
+        .await;
+        assert_eq!(retry_after.as_ref().map(|v| v.as_bytes()), Some(&b"1"[..]));
+        assert_eq!(doc["error"]["data"]["retryAfterMs"], 1000);
+        check(
+            Error::Journal(journal::Error::Stale {
+                key: IdempotencyKey::new("mail/k").expect("a key"),
+                attempt: 1,
+                state: journal::State::InDoubt,
+                current: 2,
+            }),
+            -32010,
+            StatusCode::CONFLICT,
+            "request-in-progress",
+        )
+        .await;
+        check(
+            Error::Upstream {
+                target: "mail".into(),
+                source: crate::upstream::Error::Connect {
+                    authority: "127.0.0.1:9".into(),
+                    detail: "refused".into(),
+                },
+            },
+            -32603,
+            StatusCode::BAD_GATEWAY,
+            "upstream-unreachable",
+        )
+        .await;
     }
 
     #[test]

@@ -574,22 +574,43 @@ impl Protocol for Http<'_> {
         p.into_response()
     }
 
-    fn in_doubt(&self, key: &IdempotencyKey, cause: &str, state: &str) -> Response<Body> {
-        Problem::new(
-            StatusCode::BAD_GATEWAY,
-            "outcome-unknown",
-            "The call may have executed",
-            format!(
-                "The request reached {} but no answer came back ({cause}); the call is now {state} \
-                 under key {key}. Retrying with the same key is safe: it is re-sent only if the \
-                 tool is keyed or idempotent, otherwise it is held for an operator.",
-                self.tool.name
-            ),
-        )
-        .with("key", key.as_str())
-        .with("state", state)
-        .into_response()
+    fn in_doubt(
+        &self,
+        key: &IdempotencyKey,
+        attempt: u32,
+        cause: &str,
+        state: &str,
+    ) -> Response<Body> {
+        in_doubt_problem(&self.tool.name, key, attempt, cause, state).into_response()
     }
+}
+
+/// The `502 outcome-unknown` of an attempt whose outcome is unknown, saying what a
+/// retry with the same key does in the state the call rests in.
+fn in_doubt_problem(
+    tool: &str,
+    key: &IdempotencyKey,
+    attempt: u32,
+    cause: &str,
+    state: &str,
+) -> Problem {
+    let mut p = Problem::new(
+        StatusCode::BAD_GATEWAY,
+        "outcome-unknown",
+        "The call may have executed",
+        format!(
+            "Attempt {attempt} of the call to {tool} under key {key} may have executed, and its \
+             outcome is unknown ({cause}); the call is now {state}. {}",
+            journaled::next_step(state)
+        ),
+    )
+    .with("key", key.as_str())
+    .with("state", state)
+    .with("attempt", attempt);
+    if state == "needs_operator" {
+        p = p.with("resolve_url", resolve_url(key));
+    }
+    p
 }
 
 /// An HTTP tool's answer is the call's outcome, whatever its status: the journal's
@@ -655,6 +676,49 @@ mod tests {
 
     /// A stored answer is replayed with its end-to-end headers only, whatever the
     /// record holds.
+    /// The in-doubt answer says what is true of the state the call rests in: held
+    /// for an operator, safe to retry, or in progress until a restart (its end
+    /// could not be journaled).
+    #[test]
+    fn an_in_doubt_answer_says_what_a_retry_does_in_its_state() {
+        let key = IdempotencyKey::new("payments/k").expect("a key");
+        let check = |cause: &str, state: &str, says: &[&str], never: &[&str]| {
+            let p = in_doubt_problem("payments", &key, 2, cause, state);
+            assert_eq!(p.status, StatusCode::BAD_GATEWAY);
+            let doc = p.to_json();
+            assert_eq!(doc["attempt"], 2, "{doc}");
+            assert_eq!(doc["state"], state, "{doc}");
+            let detail = doc["detail"].as_str().unwrap_or_default();
+            for s in says {
+                assert!(detail.contains(s), "{state}: {detail:?} lacks {s:?}");
+            }
+            for s in never {
+                assert!(!detail.contains(s), "{state}: {detail:?} says {s:?}");
+            }
+            doc
+        };
+        let held = check(
+            "payments sent no response within 2s",
+            "needs_operator",
+            &["Attempt 2", "held for an operator", "never retried"],
+            &["is safe"],
+        );
+        assert_eq!(held["resolve_url"], "/v1/journal/payments/k/resolve");
+        check(
+            "the probe answered 500 Internal Server Error",
+            "in_doubt",
+            &["Retrying with the same key is safe"],
+            &["operator"],
+        );
+        let unrecorded = check(
+            "its outcome could not be journaled (the journal cannot write)",
+            "dispatched",
+            &["until the sidecar restarts", "could not be journaled"],
+            &["is safe", "no answer came back"],
+        );
+        assert!(unrecorded.get("resolve_url").is_none());
+    }
+
     #[test]
     fn a_replay_carries_no_hop_by_hop_headers() {
         let stored = StoredResponse::new(
