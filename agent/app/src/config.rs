@@ -1229,6 +1229,7 @@ fn tools(raw: &raw::Config, p: &mut Problems) -> Vec<Tool> {
     for (i, rt) in raw.tools.iter().enumerate() {
         let at = |k: &str| format!("tools[{i}].{k}");
         let valid_name = !rt.name.is_empty()
+            && rt.name.len() <= 64
             && rt
                 .name
                 .bytes()
@@ -1237,7 +1238,8 @@ fn tools(raw: &raw::Config, p: &mut Problems) -> Vec<Tool> {
             p.add(
                 at("name"),
                 format!(
-                    "{:?} must be non-empty letters, digits, - or _ (it is a URL segment)",
+                    "{:?} must be 1 to 64 letters, digits, - or _ (it is a URL segment and \
+                     prefixes the tool's journal keys)",
                     rt.name
                 ),
             );

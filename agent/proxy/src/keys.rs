@@ -27,7 +27,11 @@ pub fn scoped(tool: &str, key: &IdempotencyKey) -> IdempotencyKey {
         Ok(k) => k,
         Err(_) => {
             let digest = hex(&Sha256::digest(format!("{tool}\0{key}").as_bytes()));
-            IdempotencyKey::new(format!("{tool}/sha256:{digest}")).unwrap_or_else(|_| key.clone())
+            // A tool name too long to prefix (configuration refuses those) still
+            // gets a key of its own: the digest covers it.
+            IdempotencyKey::new(format!("{tool}/sha256:{digest}"))
+                .or_else(|_| IdempotencyKey::new(format!("sha256:{digest}")))
+                .unwrap_or_else(|_| key.clone())
         }
     }
 }
@@ -282,6 +286,10 @@ mod tests {
             scoped("p", &IdempotencyKey::new("abc").unwrap()).as_str(),
             "p/abc"
         );
+        // However long the tool's name, two tools never share a key.
+        let (a, b) = ("a".repeat(200), "b".repeat(200));
+        assert_ne!(scoped(&a, &k), scoped(&b, &k));
+        assert_ne!(scoped(&a, &k), k);
     }
 
     #[test]

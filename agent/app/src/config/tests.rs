@@ -426,6 +426,19 @@ fn tool_redactions_are_checked() {
 }
 
 #[test]
+fn a_tool_name_is_at_most_64_characters() {
+    let tool = |name: &str| {
+        format!(
+            "[[tools]]\nname = \"{name}\"\nkind = \"http\"\nbase_url = \"http://127.0.0.1:9\"\n"
+        )
+    };
+    assert!(load_str(&tool(&"t".repeat(64)), &[]).is_ok());
+    let err = load_str(&tool(&"t".repeat(65)), &[]).unwrap_err();
+    assert_eq!(paths(&err), ["tools[0].name"]);
+    assert!(err.to_string().contains("1 to 64"), "{err}");
+}
+
+#[test]
 fn max_attempts_defaults_to_10_and_is_bounded() {
     let c = load_str("", &[]).unwrap();
     assert_eq!(c.proxy.resilience.max_attempts, 10);
