@@ -781,6 +781,54 @@ models = ["*"]
             transcript(&r)
         );
     }
+    // Streamed, the key is quoted by the first event: the one read before the stream
+    // counts as started, which the agent gets with the rest, journaled or not.
+    let streamed = json!({"model": "gpt-mock", "stream": true,
+                          "messages": [{"role": "user", "content": "hi"}]});
+    for key in [None, Some("echo-journaled")] {
+        let mut h = vec![("x-mock", "echo=true")];
+        if let Some(k) = key {
+            h.push(("idempotency-key", k));
+        }
+        let r = post_json(&sidecar.url("/v1/chat/completions"), &h, &streamed).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+        let echoed = model.exchanges().last().map(|e| e.response_bytes());
+        assert!(
+            echoed.is_some_and(|b| b.starts_with(b"data: {\"received_headers\"")
+                && contains(&b, &secrets.provider)),
+            "{key:?}: the upstream's first event quoted the key"
+        );
+        assert!(
+            r.text().contains("<redacted>") && r.text().contains("[DONE]"),
+            "{key:?}: {}",
+            r.text()
+        );
+        assert!(
+            !transcript(&r).contains(&secrets.provider),
+            "{key:?}: the provider key reached the agent:\n{}",
+            transcript(&r)
+        );
+        if key.is_some() {
+            let stream = r.header("outrigger-stream-key").expect("a stream key");
+            for url in [
+                sidecar.url(&format!("/v1/streams/{}", stream.replace('/', "%2F"))),
+                sidecar.url("/v1/chat/completions"),
+            ] {
+                let again = if url.ends_with("completions") {
+                    post_json(&url, &h, &streamed).await
+                } else {
+                    get(&url).await
+                };
+                assert_eq!(again.header("outrigger-replayed"), Some("true"));
+                assert!(
+                    again.text().contains("<redacted>")
+                        && !transcript(&again).contains(&secrets.provider),
+                    "the journal kept the key: {}",
+                    transcript(&again)
+                );
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------

@@ -10,7 +10,8 @@
 //! - the agent's credentials are never forwarded to a provider (tools, the agent's
 //!   own services, get them; the journal never does), and the provider's key is only
 //!   sent to that provider's configured host (it is injected from
-//!   [`options::Secret`], whose `Debug` is redacted, and scrubbed from error bodies);
+//!   [`options::Secret`], whose `Debug` is redacted, and scrubbed from every byte the
+//!   provider answers);
 //! - a streamed response is relayed event by event as it arrives, never buffered
 //!   whole;
 //! - every error the sidecar produces itself is an RFC 9457 problem document.

@@ -1,13 +1,15 @@
 //! A model provider's answer body as the data plane reads it: with the provider's
 //! key scrubbed out, and cut after N events when a `stream_cut` fault was drawn.
 //!
-//! Scrubbing sits here, under everything that reads an answer (the relay, the stream
-//! producer that journals, the plain-body tee), so an upstream that quotes the key it
-//! was sent — in an error or a success, streamed or not — never gets it to the agent
-//! or into the journal. A key split across two frames is caught by holding back the
-//! end of a frame that could be the start of the key; SSE frames end in a newline,
-//! which no key contains, so events are never delayed. Without a key the body passes
-//! through untouched.
+//! Scrubbing sits here, under everything that reads an answer: the attempt loop wraps
+//! the body as soon as the response head arrives, so the error body it classifies,
+//! the first events it waits for, and then the relay, the stream producer that
+//! journals and the plain-body tee all read one scrubber, in order. An upstream that
+//! quotes the key it was sent — in an error or a success, streamed or not, in its
+//! first event or its last — never gets it to the agent or into the journal. A key
+//! split across two frames is caught by holding back the end of a frame that could
+//! be the start of the key; SSE frames end in a newline, which no key contains, so
+//! events are never delayed. Without a key the body passes through untouched.
 //!
 //! A stream's body also gathers (see [`UpstreamBody::gathering`]): hyper hands over a
 //! chunked body one chunk per poll, each decoded by the connection's own task, so a
@@ -83,18 +85,23 @@ where
     B::Error: Into<BoxError>,
 {
     /// `key`: the credential sent to this upstream, scrubbed from what it answers.
-    /// `cut_after`: events relayed before an injected cut.
-    pub fn new(body: B, key: Option<&str>, cut_after: Option<u32>) -> Self {
+    pub fn new(body: B, key: Option<&str>) -> Self {
         Self {
             inner: Some(body),
             scrub: key.filter(|k| !k.is_empty()).map(Scrub::new),
-            cut: cut_after.map(|n| Cut {
-                left: n,
-                after_events: n,
-                done: false,
-            }),
+            cut: None,
             gather: None,
         }
+    }
+
+    /// Cuts the body after `after` more events (an injected `stream_cut` fault).
+    pub fn cut_after(mut self, after: Option<u32>) -> Self {
+        self.cut = after.map(|n| Cut {
+            left: n,
+            after_events: n,
+            done: false,
+        });
+        self
     }
 
     /// Gathers the chunks the connection already holds into one frame (streams).
@@ -414,7 +421,7 @@ mod tests {
         let wakes = Arc::new(Wakes::default());
         let waker = Waker::from(wakes.clone());
         let mut cx = Context::from_waker(&waker);
-        let mut body = UpstreamBody::new(Scripted(script.into()), None, None).gathering();
+        let mut body = UpstreamBody::new(Scripted(script.into()), None).gathering();
         let mut out = Vec::new();
         for _ in 0..10_000 {
             match Pin::new(&mut body).poll_frame(&mut cx) {

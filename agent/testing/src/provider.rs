@@ -44,7 +44,8 @@ pub struct Behaviour {
     pub context_overflow: bool,
     /// Finish with the dialect's content-filter reason.
     pub content_filtered: bool,
-    /// Answer 200 with the request's headers as JSON (to test credential handling).
+    /// Answer 200 with the request's headers as JSON (to test credential handling);
+    /// a streamed request gets them as its first event, then a whole turn.
     pub echo_headers: bool,
     /// Act like an agent's model for a task of this many tool steps: one tool call
     /// per turn until the conversation holds that many tool results, then a final
@@ -292,10 +293,30 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
     let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let n = state.generations.fetch_add(1, Ordering::SeqCst) + 1;
 
+    let streaming = parsed["stream"].as_bool() == Some(true);
     if behaviour.echo_headers {
         let echoed: serde_json::Map<String, serde_json::Value> =
             headers.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
         let value = json!({"received_headers": echoed});
+        if streaming {
+            // The first event quotes the headers; a whole turn follows.
+            let generation = Generation {
+                n,
+                model: "mock-model".into(),
+                chunks: behaviour.chunks,
+                tool_calls: 0,
+                prompt_tokens: 1,
+                include_usage: false,
+                content_filtered: false,
+            };
+            let mut events = vec![format!("data: {value}\n\n")];
+            events.extend(match dialect {
+                Dialect::OpenAi => sse::openai_stream(&generation),
+                Dialect::Anthropic => sse::anthropic_stream(&generation),
+            });
+            push_log(&state, record(200));
+            return stream_response(events, behaviour, response, stream_end);
+        }
         if let Ok(mut r) = response.lock() {
             r.extend_from_slice(value.to_string().as_bytes());
         }
@@ -343,7 +364,6 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         include_usage: parsed["stream_options"]["include_usage"].as_bool() == Some(true),
         content_filtered: behaviour.content_filtered,
     };
-    let streaming = parsed["stream"].as_bool() == Some(true);
     push_log(&state, record(200));
 
     if !streaming {

@@ -24,6 +24,7 @@ use crate::resilience::breaker::Admission;
 use crate::resilience::{Breakers, Limiters, Permit, RetryBudgets};
 use crate::sse::Framer;
 use crate::upstream;
+use crate::upstream_body::UpstreamBody;
 use outrigger_telemetry::spans;
 use tracing::Instrument;
 
@@ -143,11 +144,14 @@ enum Outcome<'a, B> {
     Failed(Failure, Ended<'a>),
 }
 
+/// Runs the call to a success or its end. A success's body is the upstream's,
+/// wrapped (see [`UpstreamBody`]) before its first byte was read: every byte of it,
+/// the first events included, has passed the provider key's scrubber.
 pub async fn run<'a, T: Transport>(
     m: &Mechanics<'_, T>,
     plan: &Plan<'a>,
     trail: &mut Trail,
-) -> Result<Success<'a, T::Body>, Ended<'a>> {
+) -> Result<Success<'a, UpstreamBody<T::Body>>, Ended<'a>> {
     let started = Instant::now();
     let Some(&first) = plan.order.first() else {
         return Err(Ended::Error {
@@ -303,7 +307,7 @@ async fn attempt<'a, T: Transport>(
     m: &Mechanics<'_, T>,
     plan: &Plan<'a>,
     target: &'a Provider,
-) -> Outcome<'a, T::Body> {
+) -> Outcome<'a, UpstreamBody<T::Body>> {
     if let Admission::Rejected { retry_after } = m.breakers.admit(&target.name) {
         return Outcome::Failed(
             Failure::Connect { sent: false },
@@ -379,6 +383,8 @@ async fn attempt<'a, T: Transport>(
         }
     };
     let (parts, body) = resp.into_parts();
+    // Everything read from here on, by this loop or after it, is scrubbed of the key.
+    let body = UpstreamBody::new(body, target.api_key.as_ref().map(|k| k.expose()));
     let status = parts.status;
     if status.is_success() {
         limiter.observe(status.as_u16(), &parts.headers, None);

@@ -436,11 +436,11 @@ async fn generate(
                 });
             }
             end_failed(journaled, &format!("upstream answered {}", parts.status)).await;
-            // A faithful pass-through of the last answer, scrubbed of the key.
+            // A faithful pass-through of the last answer (read scrubbed of the key).
             headers::strip_hop_by_hop(&mut parts.headers);
             parts.headers.remove(header::CONTENT_LENGTH);
             Ok(with_attempts(
-                Response::from_parts(parts, body::full(scrub(body, provider))),
+                Response::from_parts(parts, body::full(body)),
                 trail.attempts,
             ))
         }
@@ -482,7 +482,7 @@ async fn end_failed(journaled: Option<streams::Starting>, reason: &str) {
 /// Journals a successful attempt: a stream through the producer, a plain body whole.
 async fn produce(
     shared: &Arc<Shared>,
-    success: Success<'_, Incoming>,
+    success: Success<'_, UpstreamBody>,
     task: Option<&TaskId>,
     reservation: Option<Reservation>,
     starting: streams::Starting,
@@ -514,7 +514,6 @@ async fn produce(
             }
         };
         drop(permit);
-        let bytes = scrub(bytes, provider);
         // The journal keeps the reported usage whole, so this answer is read whole.
         let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
         let answer = Answer::from_value(&v, task.is_some());
@@ -579,12 +578,9 @@ async fn produce(
         observer,
         permit,
     };
-    let body = UpstreamBody::new(
-        body,
-        provider.api_key.as_ref().map(|k| k.expose()),
-        shared.faults.stream_cut(&provider.name),
-    )
-    .gathering();
+    let body = body
+        .cut_after(shared.faults.stream_cut(&provider.name))
+        .gathering();
     streams::start(shared, production, body);
     let mut resp = streams::live_response(&live, 0, false);
     *resp.status_mut() = parts.status;
@@ -768,7 +764,7 @@ pub fn build_request(
 /// event by event; plain bodies stream through unchanged.
 fn relay(
     shared: &Arc<Shared>,
-    success: Success<'_, Incoming>,
+    success: Success<'_, UpstreamBody>,
     task: Option<&TaskId>,
     reservation: Option<Reservation>,
     rec: Option<ModelCall>,
@@ -793,12 +789,8 @@ fn relay(
     };
     let body: Body = match framer {
         Some(framer) => SseRelay::resume(
-            UpstreamBody::new(
-                body,
-                provider.api_key.as_ref().map(|k| k.expose()),
-                shared.faults.stream_cut(&provider.name),
-            )
-            .gathering(),
+            body.cut_after(shared.faults.stream_cut(&provider.name))
+                .gathering(),
             framer,
             first_events,
             observed,
@@ -809,12 +801,10 @@ fn relay(
             // Plain responses stream through; a bounded copy is parsed at the end for the
             // tool calls the model issued (key derivation) and its usage.
             let limit = shared.options.limits.max_body_bytes;
-            let key = provider.api_key.as_ref().map(|k| k.expose());
-            if key.is_some() {
+            if provider.api_key.is_some() {
                 // Scrubbing may change the length.
                 parts.headers.remove(header::CONTENT_LENGTH);
             }
-            let body = UpstreamBody::new(body, key, None);
             body::Tee::new(body, limit, move |bytes: &[u8]| {
                 let mut answer = Answer::read(bytes, observed.task.is_some());
                 if let Some(task) = &observed.task {
@@ -863,17 +853,6 @@ fn actual(price: (u64, u64), tokens_in: u64, tokens_out: u64) -> Usage {
         calls: 1,
         ..Usage::default()
     }
-}
-
-fn scrub(bytes: Bytes, provider: &Provider) -> Bytes {
-    let Some(key) = provider.api_key.as_ref().map(|k| k.expose()) else {
-        return bytes;
-    };
-    if key.is_empty() || memchr::memmem::find(&bytes, key.as_bytes()).is_none() {
-        return bytes;
-    }
-    let text = String::from_utf8_lossy(&bytes).replace(key, "<redacted>");
-    Bytes::from(text)
 }
 
 /// Follows a relayed answer to its end: times its chunks, records the tool calls a
