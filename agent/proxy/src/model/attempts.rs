@@ -399,7 +399,7 @@ async fn attempt<'a, T: Transport>(
                 permit: Some(permit),
             });
         }
-        return first_event(m, target, parts, body, permit).await;
+        return first_event(m, target, &limiter, parts, body, permit).await;
     }
     // An error answer: small, read whole to classify it.
     let bytes = tokio::time::timeout(m.first_byte_timeout, body::read_limited(body, 1 << 20))
@@ -420,6 +420,19 @@ fn answered<'a, B>(
     bytes: Bytes,
 ) -> Outcome<'a, B> {
     let status = parts.status;
+    answered_as(target, limiter, permit, status, parts, bytes)
+}
+
+/// An error answer classified as `status` (a stream's error event carries its own
+/// error in a 200 answer).
+fn answered_as<'a, B>(
+    target: &'a Provider,
+    limiter: &crate::resilience::Limiter,
+    permit: Permit,
+    status: StatusCode,
+    parts: http::response::Parts,
+    bytes: Bytes,
+) -> Outcome<'a, B> {
     let retry_after = retry_after(&parts.headers);
     limiter.observe(status.as_u16(), &parts.headers, retry_after);
     drop(permit);
@@ -461,9 +474,18 @@ fn injected_answer(
 
 /// Waits for the first complete event of a stream: until then a failure is
 /// invisible to the agent and can be retried.
+///
+/// The first event is the first block that carries data: blocks without (comments
+/// such as `: keep-alive` or `: OPENROUTER PROCESSING`, a lone `retry:`) are not
+/// events to an SSE client, so they neither start the stream nor stop the
+/// `first_byte_timeout`; they are kept and go out, byte for byte, just before the
+/// first event. A first event that is the provider's error event is an error answer
+/// sent as a stream: classified like an error status, and retried or passed on as
+/// such.
 async fn first_event<'a, B: HttpBody<Data = Bytes, Error: Into<BoxError>> + Unpin>(
     m: &Mechanics<'_, impl Transport>,
     target: &'a Provider,
+    limiter: &crate::resilience::Limiter,
     parts: http::response::Parts,
     mut body: B,
     permit: Permit,
@@ -519,19 +541,55 @@ async fn first_event<'a, B: HttpBody<Data = Bytes, Error: Into<BoxError>> + Unpi
                 if let Err(e) = framer.push(&data, &mut events) {
                     return interrupted(e.to_string());
                 }
-                if !events.is_empty() {
-                    return Outcome::Ok(Success {
-                        provider: target,
-                        parts,
-                        body,
-                        framer: Some(framer),
-                        first_events: events,
-                        permit: Some(permit),
-                    });
+                let Some(first) = events
+                    .iter()
+                    .position(|e| crate::sse::parse(e).data.is_some())
+                else {
+                    continue;
+                };
+                if crate::events::Turn::new(target.dialect).observe(&events[first])
+                    == crate::events::Kind::Error
+                {
+                    let status = error_event_status(&events[first]);
+                    let body = Bytes::from(events[..=first].concat());
+                    return answered_as(target, limiter, permit, status, parts, body);
                 }
+                return Outcome::Ok(Success {
+                    provider: target,
+                    parts,
+                    body,
+                    framer: Some(framer),
+                    first_events: events,
+                    permit: Some(permit),
+                });
             }
         }
     }
+}
+
+/// The status an error event stands for, from its error's `type` (or `code`): what
+/// the provider answers with that error outside a stream (Anthropic documents the
+/// pairs; OpenAI's types map the same way). Unknown types are server errors.
+fn error_event_status(raw: &[u8]) -> StatusCode {
+    let data = crate::sse::parse(raw).data.unwrap_or_default();
+    let v: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();
+    let error = &v["error"];
+    let kind = error["type"]
+        .as_str()
+        .or_else(|| error["code"].as_str())
+        .unwrap_or_default();
+    let status = match kind {
+        "invalid_request_error" => 400,
+        "authentication_error" => 401,
+        "permission_error" => 403,
+        "not_found_error" => 404,
+        "request_too_large" => 413,
+        "rate_limit_error" | "rate_limit_exceeded" | "insufficient_quota" => 429,
+        "overloaded_error" => 529,
+        "timeout_error" => 504,
+        _ => 500,
+    };
+    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
 }
 
 /// What an error answer means for a retry policy; `None` when it is the agent's

@@ -658,3 +658,92 @@ async fn a_key_quoted_in_the_first_event_or_split_across_frames_is_scrubbed() {
         "data: {\"echo\":\"Bearer <redacted>\"}\n\ndata: [DONE]\n\n"
     );
 }
+
+/// A comment (`: keep-alive`, `: OPENROUTER PROCESSING`) is no event: it does not
+/// start the stream, so the first-byte timeout still applies; the comments before
+/// the first event of the stream that starts go out with it, byte for byte.
+#[tokio::test(start_paused = true)]
+async fn a_comment_is_not_the_first_event() {
+    let rig = Rig::new();
+    let p = provider("a", 1);
+    let script = Streams::new(vec![
+        (vec![": keep-alive\n\n"], true),
+        (
+            vec![
+                ": OPENROUTER PROCESSING\n\n",
+                ": OPENROUTER PROCESSING\n\ndata: {\"n\":1}\n\n",
+                "data: [DONE]\n\n",
+            ],
+            false,
+        ),
+    ]);
+    let mech = streams_mechanics(&rig, &script);
+    let started = tokio::time::Instant::now();
+    let mut trail = Trail::default();
+    let ok = run(&mech, &stream_plan(vec![&p]), &mut trail).await;
+    assert_eq!(trail.attempts, 2);
+    assert_eq!(trail.history[0].failure, Failure::Timeout);
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_secs(30) + Duration::from_millis(10)
+    );
+    let whole = whole_stream(ok.ok().expect("a stream")).await;
+    assert_eq!(
+        whole,
+        ": OPENROUTER PROCESSING\n\n: OPENROUTER PROCESSING\n\ndata: {\"n\":1}\n\ndata: [DONE]\n\n"
+    );
+}
+
+/// A stream whose first event is the provider's error is an error answer: retried
+/// invisibly when its error is retryable, passed on as it came when it is not.
+#[tokio::test(start_paused = true)]
+async fn a_first_event_that_is_an_error_is_classified_and_retried() {
+    let rig = Rig::new();
+    let openai = provider("a", 1);
+    let mut anthropic = provider("b", 2);
+    anthropic.dialect = Dialect::Anthropic;
+    let cases: [(&Provider, &'static str, Failure); 2] = [
+        (
+            &openai,
+            ": hi\n\ndata: {\"error\":{\"message\":\"busy\",\"type\":\"server_error\",\"code\":null}}\n\n",
+            Failure::ServerError { status: 500 },
+        ),
+        (
+            &anthropic,
+            "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n",
+            Failure::ServerError { status: 529 },
+        ),
+    ];
+    for (p, error, failure) in cases {
+        let script = Streams::new(vec![
+            (vec![error], false),
+            (vec!["data: {\"n\":1}\n\ndata: [DONE]\n\n"], false),
+        ]);
+        let mech = streams_mechanics(&rig, &script);
+        let mut trail = Trail::default();
+        let ok = run(&mech, &stream_plan(vec![p]), &mut trail).await;
+        assert_eq!(trail.attempts, 2, "{error}");
+        assert_eq!(trail.history[0].failure, failure);
+        let whole = whole_stream(ok.ok().expect("a stream")).await;
+        assert_eq!(whole, "data: {\"n\":1}\n\ndata: [DONE]\n\n");
+    }
+    // The agent's own mistake is not retried: the answer is passed on as it came.
+    let refused = "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"invalid_request_error\",\"message\":\"no\"}}\n\n";
+    let script = Streams::new(vec![(vec![refused], false)]);
+    let mech = streams_mechanics(&rig, &script);
+    let mut trail = Trail::default();
+    match run(&mech, &stream_plan(vec![&anthropic]), &mut trail).await {
+        Err(Ended::Answer {
+            parts,
+            body,
+            failure,
+            ..
+        }) => {
+            assert_eq!(parts.status, StatusCode::OK);
+            assert_eq!(body, refused.as_bytes());
+            assert_eq!(failure, None);
+        }
+        _ => panic!("expected the error answer"),
+    }
+    assert_eq!(trail.attempts, 1);
+}
