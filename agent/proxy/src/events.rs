@@ -2,11 +2,14 @@
 //! completing, usage, errors and the terminal event — for both dialects.
 //!
 //! A tool call is complete only when the provider says so: Anthropic closes a
-//! `tool_use` block with `content_block_stop`; OpenAI chat completions close all
-//! tool calls of a choice with its `finish_reason` (`tool_calls`, or `stop` for a
-//! call the request forced), unless the reason says the choice was cut short
-//! (`length`, `content_filter`). A stream that stops before that holds only partial
-//! tool calls, which must never reach the agent.
+//! `tool_use` block with `content_block_stop` and then says the message stopped for
+//! it (`message_delta` with `stop_reason: "tool_use"`; any other stop reason, such
+//! as `max_tokens`, cut the block short, its `content_block_stop` notwithstanding);
+//! OpenAI chat completions close all tool calls of a choice with its
+//! `finish_reason` (`tool_calls`, or `stop` for a call the request forced), unless
+//! the reason says the choice was cut short (`length`, `content_filter`). A stream
+//! that stops before that holds only partial tool calls, which must never reach the
+//! agent.
 
 use std::collections::BTreeMap;
 use std::sync::LazyLock;
@@ -68,6 +71,11 @@ struct Partial {
     arguments: String,
     complete: bool,
     thinking: bool,
+    /// An Anthropic `tool_use` block: complete only once the message's stop reason
+    /// is `tool_use`, after its `content_block_stop`.
+    needs_stop_reason: bool,
+    /// Its `content_block_stop` has come.
+    stopped: bool,
 }
 
 /// Token usage as the provider reported it.
@@ -90,8 +98,9 @@ pub struct Turn {
     pub terminal: bool,
     pub errored: bool,
     /// The provider cut a choice short (`finish_reason` `length` or
-    /// `content_filter`, or another reason with a call's arguments unfinished) while
-    /// one of its tool calls was still open.
+    /// `content_filter`, or another reason with a call's arguments unfinished; an
+    /// Anthropic `stop_reason` other than `tool_use`) while one of its tool calls
+    /// was not complete.
     pub truncated_tool_call: Option<String>,
 }
 
@@ -272,12 +281,15 @@ impl Turn {
                 let i = v["index"].as_u64().unwrap_or(0);
                 let block = &v["content_block"];
                 match block["type"].as_str() {
-                    Some("tool_use" | "server_tool_use") => {
+                    Some(ty @ ("tool_use" | "server_tool_use")) => {
                         self.blocks.insert(
                             i,
                             Partial {
                                 id: block["id"].as_str().unwrap_or_default().to_string(),
                                 name: block["name"].as_str().unwrap_or_default().to_string(),
+                                // A server tool runs at the provider, within the turn,
+                                // which goes on after it: its block is whole at its stop.
+                                needs_stop_reason: ty == "tool_use",
                                 ..Partial::default()
                             },
                         );
@@ -311,6 +323,11 @@ impl Turn {
             "content_block_stop" => {
                 let i = v["index"].as_u64().unwrap_or(0);
                 match self.blocks.get_mut(&i) {
+                    // Held until the stop reason says the call is whole.
+                    Some(b) if b.needs_stop_reason => {
+                        b.stopped = true;
+                        Kind::ToolPart
+                    }
                     Some(b) => {
                         b.complete = true;
                         Kind::ToolComplete(vec![i])
@@ -319,14 +336,40 @@ impl Turn {
                 }
             }
             "message_delta" => {
-                if let Some(r) = v["delta"]["stop_reason"].as_str() {
-                    self.finish_reason = Some(r.to_string());
-                }
+                // Counted whatever happens to the event: the tokens were generated.
                 if let Some(out) = v["usage"]["output_tokens"].as_u64() {
                     let u = self.usage.get_or_insert_with(ReportedUsage::default);
                     u.output = out;
                 }
-                Kind::Other
+                let Some(reason) = v["delta"]["stop_reason"].as_str() else {
+                    return Kind::Other;
+                };
+                self.finish_reason = Some(reason.to_string());
+                let waiting = |b: &Partial| b.needs_stop_reason && !b.complete;
+                if !self.blocks.values().any(waiting) {
+                    return Kind::Other;
+                }
+                if reason != "tool_use" {
+                    // `max_tokens` (or a refusal, a stop sequence…) inside a tool call:
+                    // its input may be cut short even though its block was stopped.
+                    self.truncated_tool_call = Some(reason.to_string());
+                    return Kind::Other;
+                }
+                // A block still open stays open (the turn's end then cuts it).
+                let closed: Vec<u64> = self
+                    .blocks
+                    .iter_mut()
+                    .filter(|(_, b)| waiting(b) && b.stopped)
+                    .map(|(i, b)| {
+                        b.complete = true;
+                        *i
+                    })
+                    .collect();
+                if closed.is_empty() {
+                    Kind::Other
+                } else {
+                    Kind::ToolComplete(closed)
+                }
             }
             "message_stop" => {
                 self.terminal = true;
@@ -404,9 +447,12 @@ impl Gate {
         if let Some(reason) = &self.turn.truncated_tool_call {
             // The provider stopped inside a tool call: its half never goes out, and
             // the agent gets a typed error instead of a silent end.
-            let detail = format!(
-                "the provider ended its turn (finish_reason {reason:?}) inside a tool call"
-            );
+            let field = match self.turn.dialect {
+                Dialect::OpenAi => "finish_reason",
+                Dialect::Anthropic => "stop_reason",
+            };
+            let detail =
+                format!("the provider ended its turn ({field} {reason:?}) inside a tool call");
             return self.cut(interruption_event(self.turn.dialect, &detail));
         }
         let open = !self.held.is_empty() || self.turn.inside_tool_call();
@@ -624,6 +670,95 @@ mod tests {
         assert!(!g.turn.terminal);
     }
 
+    /// `max_tokens` inside a `tool_use` block: Anthropic still stops the block, then
+    /// says why the message stopped. The input is cut short, so the call never goes
+    /// out (nor reaches the correlator): the turn ends with the typed error event.
+    #[test]
+    fn an_anthropic_tool_call_stopped_by_max_tokens_becomes_a_typed_error() {
+        let mut g = Gate::new(Dialect::Anthropic);
+        let mut out = Vec::new();
+        let mut durable = Vec::new();
+        for ev in [
+            named(
+                "message_start",
+                &json!({"type": "message_start", "message": {"id": "msg_1", "model": "c",
+                "usage": {"input_tokens": 5, "output_tokens": 1}}}),
+            ),
+            tool_use_start().to_vec(),
+            named(
+                "content_block_delta",
+                &json!({"type": "content_block_delta", "index": 0,
+                "delta": {"type": "input_json_delta", "partial_json": "{\"to\":\"am"}}),
+            ),
+            named(
+                "content_block_stop",
+                &json!({"type": "content_block_stop", "index": 0}),
+            ),
+            named(
+                "message_delta",
+                &json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                "usage": {"output_tokens": 7}}),
+            ),
+            named("message_stop", &json!({"type": "message_stop"})),
+        ] {
+            let released = g.push(ev.into());
+            durable.push(released.durable);
+            out.extend(released.events);
+        }
+        let text: Vec<String> = out
+            .iter()
+            .map(|e| String::from_utf8_lossy(e).into_owned())
+            .collect();
+        assert_eq!(text.len(), 2, "{text:?}");
+        assert!(text[0].starts_with("event: message_start\n"), "{text:?}");
+        assert!(
+            text[1].starts_with("event: error\n")
+                && text[1].contains("was interrupted")
+                && text[1].contains("max_tokens"),
+            "{text:?}"
+        );
+        assert!(
+            !text
+                .iter()
+                .any(|e| e.contains("tool_use") || e.contains("mail"))
+        );
+        assert!(durable[4], "the error event, at message_delta, is durable");
+        assert!(g.closed() && g.turn.errored && !g.turn.terminal);
+        assert!(g.turn.completed_calls().is_empty());
+        // What was generated is still counted.
+        assert_eq!(
+            g.turn.usage,
+            Some(ReportedUsage {
+                input: 5,
+                output: 7
+            })
+        );
+    }
+
+    /// Stopped and then confirmed by `stop_reason: "tool_use"`, the call goes out
+    /// whole, with whatever was held behind it, durably.
+    #[test]
+    fn an_anthropic_tool_call_goes_out_at_its_stop_reason() {
+        let mut g = Gate::new(Dialect::Anthropic);
+        assert!(g.push(tool_use_start()).events.is_empty());
+        let stop = named(
+            "content_block_stop",
+            &json!({"type": "content_block_stop", "index": 0}),
+        );
+        assert!(g.push(stop.into()).events.is_empty(), "held at its stop");
+        let delta = named(
+            "message_delta",
+            &json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}}),
+        );
+        let out = g.push(delta.into());
+        assert_eq!(out.events.len(), 3);
+        assert!(out.durable);
+        assert_eq!(g.turn.completed_calls()[0].id, "toolu_1");
+        let end = g.push(named("message_stop", &json!({"type": "message_stop"})).into());
+        assert_eq!(end.events.len(), 1);
+        assert!(g.turn.terminal && !g.turn.errored);
+    }
+
     #[test]
     fn a_legacy_function_call_is_held_until_its_finish_reason() {
         let mut g = Gate::new(Dialect::OpenAi);
@@ -694,7 +829,7 @@ mod tests {
     }
 
     #[test]
-    fn anthropic_blocks_complete_at_block_stop() {
+    fn anthropic_blocks_complete_at_block_stop_and_tool_calls_at_their_stop_reason() {
         let mut t = Turn::new(Dialect::Anthropic);
         t.observe(&named("message_start", &json!({"type": "message_start", "message": {"id": "msg_1", "model": "c", "usage": {"input_tokens": 5, "output_tokens": 1}}})));
         assert_eq!(t.observe(&named("content_block_start", &json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}))), Kind::Text);
@@ -709,14 +844,21 @@ mod tests {
         assert_eq!(t.observe(&named("content_block_start", &json!({"type": "content_block_start", "index": 1, "content_block": {"type": "tool_use", "id": "toolu_1", "name": "mail", "input": {}}}))), Kind::ToolPart);
         assert_eq!(t.observe(&named("content_block_delta", &json!({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": "{\"to\":\"amy\"}"}}))), Kind::ToolPart);
         assert!(t.inside_tool_call());
+        // Stopped, the call is whole only once the message stopped for it.
         assert_eq!(
             t.observe(&named(
                 "content_block_stop",
                 &json!({"type": "content_block_stop", "index": 1})
             )),
+            Kind::ToolPart
+        );
+        assert!(t.inside_tool_call());
+        assert!(t.completed_calls().is_empty());
+        assert_eq!(
+            t.observe(&named("message_delta", &json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}}))),
             Kind::ToolComplete(vec![1])
         );
-        t.observe(&named("message_delta", &json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"}, "usage": {"output_tokens": 9}})));
+        assert!(!t.inside_tool_call());
         assert_eq!(
             t.observe(&named("message_stop", &json!({"type": "message_stop"}))),
             Kind::Terminal
