@@ -1,8 +1,11 @@
 //! Journaled model streams: replay, resume after a client drop (detach, don't
 //! cancel), interruptions at every event boundary and inside events in both dialects
 //! (never a partial tool call; a typed error event), deterministic replay inside a
-//! task, cancellation, and a SIGKILL of the sidecar mid-stream.
+//! task, cancellation, a SIGKILL of the sidecar mid-stream, and providers' oddities
+//! (a byte order mark, a plain answer to a streamed request).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -595,4 +598,109 @@ async fn an_attempt_whose_events_the_journal_lost_ends_abandoned_and_its_key_gen
     .await;
     let last = events(&repeated.body).last().cloned().unwrap_or_default();
     assert!(last.contains("did not complete"), "{last}");
+}
+
+/// An OpenAI-dialect upstream that answers every request with `content_type` and
+/// `body` (after `delay`), and counts the requests it received.
+async fn scripted_upstream(
+    content_type: &'static str,
+    body: &'static [u8],
+    delay: Duration,
+) -> (outrigger_testing::http::Server, Arc<AtomicUsize>) {
+    let requests = Arc::new(AtomicUsize::new(0));
+    let count = requests.clone();
+    let server = outrigger_testing::http::Server::start(
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        move |req| {
+            count.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let _ = outrigger_testing::http::read_body(req.into_body()).await;
+                tokio::time::sleep(delay).await;
+                let mut resp = http::Response::new(outrigger_testing::http::full(body));
+                resp.headers_mut().insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static(content_type),
+                );
+                resp
+            }
+        },
+    )
+    .await
+    .expect("scripted upstream");
+    (server, requests)
+}
+
+/// A sidecar whose one provider (`gpt-mock`, OpenAI dialect) is at `base`.
+async fn sidecar_for(base: &str) -> Sidecar {
+    let config = format!(
+        r#"
+[[providers]]
+name = "oa"
+kind = "openai"
+base_url = "{base}/v1"
+models = ["gpt-mock"]
+"#
+    );
+    Sidecar::start(&config, &[]).await
+}
+
+/// The fields of the first event an SSE client dispatches from `body` (the WHATWG
+/// rules that matter here: a leading BOM is dropped, lines split on LF, `field:
+/// value`), or `None` when none is dispatched.
+fn first_dispatched(body: &[u8]) -> Option<Vec<(String, String)>> {
+    let text = String::from_utf8_lossy(body);
+    let text = text.strip_prefix('\u{feff}').unwrap_or(&text);
+    let mut fields = Vec::new();
+    for line in text.split('\n') {
+        if line.is_empty() {
+            if fields.iter().any(|(f, _): &(String, String)| f == "data") {
+                return Some(fields);
+            }
+            fields.clear();
+            continue;
+        }
+        if line.starts_with(':') {
+            continue;
+        }
+        let (f, v) = line.split_once(':').unwrap_or((line, ""));
+        fields.push((f.to_string(), v.trim_start_matches(' ').to_string()));
+    }
+    None
+}
+
+const BOM_STREAM: &[u8] = b"\xef\xbb\xbfdata: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"first\"},\"finish_reason\":null}]}\n\ndata: {\"id\":\"c1\",\"object\":\"chat.completion.chunk\",\"model\":\"m\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+
+/// A stream that opens with a byte order mark keeps its first event: journaled, the
+/// mark is dropped (our `id:` line goes first, and behind it the mark would hide
+/// the `data` field); relayed unjournaled, the bytes go as they came.
+#[tokio::test]
+async fn a_stream_that_opens_with_a_byte_order_mark_keeps_its_first_event() {
+    let (upstream, _) = scripted_upstream("text/event-stream", BOM_STREAM, Duration::ZERO).await;
+    let sidecar = sidecar_for(&upstream.url()).await;
+    let journaled = send(post(&sidecar, D::OpenAi, Some("bom"), &[])).await;
+    assert_eq!(journaled.status, StatusCode::OK, "{}", journaled.text());
+    assert!(
+        journaled.body.starts_with(b"id: 1:0\ndata: {"),
+        "{:?}",
+        journaled.text()
+    );
+    let first = first_dispatched(&journaled.body).expect("a first event");
+    assert!(
+        first.contains(&("id".into(), "1:0".into()))
+            && first
+                .iter()
+                .any(|(f, v)| f == "data" && v.contains("first")),
+        "{first:?}"
+    );
+    let again = send(post(&sidecar, D::OpenAi, Some("bom"), &[])).await;
+    assert_eq!(again.header("outrigger-replayed"), Some("true"));
+    assert_eq!(again.body, journaled.body);
+    let relayed = send(post(&sidecar, D::OpenAi, None, &[])).await;
+    assert_eq!(relayed.body.as_ref(), BOM_STREAM);
+    let first = first_dispatched(&relayed.body).expect("a first event");
+    assert!(
+        first
+            .iter()
+            .any(|(f, v)| f == "data" && v.contains("first"))
+    );
 }

@@ -182,6 +182,18 @@ pub fn parse(raw: &[u8]) -> Event {
     ev
 }
 
+/// The UTF-8 byte order mark a stream may open with (its decoder drops it there).
+const BOM: &[u8] = "\u{feff}".as_bytes();
+
+/// `raw` without a leading byte order mark (`raw` itself when it has none).
+pub fn without_bom(raw: Bytes) -> Bytes {
+    if raw.starts_with(BOM) {
+        raw.slice(BOM.len()..)
+    } else {
+        raw
+    }
+}
+
 /// `raw` without its lines of field `name`, byte for byte otherwise (`raw` itself
 /// when it has none).
 pub fn without_field(raw: Bytes, name: &[u8]) -> Bytes {

@@ -575,6 +575,8 @@ struct Producer {
     end_recorded: bool,
     /// Text deltas released to the clients but not yet sent to the journal writer.
     held: Option<Held>,
+    /// No block of the stream has been taken in yet.
+    at_start: bool,
 }
 
 /// Text deltas the producer holds before queuing them to the journal writer: each
@@ -621,6 +623,7 @@ pub(crate) fn start(shared: &Arc<Shared>, production: Production, upstream: Upst
         journal_ok: true,
         end_recorded: false,
         held: None,
+        at_start: true,
     };
     let mut batch = producer.take_in();
     let pending = if batch.durable || batch.terminal || batch.events.is_empty() {
@@ -640,8 +643,14 @@ impl Producer {
     fn take_in(&mut self) -> Batch {
         let mut events = Vec::new();
         let mut durable = false;
-        for raw in self.scratch.drain(..) {
+        for mut raw in self.scratch.drain(..) {
             self.bytes += raw.len();
+            if std::mem::take(&mut self.at_start) {
+                // A byte order mark opening the stream is dropped: our `id:` line goes
+                // first, and behind it the mark would hide the field of the line it
+                // starts (`\u{feff}data:`), losing the first event.
+                raw = crate::sse::without_bom(raw);
+            }
             // The provider's own `id` lines are dropped: coming after ours, they would
             // win, and leave the client a `Last-Event-ID` it cannot resume with.
             let release = self.gate.push(crate::sse::without_field(raw, b"id"));
