@@ -704,3 +704,31 @@ async fn a_stream_that_opens_with_a_byte_order_mark_keeps_its_first_event() {
             .any(|(f, v)| f == "data" && v.contains("first"))
     );
 }
+
+/// A plain answer to a streamed request (here a 200 error document) is passed on as
+/// it came and not journaled: the same request is answered afresh, never by a replay
+/// dressed as a stream.
+#[tokio::test]
+async fn a_plain_answer_to_a_streamed_request_is_passed_on_not_journaled() {
+    const ERROR: &[u8] = br#"{"error":{"message":"overloaded","type":"server_error"}}"#;
+    let (upstream, requests) = scripted_upstream("application/json", ERROR, Duration::ZERO).await;
+    let sidecar = sidecar_for(&upstream.url()).await;
+    for n in 1..=2 {
+        let r = send(post(&sidecar, D::OpenAi, Some("plain-to-stream"), &[])).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+        assert_eq!(r.header("content-type"), Some("application/json"));
+        assert_eq!(r.header("outrigger-replayed"), None, "call {n}");
+        assert_eq!(r.body.as_ref(), ERROR, "call {n}");
+        assert_eq!(requests.load(Ordering::SeqCst), n, "call {n} went upstream");
+    }
+    // Resumed by key, the attempt ends with the typed error naming why.
+    let resumed = get(&sidecar.url("/v1/streams/m%2Fopenai%2Fplain-to-stream")).await;
+    assert_eq!(resumed.status, StatusCode::OK, "{}", resumed.text());
+    assert!(
+        resumed.text().contains("stream_interrupted")
+            && resumed.text().contains("plain body")
+            && !resumed.text().contains("overloaded"),
+        "{}",
+        resumed.text()
+    );
+}

@@ -394,6 +394,32 @@ async fn generate(
             }
             let rec = rec.take();
             let resp = match journaled {
+                Some(starting) if request.stream && success.framer.is_none() => {
+                    // A plain answer to a streamed request (a provider that ignores
+                    // `stream`, or a 200 error document) is passed on as it came and
+                    // not journaled: stored, it would be replayed as a stream it never
+                    // was, and a 200 error would answer the key for good.
+                    let content_type = success
+                        .parts
+                        .headers
+                        .get(header::CONTENT_TYPE)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("none")
+                        .to_owned();
+                    starting
+                        .failed(&format!(
+                            "the provider answered a streamed request with a plain body \
+                             (content-type {content_type}); it was passed on, not journaled"
+                        ))
+                        .await;
+                    Ok(relay(
+                        shared,
+                        success,
+                        ctx.task_id.as_ref(),
+                        reservation,
+                        rec,
+                    ))
+                }
                 Some(starting) => {
                     produce(
                         shared,
