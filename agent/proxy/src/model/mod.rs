@@ -935,6 +935,18 @@ impl Observed {
     }
 }
 
+impl Drop for Observed {
+    /// A relayed answer dropped before its end (the agent went away mid-stream or
+    /// mid-body) never reached [`Observed::end`]: the provider bills what it
+    /// generated, which nobody counted, so the call costs its estimate rather than
+    /// nothing.
+    fn drop(&mut self) {
+        if let Some(reservation) = self.reservation.take() {
+            reservation.settle_estimate();
+        }
+    }
+}
+
 impl StreamObserver for Observed {
     fn on_event(&mut self, _raw: &Bytes, at: Instant) {
         if let Some(rec) = self.rec.as_mut() {
@@ -951,4 +963,71 @@ impl StreamObserver for Observed {
 pub fn guard_body<G: Send + Unpin + 'static>(resp: Response<Body>, guard: G) -> Response<Body> {
     let (parts, body) = resp.into_parts();
     Response::from_parts(parts, Guarded::new(body, guard).boxed_unsync())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+
+    use http_body::Body as HttpBody;
+
+    use super::*;
+    use crate::sse::Framer;
+
+    /// An upstream body that has nothing more, yet.
+    struct Waiting;
+
+    impl HttpBody for Waiting {
+        type Data = Bytes;
+        type Error = std::convert::Infallible;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+            Poll::Pending
+        }
+    }
+
+    /// An agent that goes away in the middle of an unjournaled stream drops the relay
+    /// before its end: the task is charged the call's estimate, not nothing.
+    #[tokio::test]
+    async fn a_relayed_call_its_agent_left_mid_stream_costs_its_estimate() {
+        let proxy = crate::Proxy::new(
+            crate::Options::default(),
+            crate::Components::new(outrigger_telemetry::Metrics::new(), None),
+        );
+        let shared = proxy.shared.clone();
+        let estimate = Usage {
+            tokens_in: 100,
+            tokens_out: 50,
+            cost_micros: 7,
+            calls: 1,
+            ..Usage::default()
+        };
+        let (reservation, ()) = shared.ledger.reserve_if("t", estimate, |_| (true, ()));
+        let observed = Observed {
+            rec: None,
+            task: Some(TaskId::new("t").expect("a task id")),
+            shared: shared.clone(),
+            reservation,
+            price: (1, 1),
+        };
+        let first = Bytes::from_static(
+            b"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":null}]}\n\n",
+        );
+        let mut relay = SseRelay::resume(Waiting, Framer::default(), vec![first.clone()], observed)
+            .gated(Dialect::OpenAi);
+        let got = std::future::poll_fn(|cx| Pin::new(&mut relay).poll_frame(cx)).await;
+        let data = got
+            .and_then(Result::ok)
+            .and_then(|f| f.into_data().ok())
+            .expect("the first event");
+        assert_eq!(data, first);
+        assert_eq!(shared.ledger.committed("t"), Usage::default());
+        drop(relay);
+        assert_eq!(shared.ledger.committed("t"), estimate);
+        assert_eq!(shared.ledger.usage("t"), estimate, "nothing left reserved");
+    }
 }
