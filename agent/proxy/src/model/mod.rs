@@ -126,30 +126,32 @@ async fn call_inner(
         Some(_) => streams::key_for(&parts.headers, ctx, &request, &shared.options.streams)?,
         None => None,
     };
-    // A model call has no side effect to protect: when the journal cannot take the
-    // stream, it is relayed unjournaled rather than refused.
     let begun = match (keyed, shared.journal.clone()) {
         (Some(keyed), Some(journal)) => {
-            let stream_request = StreamRequest {
-                fingerprint: keyed.fingerprint,
-                task_id: ctx.task_id.clone(),
-                request_id: ctx.request_id.clone(),
-                provider: primary.name.clone(),
-                model: request.model.clone(),
-                policy_versions: shared.decider.versions(),
-            };
-            match journal.stream_begin(&keyed.key, stream_request).await {
-                Ok(begin) => Some((keyed, journal, begin)),
-                Err(e) if e.is_write_failure() => {
-                    tracing::warn!(key = %keyed.key, error = %e, "the journal cannot take this stream; relaying it unjournaled");
-                    None
+            match begin(
+                shared,
+                &journal,
+                &keyed,
+                &request,
+                primary,
+                ctx,
+                last_event_id,
+            )
+            .await?
+            {
+                Begun::Replayed(resp) => {
+                    if let Some(r) = rec.as_mut() {
+                        r.replayed();
+                    }
+                    return Ok(streams::with_key(resp, &keyed.key));
                 }
-                Err(e) => return Err(Error::Journal(e)),
+                Begun::New(attempt) => Some((keyed, journal, attempt)),
+                Begun::Unjournaled => None,
             }
         }
         _ => None,
     };
-    let Some((keyed, journal, begin)) = begun else {
+    let Some((keyed, journal, attempt)) = begun else {
         return generate(
             shared,
             request,
@@ -161,21 +163,6 @@ async fn call_inner(
             rec,
         )
         .await;
-    };
-    let attempt = match begin {
-        StreamBegin::Mismatch { meta } => {
-            return Err(Error::StreamKeyReused {
-                key: meta.key.to_string(),
-            });
-        }
-        StreamBegin::Existing { meta } => {
-            let resp = replay(shared, &journal, &keyed, meta, &request, ctx, last_event_id).await?;
-            if let Some(r) = rec.as_mut() {
-                r.replayed();
-            }
-            return Ok(streams::with_key(resp, &keyed.key));
-        }
-        StreamBegin::New { attempt } => attempt,
     };
     let starting = streams::Starting::new(shared, journal, keyed.key.clone(), attempt, &request);
     let resp = generate(
@@ -192,8 +179,74 @@ async fn call_inner(
     Ok(streams::with_key(resp, &keyed.key))
 }
 
+/// What beginning a keyed call's stream came to.
+enum Begun {
+    /// Answered from the stream the key already has.
+    Replayed(Response<Body>),
+    /// A fresh generation, as this attempt.
+    New(u32),
+    /// The journal cannot take the stream: it is relayed unjournaled.
+    Unjournaled,
+}
+
+/// Begins the key's stream in the journal: a new attempt, or the answer of the one
+/// it has.
+async fn begin(
+    shared: &Arc<Shared>,
+    journal: &Journal,
+    keyed: &streams::Keyed,
+    request: &ModelRequest,
+    primary: &Provider,
+    ctx: &RequestContext,
+    last_event_id: Option<(u32, u64)>,
+) -> Result<Begun, Error> {
+    // An attempt that ends while this request waits on it (its call was dropped, or
+    // failed, a moment before its end reached the journal) is no answer: the key is
+    // begun again, and then gets attempt n+1.
+    for _ in 0..3 {
+        let stream_request = StreamRequest {
+            fingerprint: keyed.fingerprint,
+            task_id: ctx.task_id.clone(),
+            request_id: ctx.request_id.clone(),
+            provider: primary.name.clone(),
+            model: request.model.clone(),
+            policy_versions: shared.decider.versions(),
+        };
+        let begin = match journal.stream_begin(&keyed.key, stream_request).await {
+            Ok(begin) => begin,
+            // A model call has no side effect to protect: when the journal cannot
+            // take the stream, it is relayed unjournaled rather than refused.
+            Err(e) if e.is_write_failure() => {
+                tracing::warn!(key = %keyed.key, error = %e, "the journal cannot take this stream; relaying it unjournaled");
+                return Ok(Begun::Unjournaled);
+            }
+            Err(e) => return Err(Error::Journal(e)),
+        };
+        match begin {
+            StreamBegin::Mismatch { meta } => {
+                return Err(Error::StreamKeyReused {
+                    key: meta.key.to_string(),
+                });
+            }
+            StreamBegin::Existing { meta } => {
+                let replayed =
+                    replay(shared, journal, keyed, meta, request, ctx, last_event_id).await?;
+                if let Some(resp) = replayed {
+                    return Ok(Begun::Replayed(resp));
+                }
+            }
+            StreamBegin::New { attempt } => return Ok(Begun::New(attempt)),
+        }
+    }
+    Err(Error::StreamInProgress {
+        key: keyed.key.to_string(),
+    })
+}
+
 /// Answers from an existing stream: the journal for a completed one, the live hub
-/// for one still being generated in this process.
+/// for one still being generated in this process; `None` when the attempt ended
+/// without completing while this request waited on it (the key is then begun
+/// again).
 async fn replay(
     shared: &Arc<Shared>,
     journal: &Journal,
@@ -202,7 +255,7 @@ async fn replay(
     request: &ModelRequest,
     ctx: &RequestContext,
     last_event_id: Option<(u32, u64)>,
-) -> Result<Response<Body>, Error> {
+) -> Result<Option<Response<Body>>, Error> {
     for _ in 0..50 {
         match meta.state {
             StreamState::Completed => {
@@ -233,7 +286,7 @@ async fn replay(
                 }
                 tracing::debug!(key = %keyed.key, events = events.len(), "model call answered from the journal");
                 if request.stream {
-                    return Ok(streams::journal_response(events, attempt));
+                    return Ok(Some(streams::journal_response(events, attempt)));
                 }
                 let body = events
                     .into_iter()
@@ -247,7 +300,7 @@ async fn replay(
                 );
                 resp.headers_mut()
                     .insert(headers::REPLAYED, http::HeaderValue::from_static("true"));
-                return Ok(resp);
+                return Ok(Some(resp));
             }
             StreamState::Open => {
                 if let Some(live) = shared.streams.get(&keyed.key) {
@@ -258,15 +311,15 @@ async fn replay(
                     }
                     let from = match last_event_id {
                         Some((a, s)) if a == live.attempt => streams::next_index(s),
-                        Some(_) => return Ok(streams::nothing_more()),
+                        Some(_) => return Ok(Some(streams::nothing_more())),
                         None => 0,
                     };
-                    return Ok(streams::live_response(&live, from, true));
+                    return Ok(Some(streams::live_response(&live, from, true)));
                 }
             }
-            StreamState::Failed | StreamState::Abandoned => {
-                return Ok(streams::nothing_more());
-            }
+            // The journal answers a begin with a stream that is open or completed:
+            // this one ended while the request waited (its hub gone first).
+            StreamState::Failed | StreamState::Abandoned => return Ok(None),
         }
         // Open, but its producer is finishing: read again.
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
@@ -988,6 +1041,146 @@ mod tests {
         ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
             Poll::Pending
         }
+    }
+
+    /// A journal in a fresh temporary directory, removed on drop.
+    struct TempJournal {
+        journal: Journal,
+        writer: tokio::task::JoinHandle<()>,
+        dir: std::path::PathBuf,
+    }
+
+    impl TempJournal {
+        fn open() -> Self {
+            static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let dir = std::env::temp_dir().join(format!(
+                "outrigger-model-test-{}-{}",
+                std::process::id(),
+                N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            ));
+            let (journal, writer, _) =
+                Journal::open(outrigger_journal::Options::new(dir.join("journal")))
+                    .expect("a journal");
+            let writer = tokio::spawn(writer.run());
+            Self {
+                journal,
+                writer,
+                dir,
+            }
+        }
+    }
+
+    impl Drop for TempJournal {
+        fn drop(&mut self) {
+            self.writer.abort();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn ctx() -> RequestContext {
+        RequestContext {
+            request_id: outrigger_types::RequestId::from_generated("r1".into()),
+            task_id: None,
+            peer: std::net::SocketAddr::from(([127, 0, 0, 1], 1)),
+        }
+    }
+
+    fn provider() -> Provider {
+        Provider {
+            name: "oa".into(),
+            dialect: Dialect::OpenAi,
+            base_url: "http://127.0.0.1:1/v1".parse().expect("a url"),
+            api_key: None,
+            models: vec![crate::options::ModelPattern::Any],
+            caps: crate::options::Capabilities::permissive(),
+        }
+    }
+
+    /// A call dropped before its first event removes its hub at once and records its
+    /// end a moment later. A repeat that began in between finds the stream open and
+    /// then ended: that is no answer (a 204) but a reason to begin again, as the key's
+    /// next attempt.
+    #[tokio::test]
+    async fn a_repeat_that_meets_an_attempt_ending_begins_the_next_one() {
+        let j = TempJournal::open();
+        let proxy = crate::Proxy::new(
+            crate::Options {
+                providers: vec![provider()],
+                ..crate::Options::default()
+            },
+            crate::Components::new(outrigger_telemetry::Metrics::new(), Some(j.journal.clone())),
+        );
+        let shared = proxy.shared.clone();
+        let request = ModelRequest::parse(
+            Dialect::OpenAi,
+            Bytes::from_static(br#"{"model":"gpt","stream":true,"messages":[]}"#),
+        )
+        .expect("a request");
+        let mut h = http::HeaderMap::new();
+        h.insert(
+            headers::IDEMPOTENCY_KEY,
+            http::HeaderValue::from_static("k"),
+        );
+        let keyed = streams::key_for(&h, &ctx(), &request, &shared.options.streams)
+            .expect("keyed")
+            .expect("a key");
+        let primary = provider();
+        let first = begin(
+            &shared,
+            &j.journal,
+            &keyed,
+            &request,
+            &primary,
+            &ctx(),
+            None,
+        )
+        .await
+        .expect("begun");
+        assert!(matches!(first, Begun::New(1)));
+        let starting =
+            streams::Starting::new(&shared, j.journal.clone(), keyed.key.clone(), 1, &request);
+        // The repeat begins while the first call waits for its first event…
+        let meta = match j
+            .journal
+            .stream_begin(
+                &keyed.key,
+                outrigger_journal::StreamRequest {
+                    fingerprint: keyed.fingerprint,
+                    task_id: None,
+                    request_id: ctx().request_id,
+                    provider: "oa".into(),
+                    model: "gpt".into(),
+                    policy_versions: Vec::new(),
+                },
+            )
+            .await
+            .expect("begun")
+        {
+            StreamBegin::Existing { meta } => meta,
+            _ => panic!("the first attempt is open"),
+        };
+        // …which its agent then leaves.
+        drop(starting);
+        let replayed = replay(&shared, &j.journal, &keyed, meta, &request, &ctx(), None)
+            .await
+            .expect("no error");
+        assert!(
+            replayed.is_none(),
+            "answered {:?}",
+            replayed.map(|r| r.status())
+        );
+        let again = begin(
+            &shared,
+            &j.journal,
+            &keyed,
+            &request,
+            &primary,
+            &ctx(),
+            None,
+        )
+        .await
+        .expect("begun");
+        assert!(matches!(again, Begun::New(2)));
     }
 
     /// An agent that goes away in the middle of an unjournaled stream drops the relay
