@@ -732,3 +732,77 @@ async fn a_plain_answer_to_a_streamed_request_is_passed_on_not_journaled() {
         resumed.text()
     );
 }
+
+/// A repeat that names where its client is (`Last-Event-ID`) gets the rest of that
+/// attempt, whatever became of it, and never a fresh generation spliced after the
+/// client's prefix: an attempt that broke is served from the journal, ending with
+/// its error event; an attempt the key never had is `204`; a key the journal does
+/// not hold (unknown, or past retention) says so.
+#[tokio::test]
+async fn a_repeat_with_last_event_id_gets_the_rest_of_that_attempt_never_a_new_generation() {
+    let (mock, sidecar) = setup(Behaviour {
+        chunks: 6,
+        ..Behaviour::default()
+    })
+    .await;
+    mock.push(Behaviour {
+        chunks: 6,
+        cut_after: Some(4),
+        // Apart, so that the stream starts before the cut.
+        chunk_delay: Duration::from_millis(20),
+        ..Behaviour::default()
+    });
+    let first = send(post(&sidecar, D::OpenAi, Some("leid"), &[])).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    let evs = events(&first.body);
+    let n = evs.len();
+    assert!(n >= 3, "some events and the error: {evs:?}");
+    let last_id = format!("1:{}", n - 1);
+    assert!(
+        evs[n - 1].starts_with(&format!("id: {last_id}\n"))
+            && evs[n - 1].contains("stream_interrupted"),
+        "{evs:?}"
+    );
+    let generations = mock.generation_count();
+    // The client saw up to 1:1: it gets 1:2 to the end, from the journal.
+    let rest = send(post(
+        &sidecar,
+        D::OpenAi,
+        Some("leid"),
+        &[("last-event-id", "1:1")],
+    ))
+    .await;
+    assert_eq!(rest.status, StatusCode::OK, "{}", rest.text());
+    assert_eq!(rest.header("outrigger-replayed"), Some("true"));
+    assert_eq!(rest.body.as_ref(), evs[2..].concat().as_bytes());
+    // Nothing after the last event; an attempt the key never had.
+    for last in [last_id.as_str(), "2:0"] {
+        let r = send(post(
+            &sidecar,
+            D::OpenAi,
+            Some("leid"),
+            &[("last-event-id", last)],
+        ))
+        .await;
+        assert_eq!(r.status, StatusCode::NO_CONTENT, "{last}: {}", r.text());
+    }
+    assert_eq!(mock.generation_count(), generations, "no new generation");
+    // A key the journal does not hold.
+    let unknown = send(post(
+        &sidecar,
+        D::OpenAi,
+        Some("leid-never"),
+        &[("last-event-id", "1:3")],
+    ))
+    .await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND, "{}", unknown.text());
+    assert!(
+        unknown.text().contains("unknown-stream") && unknown.text().contains("retention"),
+        "{}",
+        unknown.text()
+    );
+    assert_eq!(mock.generation_count(), generations, "no new generation");
+    // Without the header, the same request is a fresh generation (attempt 2).
+    let again = send(post(&sidecar, D::OpenAi, Some("leid"), &[])).await;
+    assert!(events(&again.body)[0].starts_with("id: 2:0\n"));
+}

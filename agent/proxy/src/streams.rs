@@ -1136,6 +1136,65 @@ pub(crate) async fn endpoint(
     Ok(with_key(journal_response(events, attempt), &key))
 }
 
+/// What a repeated model request with `Last-Event-ID: a:s` gets: the rest of attempt
+/// `a` after event `s`, never a new generation (spliced after the client's prefix, it
+/// would make a stream no provider sent). Live from the hub while this process
+/// generates `a`; otherwise from the journal, as `GET /v1/streams/{key}` serves it,
+/// ending with the typed error event of an attempt that did not complete. `204`
+/// when it names an attempt other than the one being generated, one the key never
+/// had, or there is nothing after `s`; `404 unknown-stream` when the key is unknown
+/// or past retention; `422 key-reused` when the key was used for another request.
+pub(crate) async fn resume_repeat(
+    shared: &Shared,
+    journal: &Journal,
+    key: &StreamKey,
+    fingerprint: outrigger_types::Fingerprint,
+    (attempt, seq): (u32, u64),
+) -> Result<Response<Body>, crate::Error> {
+    for _ in 0..50 {
+        let meta = journal.stream_meta(key).map_err(crate::Error::Journal)?;
+        if let Some(meta) = &meta
+            && meta.request.fingerprint != fingerprint
+        {
+            return Err(crate::Error::StreamKeyReused {
+                key: key.to_string(),
+            });
+        }
+        // A generation in the hub is the key's latest attempt, served from the hub
+        // first: its start may be answered a moment before the writer applied it.
+        if let Some(live) = shared.streams.get(key) {
+            if attempt != live.attempt {
+                return Ok(nothing_more());
+            }
+            return Ok(live_response(&live, next_index(seq), true));
+        }
+        let Some(meta) = meta else {
+            return Err(crate::Error::UnknownStream {
+                key: key.to_string(),
+            });
+        };
+        if attempt == 0 || attempt > meta.attempt {
+            return Ok(nothing_more());
+        }
+        if attempt == meta.attempt && meta.state == outrigger_journal::StreamState::Open {
+            // Its hub is gone and its end on the way to the journal: wait for it.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        }
+        let mut events = journal
+            .stream_events(key, attempt, Some(seq))
+            .map_err(crate::Error::Journal)?;
+        events.extend(ended_short(shared, journal, &meta, attempt)?);
+        if events.is_empty() {
+            return Ok(nothing_more());
+        }
+        return Ok(journal_response(events, attempt));
+    }
+    Err(crate::Error::StreamInProgress {
+        key: key.to_string(),
+    })
+}
+
 /// The typed error event that ends the replay of `attempt` when it failed or broke
 /// off without one in the journal (the sidecar stopped while generating it, the
 /// journal lost its tail, it failed before its first event, or a later attempt

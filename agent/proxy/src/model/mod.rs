@@ -121,24 +121,20 @@ async fn call_inner(
 ) -> Result<Response<Body>, Error> {
     // Checked before anything is journaled: a resume point that is not ours is the
     // client's mistake, not a reason to send the whole stream again.
-    let last_event_id = streams::last_event_id(&parts.headers)?;
+    if let Some(last) = streams::last_event_id(&parts.headers)? {
+        let resp = resume(shared, &parts.headers, &request, ctx, last).await?;
+        if let Some(r) = rec.as_mut() {
+            r.replayed();
+        }
+        return Ok(resp);
+    }
     let keyed = match &shared.journal {
         Some(_) => streams::key_for(&parts.headers, ctx, &request, &shared.options.streams)?,
         None => None,
     };
     let begun = match (keyed, shared.journal.clone()) {
         (Some(keyed), Some(journal)) => {
-            match begin(
-                shared,
-                &journal,
-                &keyed,
-                &request,
-                primary,
-                ctx,
-                last_event_id,
-            )
-            .await?
-            {
+            match begin(shared, &journal, &keyed, &request, primary, ctx).await? {
                 Begun::Replayed(resp) => {
                     if let Some(r) = rec.as_mut() {
                         r.replayed();
@@ -179,6 +175,39 @@ async fn call_inner(
     Ok(streams::with_key(resp, &keyed.key))
 }
 
+/// A repeated request that names where its client is (`Last-Event-ID`): the rest of
+/// that attempt of the key's stream (see [`streams::resume_repeat`]), never a new
+/// generation.
+async fn resume(
+    shared: &Arc<Shared>,
+    h: &http::HeaderMap,
+    request: &ModelRequest,
+    ctx: &RequestContext,
+    last: (u32, u64),
+) -> Result<Response<Body>, Error> {
+    let refused = |detail: &str| Error::BadHeader {
+        header: "Last-Event-ID",
+        detail: detail.into(),
+    };
+    if !request.stream {
+        return Err(refused(
+            "a plain request (\"stream\": false) has no events to resume after; send it without this header",
+        ));
+    }
+    let Some(journal) = &shared.journal else {
+        return Err(Error::Journal(outrigger_journal::Error::Unavailable(
+            "the journal is not open: no stream can be resumed".into(),
+        )));
+    };
+    let Some(keyed) = streams::key_for(h, ctx, request, &shared.options.streams)? else {
+        return Err(refused(
+            "the request names no stream to resume (it has neither an Idempotency-Key nor an Outrigger-Task-Id); send the stream's key, or GET /v1/streams/{key}",
+        ));
+    };
+    let resp = streams::resume_repeat(shared, journal, &keyed.key, keyed.fingerprint, last).await?;
+    Ok(streams::with_key(resp, &keyed.key))
+}
+
 /// What beginning a keyed call's stream came to.
 enum Begun {
     /// Answered from the stream the key already has.
@@ -198,7 +227,6 @@ async fn begin(
     request: &ModelRequest,
     primary: &Provider,
     ctx: &RequestContext,
-    last_event_id: Option<(u32, u64)>,
 ) -> Result<Begun, Error> {
     // An attempt that ends while this request waits on it (its call was dropped, or
     // failed, a moment before its end reached the journal) is no answer: the key is
@@ -229,8 +257,7 @@ async fn begin(
                 });
             }
             StreamBegin::Existing { meta } => {
-                let replayed =
-                    replay(shared, journal, keyed, meta, request, ctx, last_event_id).await?;
+                let replayed = replay(shared, journal, keyed, meta, request, ctx).await?;
                 if let Some(resp) = replayed {
                     return Ok(Begun::Replayed(resp));
                 }
@@ -254,35 +281,25 @@ async fn replay(
     mut meta: StreamMeta,
     request: &ModelRequest,
     ctx: &RequestContext,
-    last_event_id: Option<(u32, u64)>,
 ) -> Result<Option<Response<Body>>, Error> {
     for _ in 0..50 {
         match meta.state {
             StreamState::Completed => {
-                let (attempt, after) = match last_event_id {
-                    Some((a, s)) => (a, Some(s)),
-                    None => (meta.attempt, None),
-                };
-                let mut events = journal
-                    .stream_events(&keyed.key, attempt, after)
+                let attempt = meta.attempt;
+                let events = journal
+                    .stream_events(&keyed.key, attempt, None)
                     .map_err(Error::Journal)?;
                 if request.stream {
-                    // An earlier attempt named by `Last-Event-ID` ended short.
-                    events.extend(streams::ended_short(shared, journal, &meta, attempt)?);
-                }
-                if after.is_none() {
-                    if request.stream {
-                        streams::correlate_replay(
-                            shared,
-                            ctx.task_id.as_ref(),
-                            request.dialect,
-                            &events,
-                        );
-                    } else if let (Some(task), Some((_, body))) = (&ctx.task_id, events.first()) {
-                        // A plain answer is one JSON document, not events.
-                        let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
-                        shared.correlator.record(task, keys::calls_in_response(&v));
-                    }
+                    streams::correlate_replay(
+                        shared,
+                        ctx.task_id.as_ref(),
+                        request.dialect,
+                        &events,
+                    );
+                } else if let (Some(task), Some((_, body))) = (&ctx.task_id, events.first()) {
+                    // A plain answer is one JSON document, not events.
+                    let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+                    shared.correlator.record(task, keys::calls_in_response(&v));
                 }
                 tracing::debug!(key = %keyed.key, events = events.len(), "model call answered from the journal");
                 if request.stream {
@@ -309,12 +326,7 @@ async fn replay(
                             key: keyed.key.to_string(),
                         });
                     }
-                    let from = match last_event_id {
-                        Some((a, s)) if a == live.attempt => streams::next_index(s),
-                        Some(_) => return Ok(Some(streams::nothing_more())),
-                        None => 0,
-                    };
-                    return Ok(Some(streams::live_response(&live, from, true)));
+                    return Ok(Some(streams::live_response(&live, 0, true)));
                 }
             }
             // The journal answers a begin with a stream that is open or completed:
@@ -1125,17 +1137,9 @@ mod tests {
             .expect("keyed")
             .expect("a key");
         let primary = provider();
-        let first = begin(
-            &shared,
-            &j.journal,
-            &keyed,
-            &request,
-            &primary,
-            &ctx(),
-            None,
-        )
-        .await
-        .expect("begun");
+        let first = begin(&shared, &j.journal, &keyed, &request, &primary, &ctx())
+            .await
+            .expect("begun");
         assert!(matches!(first, Begun::New(1)));
         let starting =
             streams::Starting::new(&shared, j.journal.clone(), keyed.key.clone(), 1, &request);
@@ -1161,7 +1165,7 @@ mod tests {
         };
         // …which its agent then leaves.
         drop(starting);
-        let replayed = replay(&shared, &j.journal, &keyed, meta, &request, &ctx(), None)
+        let replayed = replay(&shared, &j.journal, &keyed, meta, &request, &ctx())
             .await
             .expect("no error");
         assert!(
@@ -1169,17 +1173,9 @@ mod tests {
             "answered {:?}",
             replayed.map(|r| r.status())
         );
-        let again = begin(
-            &shared,
-            &j.journal,
-            &keyed,
-            &request,
-            &primary,
-            &ctx(),
-            None,
-        )
-        .await
-        .expect("begun");
+        let again = begin(&shared, &j.journal, &keyed, &request, &primary, &ctx())
+            .await
+            .expect("begun");
         assert!(matches!(again, Begun::New(2)));
     }
 
