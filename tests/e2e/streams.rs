@@ -806,3 +806,74 @@ async fn a_repeat_with_last_event_id_gets_the_rest_of_that_attempt_never_a_new_g
     let again = send(post(&sidecar, D::OpenAi, Some("leid"), &[])).await;
     assert!(events(&again.body)[0].starts_with("id: 2:0\n"));
 }
+
+/// `POST /v1/streams/{key}/cancel` reaches a generation still waiting for its first
+/// event: the upstream request is dropped, and the stream ends, for the call and by
+/// key, with the typed error event naming the cancel.
+#[tokio::test]
+async fn a_stream_cancelled_before_its_first_event_drops_its_upstream_request() {
+    use tokio::io::AsyncReadExt;
+    // An upstream that takes requests and never answers; it counts the connections
+    // it has, and those the sidecar closed.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a port");
+    let addr = listener.local_addr().expect("an address");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let closed = Arc::new(AtomicUsize::new(0));
+    let (a, c) = (accepted.clone(), closed.clone());
+    let upstream = tokio::spawn(async move {
+        while let Ok((mut conn, _)) = listener.accept().await {
+            a.fetch_add(1, Ordering::SeqCst);
+            let c = c.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                while let Ok(n @ 1..) = conn.read(&mut buf).await {
+                    let _ = n;
+                }
+                c.fetch_add(1, Ordering::SeqCst);
+            });
+        }
+    });
+    let sidecar = sidecar_for(&format!("http://{addr}")).await;
+    let call = tokio::spawn(send(post(&sidecar, D::OpenAi, Some("early-cancel"), &[])));
+    assert!(
+        eventually(Duration::from_secs(5), || accepted.load(Ordering::SeqCst)
+            == 1)
+        .await,
+        "the request reached the upstream"
+    );
+    let cancel = send(request(
+        Method::POST,
+        &sidecar.url("/v1/streams/m%2Fopenai%2Fearly-cancel/cancel"),
+        &[],
+        Bytes::new(),
+    ))
+    .await;
+    assert_eq!(cancel.status, StatusCode::ACCEPTED, "{}", cancel.text());
+    assert_eq!(cancel.json()["cancelled"], true);
+    let answered = tokio::time::timeout(Duration::from_secs(5), call)
+        .await
+        .expect("the call ends at the cancel, not at the first-byte timeout")
+        .expect("the call");
+    assert_eq!(answered.status, StatusCode::OK, "{}", answered.text());
+    let evs = events(&answered.body);
+    assert_eq!(evs.len(), 1, "{evs:?}");
+    assert!(
+        evs[0].starts_with("id: 1:0\n")
+            && evs[0].contains("stream_interrupted")
+            && evs[0].contains("cancelled"),
+        "{evs:?}"
+    );
+    assert!(
+        eventually(Duration::from_secs(5), || closed.load(Ordering::SeqCst)
+            == 1)
+        .await,
+        "the upstream request was not dropped"
+    );
+    // By key, the journal ends the attempt the same way.
+    let by_key = get(&sidecar.url("/v1/streams/m%2Fopenai%2Fearly-cancel")).await;
+    assert_eq!(by_key.status, StatusCode::OK, "{}", by_key.text());
+    assert_eq!(by_key.body, answered.body);
+    upstream.abort();
+}

@@ -279,6 +279,22 @@ impl Live {
         self.cancel.notify_one();
     }
 
+    /// Whether the generation was cancelled.
+    pub fn is_cancelled(&self) -> bool {
+        self.cancelled.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the generation is cancelled (at once if it was).
+    pub(crate) async fn cancellation(&self) {
+        loop {
+            let notified = self.cancel.notified();
+            if self.is_cancelled() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
     fn clients(&self) -> usize {
         self.clients.load(Ordering::Acquire)
     }
@@ -438,6 +454,11 @@ impl Starting {
         self.attempt
     }
 
+    /// The hub of a streamed call, which a cancel reaches.
+    pub(crate) fn live(&self) -> Option<Arc<Live>> {
+        self.live.clone()
+    }
+
     /// A plain answer was journaled whole: the attempt is over, and a hub (the call
     /// asked for a stream but got a plain answer) closes with nothing in it.
     pub(crate) fn answered(mut self) {
@@ -474,6 +495,20 @@ impl Starting {
         if let Err(e) = self.journal.stream_end(&self.key, self.attempt, end).await {
             tracing::warn!(key = %self.key, error = %e, "could not record a failed model call");
         }
+    }
+
+    /// The generation was cancelled before it had a stream: its end is recorded
+    /// (abandoned, as a cancel after the start is), then its clients get the typed
+    /// error event naming the cancel.
+    pub(crate) async fn cancelled(mut self) {
+        self.armed = false;
+        let end = StreamEnd::Abandoned {
+            reason: CANCELLED.into(),
+        };
+        if let Err(e) = self.journal.stream_end(&self.key, self.attempt, end).await {
+            tracing::warn!(key = %self.key, error = %e, "could not record a cancelled model call");
+        }
+        self.close(Some(CANCELLED));
     }
 
     /// Ends the hub, if any: with the typed error event naming `failure`, or empty.

@@ -430,7 +430,23 @@ async fn generate(
         metrics: Some(&shared.metrics),
         faults: Some(&shared.faults),
     };
-    let result = attempts::run(&mech, &plan, &mut trail).await;
+    // A generation is cancellable from its start (`POST /v1/streams/{key}/cancel`):
+    // a cancel while it still waits for its first event drops the attempt loop, and
+    // with it the upstream request, instead of letting its events through.
+    let run = attempts::run(&mech, &plan, &mut trail);
+    let run = match journaled.as_ref().and_then(streams::Starting::live) {
+        Some(live) => tokio::select! {
+            biased;
+            // A success that raced the cancel is dropped, with its upstream.
+            result = run => if live.is_cancelled() {
+                Run::Cancelled(live)
+            } else {
+                Run::Done(result)
+            },
+            () = live.cancellation() => Run::Cancelled(live),
+        },
+        None => Run::Done(run.await),
+    };
     if let (Some(task), true) = (&ctx.task_id, trail.retries > 0) {
         // Retries count against the task's `retries` budget whether or not they helped.
         shared.ledger.add(
@@ -444,6 +460,27 @@ async fn generate(
     if let Some(r) = rec.as_mut() {
         r.trail(&trail);
     }
+    let result = match run {
+        Run::Done(result) => result,
+        Run::Cancelled(live) => {
+            if let Some(r) = rec.take() {
+                r.finish(ModelEnd {
+                    error_type: Some(streams::CANCELLED.to_owned()),
+                    aborted: true,
+                    client_cancelled: true,
+                    ..ModelEnd::default()
+                });
+            }
+            if let Some(starting) = journaled {
+                starting.cancelled().await;
+            }
+            // The hub's clients, this call's agent among them, get the typed error.
+            return Ok(with_attempts(
+                streams::live_response(&live, 0, false),
+                trail.attempts,
+            ));
+        }
+    };
     match result {
         Ok(success) => {
             *routed = Some(Routed {
@@ -561,6 +598,13 @@ async fn generate(
             Err(error)
         }
     }
+}
+
+/// How the attempt loop of a call that can be cancelled ended.
+enum Run<T> {
+    Done(T),
+    /// Cancelled before its first event: this generation's hub.
+    Cancelled(Arc<streams::Live>),
 }
 
 /// Records that a journaled call produced no stream (so a retry starts afresh).
