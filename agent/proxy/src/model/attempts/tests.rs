@@ -583,6 +583,7 @@ fn streams_mechanics<'a>(rig: &'a Rig, t: &'a Streams) -> Mechanics<'a, Streams>
         first_byte_timeout: Duration::from_secs(30),
         max_event_bytes: 1 << 20,
         max_attempts: crate::options::DEFAULT_MAX_ATTEMPTS,
+        task_retries_left: None,
         metrics: None,
         faults: None,
     }
