@@ -198,7 +198,7 @@ impl Turn {
             if let Some(calls) = delta["tool_calls"].as_array() {
                 for tc in calls {
                     // One block per (choice, tool-call index).
-                    let i = c * 1_000 + tc["index"].as_u64().unwrap_or(0);
+                    let i = c * 1_000 + self.call_index(c, tc);
                     let b = self.blocks.entry(i).or_default();
                     if let Some(id) = tc["id"].as_str() {
                         b.id = id.to_string();
@@ -393,6 +393,24 @@ impl Turn {
     }
 
     /// The tool calls the provider completed, in block order.
+    /// A tool-call part's index within its choice. Compatible servers that leave
+    /// `index` out send parallel calls one after the other: a part with an id that
+    /// is not the last call's starts the next call, one without an id continues it.
+    fn call_index(&self, choice: u64, part: &Value) -> u64 {
+        if let Some(i) = part["index"].as_u64() {
+            return i.min(LEGACY_CALL - 1);
+        }
+        let calls = choice * 1_000..choice * 1_000 + LEGACY_CALL;
+        let Some((&last, block)) = self.blocks.range(calls).next_back() else {
+            return 0;
+        };
+        let last = last - choice * 1_000;
+        match part["id"].as_str() {
+            Some(id) if !block.id.is_empty() && id != block.id => last + 1,
+            _ => last,
+        }
+    }
+
     pub fn completed_calls(&self) -> Vec<IssuedCall> {
         self.blocks
             .values()
@@ -592,6 +610,36 @@ mod tests {
 
     fn finish(reason: &str) -> bytes::Bytes {
         ev(&json!({"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]})).into()
+    }
+
+    /// Servers that leave `index` out of parallel calls: each new id is a call of
+    /// its own, and parts without an id continue the last.
+    #[test]
+    fn parallel_calls_without_an_index_stay_apart() {
+        let mut g = Gate::new(Dialect::OpenAi);
+        for part in [
+            json!({"id": "call_a", "function": {"name": "pay", "arguments": "{\"n\":"}}),
+            json!({"function": {"arguments": "1}"}}),
+            json!({"id": "call_b", "function": {"name": "mail", "arguments": "{}"}}),
+        ] {
+            let chunk = ev(&json!({"choices": [{"index": 0, "delta": {"tool_calls": [part]}}]}));
+            assert!(g.push(chunk.into()).events.is_empty());
+        }
+        let end = g.push(finish("tool_calls"));
+        assert_eq!(end.events.len(), 4);
+        let calls: Vec<(String, String)> = g
+            .turn
+            .completed_calls()
+            .into_iter()
+            .map(|c| (c.id.clone(), c.name.clone()))
+            .collect();
+        assert_eq!(
+            calls,
+            [
+                ("call_a".to_owned(), "pay".to_owned()),
+                ("call_b".to_owned(), "mail".to_owned())
+            ]
+        );
     }
 
     #[test]
