@@ -299,6 +299,25 @@ impl Live {
         self.clients.load(Ordering::Acquire)
     }
 
+    /// Where a client that last received `seq` goes on, refusing an id past what
+    /// this generation has sent: no client received it, and waiting for it would
+    /// silently skip the events in between.
+    pub fn resume_index(&self, seq: u64) -> Result<usize, crate::Error> {
+        let from = next_index(seq);
+        let sent = self.events.lock().map_or(0, |e| e.len());
+        if from > sent {
+            return Err(crate::Error::BadHeader {
+                header: "Last-Event-ID",
+                detail: format!(
+                    "{}:{seq} has not been sent yet: this generation has sent {sent} event(s); \
+                     send the `id:` of the last event received",
+                    self.attempt
+                ),
+            });
+        }
+        Ok(from)
+    }
+
     /// A body that yields the events from index `from` on, then the live tail.
     pub fn attach(self: &Arc<Self>, from: usize) -> LiveBody {
         self.clients.fetch_add(1, Ordering::AcqRel);
@@ -1148,7 +1167,10 @@ pub(crate) async fn endpoint(
     if let Some(live) = shared.streams.get(&key)
         && last.is_none_or(|(attempt, _)| attempt == live.attempt)
     {
-        let from = last.map_or(0, |(_, s)| next_index(s));
+        let from = match last {
+            Some((_, seq)) => live.resume_index(seq)?,
+            None => 0,
+        };
         return Ok(with_key(live_response(&live, from, true), &key));
     }
     let meta = journal
@@ -1201,7 +1223,7 @@ pub(crate) async fn resume_repeat(
             if attempt != live.attempt {
                 return Ok(nothing_more());
             }
-            return Ok(live_response(&live, next_index(seq), true));
+            return Ok(live_response(&live, live.resume_index(seq)?, true));
         }
         let Some(meta) = meta else {
             return Err(crate::Error::UnknownStream {
@@ -1341,6 +1363,25 @@ mod tests {
         h.insert("last-event-id", HeaderValue::from_static("chatcmpl-9"));
         let e = last_event_id(&h).expect_err("not ours");
         assert!(e.to_string().contains("Last-Event-ID"), "{e}");
+    }
+
+    #[test]
+    fn a_live_resume_past_what_was_sent_is_refused() {
+        let key = StreamKey::new("k".to_owned()).unwrap();
+        let live = Live::new(key, 1, Dialect::OpenAi, false);
+        assert!(live.resume_index(0).is_err(), "nothing sent yet");
+        live.push([
+            Bytes::from_static(b"data: a\n\n"),
+            Bytes::from_static(b"data: b\n\n"),
+        ]);
+        assert_eq!(live.resume_index(0).unwrap(), 1);
+        assert_eq!(
+            live.resume_index(1).unwrap(),
+            2,
+            "all received: the live tail"
+        );
+        let e = live.resume_index(9).expect_err("not sent");
+        assert!(e.to_string().contains("1:9 has not been sent"), "{e}");
     }
 
     #[test]
