@@ -1108,6 +1108,20 @@ impl Core {
                 batch.expire_later(keys::DROP_STREAM, again, key);
                 report.deferred += 1;
             }
+            // Retention runs from the stream's last change (its last attempt's start
+            // or end), not its first attempt: a key retried late is kept as long.
+            Some(meta)
+                if meta
+                    .updated_at
+                    .saturating_add(self.options.stream_retention)
+                    > now =>
+            {
+                let again = meta
+                    .updated_at
+                    .saturating_add(self.options.stream_retention);
+                batch.expire_later(keys::DROP_STREAM, again, key);
+                report.deferred += 1;
+            }
             Some(meta) => {
                 let events: Vec<Vec<u8>> = self
                     .store

@@ -1418,6 +1418,40 @@ async fn verify_is_clean_while_the_journal_writes() -> TestResult {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_is_kept_for_its_retention_after_its_last_change() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let minutes = |m: u64| Duration::from_secs(60 * m);
+    let with_retention = |stream_retention| Options {
+        stream_retention,
+        ..Options::new(dir.path())
+    };
+    let start = SystemTime::now();
+    let (run, _) = Running::open(with_retention(minutes(10)))?;
+    let stream = StreamKey::new("s-late")?;
+    run.journal.stream_begin(&stream, stream_request(1)).await?;
+    run.journal
+        .stream_end(
+            &stream,
+            1,
+            StreamEnd::Abandoned {
+                reason: "cut".into(),
+            },
+        )
+        .await?;
+    run.stop().await?;
+
+    // Its drop is due after 10 minutes; the stream must now be kept 20 after it ended.
+    let (run, _) = Running::open(with_retention(minutes(20)))?;
+    let early = run.journal.reap(start + minutes(11)).await?;
+    assert_eq!((early.streams_dropped, early.deferred), (0, 1), "{early:?}");
+    assert!(run.journal.stream_meta(&stream)?.is_some());
+    let due = run.journal.reap(start + minutes(21)).await?;
+    assert_eq!(due.streams_dropped, 1, "{due:?}");
+    assert_eq!(run.journal.stream_meta(&stream)?, None);
+    run.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_whose_retention_was_raised_across_a_restart_still_expires() -> TestResult {
     let dir = tempfile::tempdir()?;
     let hour = Duration::from_secs(3600);
