@@ -702,6 +702,60 @@ async fn a_probe_whose_agent_goes_away_still_journals_what_it_found() {
     assert_eq!(e.probe.effects().len(), 2, "each call took effect once");
 }
 
+/// A probe that finds the call while the journal cannot record it: the call did
+/// execute, so the agent is told its outcome could not be journaled (in doubt), not
+/// that it was refused and not executed.
+#[tokio::test]
+async fn a_probe_that_finds_the_call_but_cannot_record_it_says_it_may_have_executed() {
+    let e = env().await;
+    let path = "/tools/orders/place";
+    e.probe.push(ToolBehaviour {
+        fail: Some(Fail::Reset),
+        ..ToolBehaviour::default()
+    });
+    let body = json!({"sku": "unrecorded-1"});
+    let first = call(&e.sidecar, path, Some("probe-unrecorded"), &body, &[]).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{}", first.text());
+    // The retry probes for 800 ms; the journal stops writing meanwhile.
+    let retry = {
+        let url = e.sidecar.url(path);
+        let body = body.clone();
+        tokio::spawn(async move {
+            let h = [
+                ("content-type", "application/json"),
+                ("idempotency-key", "probe-unrecorded"),
+                ("x-mock-tool", "delay_ms=800"),
+            ];
+            send(request(Method::POST, &url, &h, body.to_string())).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let on = post_json(
+        &e.sidecar.admin_url("/v1/faults"),
+        &[],
+        &json!({"journal": "fail_flush"}),
+    )
+    .await;
+    assert_eq!(on.status, StatusCode::OK, "{}", on.text());
+    let r = retry.await.expect("the retry");
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.text());
+    assert_eq!(
+        r.json()["type"],
+        "urn:outrigger:problem:outcome-unknown",
+        "{}",
+        r.text()
+    );
+    assert!(r.text().contains("could not be journaled"), "{}", r.text());
+    let off = post_json(
+        &e.sidecar.admin_url("/v1/faults"),
+        &[],
+        &json!({"journal": null}),
+    )
+    .await;
+    assert_eq!(off.status, StatusCode::OK);
+    assert_eq!(e.probe.effects().len(), 1, "executed once, never re-sent");
+}
+
 #[tokio::test]
 async fn mcp_tool_calls_are_journaled_and_everything_else_passes_through() {
     let e = env().await;

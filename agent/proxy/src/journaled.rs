@@ -222,6 +222,7 @@ pub(crate) async fn run(
             Begin::Probe { ticket } => {
                 match reconcile(shared, journal, tool, &ticket, &downstream, proto).await? {
                     Reconciled::Decided(next) => *next,
+                    Reconciled::Unrecorded(e) => return Ok(unrecorded(&ticket, proto, &e)),
                     Reconciled::Unknown {
                         detail,
                         state,
@@ -250,6 +251,9 @@ enum Reconciled {
         state: State,
         failed: Failed,
     },
+    /// The probe found the call, but the journal could not record what it found: the
+    /// call did execute, so the agent is not told it was refused.
+    Unrecorded(outrigger_journal::Error),
 }
 
 /// Probes a call in doubt and journals what the probe found. Like a call at the
@@ -276,10 +280,10 @@ async fn reconcile(
     let probing = async move {
         let (journal, ticket, tool) = (&owned_journal, &owned_ticket, &owned_tool);
         match probe(&upstream, max_body, tool, &downstream, &agent).await {
-            Probed::Found(resp) => journal
-                .reconciled(ticket, Some(resp))
-                .await
-                .map(|next| Reconciled::Decided(Box::new(next))),
+            Probed::Found(resp) => match journal.reconciled(ticket, Some(resp)).await {
+                Ok(next) => Ok(Reconciled::Decided(Box::new(next))),
+                Err(e) => Ok(Reconciled::Unrecorded(e)),
+            },
             Probed::NotFound => journal
                 .reconciled(ticket, None)
                 .await
@@ -314,6 +318,10 @@ async fn reconcile(
                                 Err(Error::Journal(e))
                             }
                         }
+                    }
+                    Ok(Reconciled::Unrecorded(e)) => {
+                        tracing::error!(%key, error = %e, "the agent went away during a probe that found the call; what it found could not be journaled");
+                        Ok((Settled::UNRECORDED, Some("outcome-unknown".to_owned())))
                     }
                     Ok(Reconciled::Unknown { state, failed, .. }) => {
                         tracing::info!(%key, state = state.as_str(), "the agent went away during a probe that could not tell");
@@ -526,7 +534,8 @@ type Orphaned<T> = Box<dyn FnOnce(T) -> Pin<Box<dyn Future<Output = ()> + Send>>
 /// it goes on as a task of its own, journals its outcome and hands it to
 /// `orphaned`, so that the agent's retry with the same key replays the answer (or
 /// waits for it) rather than finding in doubt a call the tool completed, or a key
-/// left in flight. Only that case spawns; attached work costs one box.
+/// left in flight. Only that case spawns; attached work costs two boxes (the work,
+/// and what becomes of it if orphaned).
 struct Detachable<F>
 where
     F: Future + Send + 'static,

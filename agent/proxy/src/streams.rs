@@ -546,6 +546,9 @@ impl Starting {
 impl Drop for Starting {
     fn drop(&mut self) {
         if !self.armed {
+            // Disarmed with its hub still open: only `cancelled`, dropped while it
+            // recorded the end (the agent went away); its clients must not hang.
+            self.close(Some(CANCELLED));
             return;
         }
         let reason = "the call ended before the model answered (the agent went away)";
@@ -1161,56 +1164,42 @@ pub(crate) async fn endpoint(
         });
     }
     let last = last_event_id(req.headers())?;
-    // A generation in the hub is the stream's latest attempt. It is served from the
-    // hub before the journal is asked: its start may be answered (and its first
-    // events relayed) a moment before the writer has applied it.
-    if let Some(live) = shared.streams.get(&key)
-        && last.is_none_or(|(attempt, _)| attempt == live.attempt)
-    {
-        let from = match last {
-            Some((_, seq)) => live.resume_index(seq)?,
-            None => 0,
-        };
-        return Ok(with_key(live_response(&live, from, true), &key));
-    }
-    let meta = journal
-        .stream_meta(&key)
-        .map_err(crate::Error::Journal)?
-        .ok_or_else(|| crate::Error::UnknownStream {
-            key: key.to_string(),
-        })?;
-    let (attempt, after) = match last {
-        Some((a, s)) => (a, Some(s)),
-        None => (meta.attempt, None),
-    };
-    let mut events = journal
-        .stream_events(&key, attempt, after)
-        .map_err(crate::Error::Journal)?;
-    events.extend(ended_short(shared, journal, &meta, attempt)?);
-    if events.is_empty() {
-        return Ok(nothing_more());
-    }
-    Ok(with_key(journal_response(events, attempt), &key))
+    let resp = serve_attempt(shared, journal, &key, None, last).await?;
+    Ok(with_key(resp, &key))
 }
 
 /// What a repeated model request with `Last-Event-ID: a:s` gets: the rest of attempt
 /// `a` after event `s`, never a new generation (spliced after the client's prefix, it
-/// would make a stream no provider sent). Live from the hub while this process
-/// generates `a`; otherwise from the journal, as `GET /v1/streams/{key}` serves it,
-/// ending with the typed error event of an attempt that did not complete. `204`
-/// when it names an attempt other than the one being generated, one the key never
-/// had, or there is nothing after `s`; `404 unknown-stream` when the key is unknown
-/// or past retention; `422 key-reused` when the key was used for another request.
+/// would make a stream no provider sent). See [`serve_attempt`]; `422 key-reused`
+/// when the key was used for another request.
 pub(crate) async fn resume_repeat(
     shared: &Shared,
     journal: &Journal,
     key: &StreamKey,
     fingerprint: outrigger_types::Fingerprint,
-    (attempt, seq): (u32, u64),
+    from: (u32, u64),
+) -> Result<Response<Body>, crate::Error> {
+    serve_attempt(shared, journal, key, Some(fingerprint), Some(from)).await
+}
+
+/// Attempt `a` of a stream after its event `s` (`from`), or its latest attempt
+/// whole (`None`): what `GET /v1/streams/{key}` and a repeat with `Last-Event-ID`
+/// both get. Live from the hub while this process generates it; otherwise from the
+/// journal, ending with the typed error event of an attempt that did not complete
+/// (an earlier attempt, whatever is being generated now, is over). `204` when there
+/// is no attempt `a` (`0`, or past the latest) or nothing after `s`; `404
+/// unknown-stream` when the key is unknown or past retention. With `fingerprint`, a
+/// key recorded for another request is `422 key-reused`.
+pub(crate) async fn serve_attempt(
+    shared: &Shared,
+    journal: &Journal,
+    key: &StreamKey,
+    fingerprint: Option<outrigger_types::Fingerprint>,
+    from: Option<(u32, u64)>,
 ) -> Result<Response<Body>, crate::Error> {
     for _ in 0..50 {
         let meta = journal.stream_meta(key).map_err(crate::Error::Journal)?;
-        if let Some(meta) = &meta
+        if let (Some(fingerprint), Some(meta)) = (fingerprint, &meta)
             && meta.request.fingerprint != fingerprint
         {
             return Err(crate::Error::StreamKeyReused {
@@ -1218,28 +1207,43 @@ pub(crate) async fn resume_repeat(
             });
         }
         // A generation in the hub is the key's latest attempt, served from the hub
-        // first: its start may be answered a moment before the writer applied it.
-        if let Some(live) = shared.streams.get(key) {
-            if attempt != live.attempt {
-                return Ok(nothing_more());
+        // first: its start may be answered (and its first events relayed) a moment
+        // before the writer has applied it.
+        let live = shared.streams.get(key);
+        if let Some(live) = &live {
+            match from {
+                None => return Ok(live_response(live, 0, true)),
+                Some((a, seq)) if a == live.attempt => {
+                    return Ok(live_response(live, live.resume_index(seq)?, true));
+                }
+                Some((a, _)) if a > live.attempt => return Ok(nothing_more()),
+                // An earlier attempt: over, and in the journal.
+                Some(_) => {}
             }
-            return Ok(live_response(&live, live.resume_index(seq)?, true));
         }
         let Some(meta) = meta else {
             return Err(crate::Error::UnknownStream {
                 key: key.to_string(),
             });
         };
+        let (attempt, after) = match from {
+            Some((a, seq)) => (a, Some(seq)),
+            None => (meta.attempt, None),
+        };
         if attempt == 0 || attempt > meta.attempt {
             return Ok(nothing_more());
         }
-        if attempt == meta.attempt && meta.state == outrigger_journal::StreamState::Open {
-            // Its hub is gone and its end on the way to the journal: wait for it.
+        if live.is_none()
+            && attempt == meta.attempt
+            && meta.state == outrigger_journal::StreamState::Open
+        {
+            // Its hub is gone and its end on the way to the journal: wait for it, or
+            // a replay would end silently, as if whole.
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         }
         let mut events = journal
-            .stream_events(key, attempt, Some(seq))
+            .stream_events(key, attempt, after)
             .map_err(crate::Error::Journal)?;
         events.extend(ended_short(shared, journal, &meta, attempt)?);
         if events.is_empty() {

@@ -60,12 +60,22 @@ pub struct Mechanics<'a, T> {
     pub max_event_bytes: usize,
     /// The most attempts one call makes, whatever the policy answers.
     pub max_attempts: u32,
-    /// Retries the call's task has left under `[budget] retries` (`None`: no limit).
-    pub task_retries_left: Option<u32>,
+    /// The call's task, whose retries are counted (and bounded by `[budget]
+    /// retries`) in its ledger account.
+    pub task_retries: Option<TaskRetries<'a>>,
     /// Where retries, fallbacks and breaker changes are counted (`None` in tests).
     pub metrics: Option<&'a outrigger_telemetry::Metrics>,
     /// Faults injected on purpose (`None`: never).
     pub faults: Option<&'a crate::faults::Injector>,
+}
+
+/// Where a task's retries are taken from.
+#[derive(Clone, Copy)]
+pub struct TaskRetries<'a> {
+    pub ledger: &'a crate::resilience::Ledger,
+    pub task: &'a str,
+    /// `[budget] retries`, if set.
+    pub max: Option<u32>,
 }
 
 /// Builds the request for a target (its URL, credentials and model name).
@@ -124,6 +134,10 @@ pub enum Ended<'a> {
     /// The last upstream answer, to pass through faithfully (status, headers, body).
     Answer {
         provider: &'a Provider,
+        /// What the answer stands for: its status, or for a stream whose first event
+        /// is an error, the status that error means (`parts` stay as the provider
+        /// sent them).
+        status: StatusCode,
         parts: http::response::Parts,
         body: Bytes,
         failure: Option<Failure>,
@@ -183,11 +197,10 @@ pub async fn run<'a, T: Transport>(
         let outcome = attempt(m, plan, target).instrument(span.clone()).await;
         let (status, error_type) = match &outcome {
             Outcome::Ok(s) => (Some(s.parts.status.as_u16()), None),
-            Outcome::Final(Ended::Answer { parts, .. })
-            | Outcome::Failed(_, Ended::Answer { parts, .. }) => (
-                Some(parts.status.as_u16()),
-                Some(parts.status.as_str().to_owned()),
-            ),
+            Outcome::Final(Ended::Answer { status, .. })
+            | Outcome::Failed(_, Ended::Answer { status, .. }) => {
+                (Some(status.as_u16()), Some(status.as_str().to_owned()))
+            }
             Outcome::Final(Ended::Error { error, .. })
             | Outcome::Failed(_, Ended::Error { error, .. }) => {
                 (None, Some(error.to_problem().slug.to_owned()))
@@ -256,16 +269,17 @@ pub async fn run<'a, T: Transport>(
         }
         match decided.value {
             RetryDecision::RetryAfter(delay) => {
-                if m.task_retries_left
-                    .is_some_and(|left| trail.retries >= left)
-                {
-                    trail.gave_up =
-                        Some("the task has no retries left under [budget] retries".into());
-                    return Err(ended);
-                }
                 if !m.budgets.try_retry(&target.name) {
                     trail.retry_budget_exhausted = true;
                     trail.gave_up = Some("the retry budget is exhausted".into());
+                    return Err(ended);
+                }
+                // Taken last: a task's retry is spent only on a retry that happens.
+                if let Some(t) = m.task_retries
+                    && !t.ledger.try_take_retry(t.task, t.max)
+                {
+                    trail.gave_up =
+                        Some("the task has no retries left under [budget] retries".into());
                     return Err(ended);
                 }
                 trail.retries += 1;
@@ -387,9 +401,9 @@ async fn attempt<'a, T: Transport>(
     let body = UpstreamBody::new(body, target.api_key.as_ref().map(|k| k.expose()));
     let status = parts.status;
     if status.is_success() {
-        limiter.observe(status.as_u16(), &parts.headers, None);
         // The permit lives as long as the response body: a stream occupies its slot.
         if !plan.stream || !crate::headers::is_event_stream(&parts.headers) {
+            limiter.observe(status.as_u16(), &parts.headers, None);
             return Outcome::Ok(Success {
                 provider: target,
                 parts,
@@ -439,6 +453,7 @@ fn answered_as<'a, B>(
     let failure = classify(status, retry_after, &bytes);
     let ended = Ended::Answer {
         provider: target,
+        status,
         parts,
         body: bytes,
         failure: failure.clone(),
@@ -492,9 +507,15 @@ async fn first_event<'a, B: HttpBody<Data = Bytes, Error: Into<BoxError>> + Unpi
 ) -> Outcome<'a, B> {
     let mut framer = Framer::new(m.max_event_bytes);
     let mut events = Vec::new();
-    let deadline = tokio::time::Instant::now() + m.first_byte_timeout;
+    // The first byte must come within the timeout; once the provider is sending
+    // (comments, like a keep-alive while it thinks), the first event may take as long
+    // as any later one: timing out then would pay for the prompt twice.
+    let mut deadline = Some(tokio::time::Instant::now() + m.first_byte_timeout);
     loop {
-        let frame = tokio::time::timeout_at(deadline, body.frame()).await;
+        let frame = match deadline {
+            Some(at) => tokio::time::timeout_at(at, body.frame()).await,
+            None => Ok(body.frame().await),
+        };
         let interrupted = |why: String| {
             let failure = Failure::StreamInterrupted {
                 events_delivered: 0,
@@ -538,6 +559,9 @@ async fn first_event<'a, B: HttpBody<Data = Bytes, Error: Into<BoxError>> + Unpi
                 let Ok(data) = frame.into_data() else {
                     continue;
                 };
+                if !data.is_empty() {
+                    deadline = None;
+                }
                 if let Err(e) = framer.push(&data, &mut events) {
                     return interrupted(e.to_string());
                 }
@@ -554,6 +578,9 @@ async fn first_event<'a, B: HttpBody<Data = Bytes, Error: Into<BoxError>> + Unpi
                     let body = Bytes::from(events[..=first].concat());
                     return answered_as(target, limiter, permit, status, parts, body);
                 }
+                // Only now is the answer a success for the limiter: a first event
+                // that is an error counts as the error it stands for, not as a 200.
+                limiter.observe(parts.status.as_u16(), &parts.headers, None);
                 return Outcome::Ok(Success {
                     provider: target,
                     parts,
@@ -574,21 +601,22 @@ fn error_event_status(raw: &[u8]) -> StatusCode {
     let data = crate::sse::parse(raw).data.unwrap_or_default();
     let v: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();
     let error = &v["error"];
-    let kind = error["type"]
-        .as_str()
-        .or_else(|| error["code"].as_str())
-        .unwrap_or_default();
-    let status = match kind {
-        "invalid_request_error" => 400,
-        "authentication_error" => 401,
-        "permission_error" => 403,
-        "not_found_error" => 404,
-        "request_too_large" => 413,
-        "rate_limit_error" | "rate_limit_exceeded" | "insufficient_quota" => 429,
-        "overloaded_error" => 529,
-        "timeout_error" => 504,
-        _ => 500,
-    };
+    // OpenAI's rate limits say it in `code` (`type` is `requests` or `tokens`).
+    let status = [&error["type"], &error["code"]]
+        .into_iter()
+        .filter_map(serde_json::Value::as_str)
+        .find_map(|kind| match kind {
+            "invalid_request_error" => Some(400),
+            "authentication_error" => Some(401),
+            "permission_error" => Some(403),
+            "not_found_error" => Some(404),
+            "request_too_large" => Some(413),
+            "rate_limit_error" | "rate_limit_exceeded" | "insufficient_quota" => Some(429),
+            "overloaded_error" => Some(529),
+            "timeout_error" => Some(504),
+            _ => None,
+        })
+        .unwrap_or(500);
     StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
 }
 

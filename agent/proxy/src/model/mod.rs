@@ -421,12 +421,11 @@ async fn generate(
         first_byte_timeout: shared.options.limits.first_byte_timeout,
         max_event_bytes: shared.options.limits.max_event_bytes,
         max_attempts: shared.options.resilience.max_attempts,
-        task_retries_left: match (&ctx.task_id, shared.options.budget.limits.retries) {
-            (Some(task), Some(max)) => {
-                Some(max.saturating_sub(shared.ledger.usage(task.as_str()).retries))
-            }
-            _ => None,
-        },
+        task_retries: ctx.task_id.as_ref().map(|task| attempts::TaskRetries {
+            ledger: &shared.ledger,
+            task: task.as_str(),
+            max: shared.options.budget.limits.retries,
+        }),
         metrics: Some(&shared.metrics),
         faults: Some(&shared.faults),
     };
@@ -447,22 +446,20 @@ async fn generate(
         },
         None => Run::Done(run.await),
     };
-    if let (Some(task), true) = (&ctx.task_id, trail.retries > 0) {
-        // Retries count against the task's `retries` budget whether or not they helped.
-        shared.ledger.add(
-            task.as_str(),
-            &Usage {
-                retries: trail.retries,
-                ..Usage::default()
-            },
-        );
-    }
     if let Some(r) = rec.as_mut() {
         r.trail(&trail);
     }
     let result = match run {
         Run::Done(result) => result,
         Run::Cancelled(live) => {
+            // The request may have been generating at the provider, which bills what
+            // it generated: like any call that did not complete, at least the
+            // estimate (nothing when no attempt had begun).
+            if let Some(r) = reservation
+                && trail.attempts > 0
+            {
+                r.settle_estimate();
+            }
             if let Some(r) = rec.take() {
                 r.finish(ModelEnd {
                     error_type: Some(streams::CANCELLED.to_owned()),
@@ -545,6 +542,7 @@ async fn generate(
         }
         Err(Ended::Answer {
             provider,
+            status,
             mut parts,
             body,
             failure,
@@ -553,7 +551,7 @@ async fn generate(
                 provider: provider.name.clone(),
             });
             if let Some(r) = rec.take() {
-                let status = parts.status.as_u16();
+                let status = status.as_u16();
                 r.finish(ModelEnd {
                     failed: Some(failure.as_ref().map_or_else(
                         || Failed::from_upstream_status(status),
@@ -563,7 +561,7 @@ async fn generate(
                     ..ModelEnd::default()
                 });
             }
-            end_failed(journaled, &format!("upstream answered {}", parts.status)).await;
+            end_failed(journaled, &format!("upstream answered {status}")).await;
             // A faithful pass-through of the last answer (read scrubbed of the key).
             headers::strip_hop_by_hop(&mut parts.headers);
             parts.headers.remove(header::CONTENT_LENGTH);

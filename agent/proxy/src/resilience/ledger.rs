@@ -146,7 +146,20 @@ impl Ledger {
         )
     }
 
-    /// Adds usage that was not reserved (e.g. a retry's extra attempt).
+    /// Takes one retry for `task` if it has used fewer than `max`, atomically: two of
+    /// its calls retrying at once cannot both take the last one.
+    pub fn try_take_retry(&self, task: &str, max: Option<u32>) -> bool {
+        let acc = self.account(task);
+        let mut acc = lock(&acc);
+        let used = acc.committed.plus(&acc.reserved).retries;
+        if max.is_some_and(|max| used >= max) {
+            return false;
+        }
+        acc.committed.retries = acc.committed.retries.saturating_add(1);
+        true
+    }
+
+    /// Adds usage that was not reserved.
     pub fn add(&self, task: &str, usage: &Usage) {
         let acc = self.account(task);
         let mut acc = lock(&acc);

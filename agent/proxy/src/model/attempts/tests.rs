@@ -141,7 +141,7 @@ impl Rig {
             first_byte_timeout: Duration::from_secs(30),
             max_event_bytes: 1 << 20,
             max_attempts: crate::options::DEFAULT_MAX_ATTEMPTS,
-            task_retries_left: None,
+            task_retries: None,
             metrics: None,
             faults: None,
         }
@@ -301,22 +301,50 @@ async fn the_breaker_opens_then_a_probe_half_opens_it() {
 
 #[tokio::test(start_paused = true)]
 async fn a_task_with_no_retries_left_is_not_retried() {
-    let rig = Rig::new();
+    // A provider budget that never runs out: only the task's limit stops retries.
+    let rig = Rig {
+        budgets: RetryBudgets::new(retry_budget::Options {
+            min_retries: 1_000,
+            ..retry_budget::Options::default()
+        }),
+        ..Rig::new()
+    };
+    let ledger = crate::resilience::Ledger::default();
     let script = Script::new(vec![], 503);
     let p = provider("a", 1);
-    for (left, sent) in [(0, 1), (2, 3)] {
-        let before = script.sent.load(Ordering::SeqCst);
-        let mech = Mechanics {
-            task_retries_left: Some(left),
-            ..rig.mechanics(&script, &LikeBuiltin)
-        };
-        let mut trail = Trail::default();
-        assert!(run(&mech, &plan(vec![&p]), &mut trail).await.is_err());
-        assert_eq!(script.sent.load(Ordering::SeqCst) - before, sent);
-        assert_eq!(trail.retries, left);
-        let why = trail.gave_up.expect("a reason");
+    // Two calls of one task, retrying at once, share its two retries.
+    let mech = Mechanics {
+        task_retries: Some(TaskRetries {
+            ledger: &ledger,
+            task: "t",
+            max: Some(2),
+        }),
+        ..rig.mechanics(&script, &LikeBuiltin)
+    };
+    let (mut a, mut b) = (Trail::default(), Trail::default());
+    let (pa, pb) = (plan(vec![&p]), plan(vec![&p]));
+    let (ra, rb) = tokio::join!(run(&mech, &pa, &mut a), run(&mech, &pb, &mut b));
+    assert!(ra.is_err() && rb.is_err());
+    assert_eq!(a.retries + b.retries, 2);
+    assert_eq!(script.sent.load(Ordering::SeqCst), 4);
+    assert_eq!(ledger.usage("t").retries, 2);
+    for trail in [&a, &b] {
+        let why = trail.gave_up.as_deref().expect("a reason");
         assert!(why.contains("[budget] retries"), "{why}");
     }
+    // Without a limit the task's retries are counted all the same.
+    let mech = Mechanics {
+        task_retries: Some(TaskRetries {
+            ledger: &ledger,
+            task: "u",
+            max: None,
+        }),
+        ..rig.mechanics(&script, &LikeBuiltin)
+    };
+    let mut trail = Trail::default();
+    assert!(run(&mech, &plan(vec![&p]), &mut trail).await.is_err());
+    assert_eq!(ledger.usage("u").retries, trail.retries);
+    assert_eq!(trail.retries, 3);
 }
 
 #[tokio::test(start_paused = true)]
@@ -404,7 +432,7 @@ async fn context_overflow_falls_back_to_the_next_target() {
         first_byte_timeout: Duration::from_secs(30),
         max_event_bytes: 1 << 20,
         max_attempts: crate::options::DEFAULT_MAX_ATTEMPTS,
-        task_retries_left: None,
+        task_retries: None,
         metrics: None,
         faults: None,
     };
@@ -583,7 +611,7 @@ fn streams_mechanics<'a>(rig: &'a Rig, t: &'a Streams) -> Mechanics<'a, Streams>
         first_byte_timeout: Duration::from_secs(30),
         max_event_bytes: 1 << 20,
         max_attempts: crate::options::DEFAULT_MAX_ATTEMPTS,
-        task_retries_left: None,
+        task_retries: None,
         metrics: None,
         faults: None,
     }
@@ -661,14 +689,16 @@ async fn a_key_quoted_in_the_first_event_or_split_across_frames_is_scrubbed() {
 }
 
 /// A comment (`: keep-alive`, `: OPENROUTER PROCESSING`) is no event: it does not
-/// start the stream, so the first-byte timeout still applies; the comments before
-/// the first event of the stream that starts go out with it, byte for byte.
+/// start the stream (a cut after it is retried invisibly); the comments before the
+/// first event of the stream that starts go out with it, byte for byte. Silence
+/// past the first-byte timeout is retried too.
 #[tokio::test(start_paused = true)]
 async fn a_comment_is_not_the_first_event() {
     let rig = Rig::new();
     let p = provider("a", 1);
     let script = Streams::new(vec![
-        (vec![": keep-alive\n\n"], true),
+        (vec![], true),
+        (vec![": keep-alive\n\n"], false),
         (
             vec![
                 ": OPENROUTER PROCESSING\n\n",
@@ -682,17 +712,46 @@ async fn a_comment_is_not_the_first_event() {
     let started = tokio::time::Instant::now();
     let mut trail = Trail::default();
     let ok = run(&mech, &stream_plan(vec![&p]), &mut trail).await;
-    assert_eq!(trail.attempts, 2);
+    assert_eq!(trail.attempts, 3);
     assert_eq!(trail.history[0].failure, Failure::Timeout);
+    assert!(matches!(
+        trail.history[1].failure,
+        Failure::StreamInterrupted {
+            events_delivered: 0,
+            ..
+        }
+    ));
     assert_eq!(
         started.elapsed(),
-        Duration::from_secs(30) + Duration::from_millis(10)
+        Duration::from_secs(30) + Duration::from_millis(20)
     );
     let whole = whole_stream(ok.ok().expect("a stream")).await;
     assert_eq!(
         whole,
         ": OPENROUTER PROCESSING\n\n: OPENROUTER PROCESSING\n\ndata: {\"n\":1}\n\ndata: [DONE]\n\n"
     );
+}
+
+/// Once the provider sends comments (a keep-alive while it thinks), its first event
+/// may take longer than the first-byte timeout: a re-send would pay for the prompt
+/// twice.
+#[tokio::test(start_paused = true)]
+async fn comments_keep_a_slow_first_event_waiting_past_the_first_byte_timeout() {
+    let rig = Rig::new();
+    let p = provider("a", 1);
+    let script = Streams::new(vec![(vec![": keep-alive\n\n"], true)]);
+    let mech = streams_mechanics(&rig, &script);
+    let mut trail = Trail::default();
+    let waited = tokio::time::timeout(
+        Duration::from_secs(300),
+        run(&mech, &stream_plan(vec![&p]), &mut trail),
+    )
+    .await;
+    assert!(
+        waited.is_err(),
+        "still waiting for the first event after 300 s"
+    );
+    assert_eq!(script.sent.load(Ordering::SeqCst), 1);
 }
 
 /// A stream whose first event is the provider's error is an error answer: retried
@@ -703,11 +762,17 @@ async fn a_first_event_that_is_an_error_is_classified_and_retried() {
     let openai = provider("a", 1);
     let mut anthropic = provider("b", 2);
     anthropic.dialect = Dialect::Anthropic;
-    let cases: [(&Provider, &'static str, Failure); 2] = [
+    let cases: [(&Provider, &'static str, Failure); 3] = [
         (
             &openai,
             ": hi\n\ndata: {\"error\":{\"message\":\"busy\",\"type\":\"server_error\",\"code\":null}}\n\n",
             Failure::ServerError { status: 500 },
+        ),
+        // OpenAI names a rate limit in `code`; its `type` is what was limited.
+        (
+            &openai,
+            "data: {\"error\":{\"message\":\"slow down\",\"type\":\"tokens\",\"code\":\"rate_limit_exceeded\"}}\n\n",
+            Failure::RateLimited { retry_after: None },
         ),
         (
             &anthropic,
@@ -735,12 +800,14 @@ async fn a_first_event_that_is_an_error_is_classified_and_retried() {
     let mut trail = Trail::default();
     match run(&mech, &stream_plan(vec![&anthropic]), &mut trail).await {
         Err(Ended::Answer {
+            status,
             parts,
             body,
             failure,
             ..
         }) => {
-            assert_eq!(parts.status, StatusCode::OK);
+            assert_eq!(parts.status, StatusCode::OK, "passed on as it came");
+            assert_eq!(status, StatusCode::BAD_REQUEST, "what it stands for");
             assert_eq!(body, refused.as_bytes());
             assert_eq!(failure, None);
         }
