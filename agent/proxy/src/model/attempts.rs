@@ -269,17 +269,21 @@ pub async fn run<'a, T: Transport>(
         }
         match decided.value {
             RetryDecision::RetryAfter(delay) => {
-                if !m.budgets.try_retry(&target.name) {
-                    trail.retry_budget_exhausted = true;
-                    trail.gave_up = Some("the retry budget is exhausted".into());
-                    return Err(ended);
-                }
-                // Taken last: a task's retry is spent only on a retry that happens.
+                // The task's retry first: a retry its task may not make must not
+                // spend the provider's budget, which every task shares.
                 if let Some(t) = m.task_retries
                     && !t.ledger.try_take_retry(t.task, t.max)
                 {
                     trail.gave_up =
                         Some("the task has no retries left under [budget] retries".into());
+                    return Err(ended);
+                }
+                if !m.budgets.try_retry(&target.name) {
+                    if let Some(t) = m.task_retries {
+                        t.ledger.give_back_retry(t.task);
+                    }
+                    trail.retry_budget_exhausted = true;
+                    trail.gave_up = Some("the retry budget is exhausted".into());
                     return Err(ended);
                 }
                 trail.retries += 1;

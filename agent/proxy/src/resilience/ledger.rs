@@ -159,6 +159,13 @@ impl Ledger {
         true
     }
 
+    /// Gives back a retry taken with [`Ledger::try_take_retry`] that did not happen.
+    pub fn give_back_retry(&self, task: &str) {
+        let acc = self.account(task);
+        let mut acc = lock(&acc);
+        acc.committed.retries = acc.committed.retries.saturating_sub(1);
+    }
+
     /// Adds usage that was not reserved.
     pub fn add(&self, task: &str, usage: &Usage) {
         let acc = self.account(task);
