@@ -204,11 +204,12 @@ impl Reader {
         Ok(())
     }
 
-    /// The hash-chain check. It reads while the writer goes on writing, and no
-    /// write waits for it: the chain is checked up to the head read first, and a
-    /// record that changed since is checked against the entries written since (see
-    /// [`chain::verify`]), so a busy journal is not reported as tampered with.
-    pub(crate) fn verify(&self) -> Result<VerifyReport, Error> {
+    /// The hash-chain check. On a running journal ([`chain::Mode::Live`]) it reads
+    /// while the writer goes on writing, and no write waits for it: the chain is
+    /// checked up to the head read first, and a record that changed since is checked
+    /// against the entries written since (see [`chain::verify`]), so a busy journal is
+    /// not reported as tampered with. On a stopped one the whole log is checked.
+    pub(crate) fn verify(&self, mode: chain::Mode) -> Result<VerifyReport, Error> {
         let head = self
             .store
             .get(keys::HEAD)?
@@ -224,7 +225,7 @@ impl Reader {
             }
             Ok((_, Err(e))) | Err(e) => Some(Err(e)),
         });
-        chain::verify(log, records, head, |after| {
+        chain::verify(log, records, head, mode, |after| {
             log_from(&self.store, after.saturating_add(1))
         })
     }
@@ -479,8 +480,12 @@ impl Audit {
         self.reader.export(filter, out)
     }
 
+    /// The hash-chain check of a journal no process writes: the whole log, an entry
+    /// past the head being a problem (see [`crate::Problem::EntriesPastHead`]).
     pub fn verify(&self) -> Result<VerifyReport, Error> {
-        self.reader.verify()
+        self.reader.verify(chain::Mode::Stopped {
+            wal_damaged: self.damage.is_some(),
+        })
     }
 
     pub fn timeline(&self, task: &TaskId) -> Result<Vec<TimelineEntry>, Error> {

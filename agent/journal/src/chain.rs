@@ -184,6 +184,29 @@ pub enum Problem {
     MissingRecord { key: String, seq: u64 },
     /// A record that no log entry mentions.
     UnloggedRecord { key: String },
+    /// Log entries `from..=to` come after the head the writer recorded, in a journal
+    /// no process holds. An entry and the head are written in one batch, so a stopped
+    /// journal has none past its head: they were added since, and vouch for nothing.
+    /// `wal_damaged`: the write-ahead log was damaged and read only up to the damage,
+    /// which can leave the head older than entries sled already held, so they may be
+    /// genuine (and are then used as a running journal's entries written since are).
+    EntriesPastHead {
+        head: u64,
+        from: u64,
+        to: u64,
+        wal_damaged: bool,
+    },
+}
+
+/// What `verify` may assume about the journal it reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// A running journal, written while it is read: entries past the head read first
+    /// were written meanwhile, and vouch for records that changed meanwhile.
+    Live,
+    /// A journal no process holds (an audit's copy): the whole log is walked and an
+    /// entry past the head is a problem. `wal_damaged`: its log was read up to damage.
+    Stopped { wal_damaged: bool },
 }
 
 /// A key's change in the log.
@@ -193,24 +216,35 @@ struct Latest {
     digest: String,
 }
 
+/// An entry whose contents match its own hash: its sequence number and keys.
+type Intact = (u64, Vec<String>);
+
 /// Log entries as `(seq from the storage key, stored bytes)`, in order.
 pub(crate) type Entries<'a> = Box<dyn Iterator<Item = Result<(u64, Vec<u8>), Error>> + 'a>;
 
 /// Checks the chain. `log` yields the stored entries in order; `records` yields
 /// `(key, stored bytes)`; `head` is the head the writer recorded, read before either.
 ///
-/// A running journal goes on writing while this reads, so what it reads is no
-/// snapshot: records are read after the log and may be newer than it. The chain is
-/// checked up to `head` (entries past it are not walked), and a record that its
-/// latest entry up to `head` does not vouch for, or that is gone, is looked up in
-/// the entries written since: `later(head.seq)`, read once the records have been
-/// (so it holds every change they can show), and used only as far as it chains on
-/// from `head`. A record that one of them vouches for (or purged) changed while
+/// A running journal ([`Mode::Live`]) goes on writing while this reads, so what it
+/// reads is no snapshot: records are read after the log and may be newer than it.
+/// The chain is checked up to `head` (entries past it are not walked), and a record
+/// that its latest entry up to `head` does not vouch for, or that is gone, is looked
+/// up in the entries written since: `later(head.seq)`, read once the records have
+/// been (so it holds every change they can show), and used only as far as it chains
+/// on from `head`. A record that one of them vouches for (or purged) changed while
 /// this ran, which is no problem.
+///
+/// A stopped journal ([`Mode::Stopped`]) changes under nobody: an entry and the head
+/// are written in one batch, so an entry past the head was added since, by someone
+/// other than the writer (one chaining on from the head is as easy to forge as a
+/// record). The whole log is walked, entries past the head are reported, and none of
+/// them vouches for a record, unless the log was damaged (see
+/// [`Problem::EntriesPastHead`]).
 pub(crate) fn verify<'a>(
     log: impl Iterator<Item = Result<(u64, Vec<u8>), Error>>,
     records: impl Iterator<Item = Result<(String, Vec<u8>), Error>>,
     head: Option<Head>,
+    mode: Mode,
     later: impl FnOnce(u64) -> Entries<'a>,
 ) -> Result<VerifyReport, Error> {
     let mut report = VerifyReport {
@@ -223,11 +257,24 @@ pub(crate) fn verify<'a>(
     let mut expected = 1u64;
     // The last entry whose contents match its own hash, and its keys: the head must
     // name that hash too.
-    let mut last_intact: Option<(u64, Vec<String>)> = None;
+    let mut last_intact: Option<Intact> = None;
+    // What the walk had reached at the head: the last sequence number, and the last
+    // intact entry with its hash.
+    let mut at_head: Option<(u64, Option<Intact>, Hash)> = None;
+    // Entries past the head (a stopped journal's): the first and the last.
+    let mut past: Option<(u64, u64)> = None;
     for item in log {
         let (seq, bytes) = item?;
-        if head.is_some_and(|head| seq > head.seq) {
-            break;
+        if let Some(head) = head
+            && seq > head.seq
+        {
+            if mode == Mode::Live {
+                break;
+            }
+            if at_head.is_none() {
+                at_head = Some((expected - 1, last_intact.take(), prev_hash));
+            }
+            past = Some((past.map_or(seq, |(from, _)| from), seq));
         }
         report.entries += 1;
         let Ok(entry) = serde_json::from_slice::<LogEntry>(&bytes) else {
@@ -268,6 +315,9 @@ pub(crate) fn verify<'a>(
             .and_then(|h| Hash::try_from(h).ok())
             .unwrap_or_default();
         expected = seq + 1;
+        if past.is_some() {
+            continue;
+        }
         for change in entry.changes {
             latest.insert(
                 change.key,
@@ -280,7 +330,16 @@ pub(crate) fn verify<'a>(
         }
     }
     if let Some(head) = head {
-        let last = expected - 1;
+        let (last, last_intact, prev_hash) =
+            at_head.unwrap_or((expected - 1, last_intact, prev_hash));
+        if let Some((from, to)) = past {
+            report.problems.push(Problem::EntriesPastHead {
+                head: head.seq,
+                from,
+                to,
+                wal_damaged: mode == (Mode::Stopped { wal_damaged: true }),
+            });
+        }
         if head.seq > last {
             report.problems.push(Problem::TruncatedLog {
                 head: head.seq,
@@ -316,8 +375,11 @@ pub(crate) fn verify<'a>(
         .collect();
     missing.sort_by_key(|(_, l)| l.seq);
 
+    // A stopped journal's entries past the head vouch for nothing, unless its log
+    // was damaged: then they may be genuine, and are reported as such.
+    let vouching = mode != Mode::Stopped { wal_damaged: false };
     let since = match head {
-        Some(head) if !unvouched.is_empty() || !missing.is_empty() => {
+        Some(head) if vouching && (!unvouched.is_empty() || !missing.is_empty()) => {
             let wanted = unvouched
                 .iter()
                 .map(|(key, _, _)| key.as_str())
@@ -423,6 +485,7 @@ mod tests {
             log.iter().cloned().map(Ok),
             records.iter().cloned().map(Ok),
             Some(head),
+            Mode::Stopped { wal_damaged: false },
             |_| Box::new(std::iter::empty()),
         )
     }
@@ -477,8 +540,94 @@ mod tests {
             log.iter().cloned().map(Ok),
             records.iter().cloned().map(Ok),
             Some(head),
+            Mode::Live,
             move |after| Box::new(later.into_iter().filter(move |(s, _)| *s > after).map(Ok)),
         )
+    }
+
+    #[test]
+    fn a_stopped_journal_s_entries_past_the_head_are_reported_and_vouch_for_nothing()
+    -> Result<(), Error> {
+        // A record edited, and an entry for its new bytes appended after the head,
+        // chaining on from it; the head left as it was.
+        let (mut log, mut records, head) = chain(4);
+        records[1].1 = b"record 1, edited".to_vec();
+        let mut forged_head = head;
+        let forged = forged_head.append(
+            Timestamp::from_micros(9),
+            &[("k1".to_owned(), "completed", sha256(&records[1].1))],
+        );
+        log.push((
+            5,
+            serde_json::to_vec(&forged).map_err(|e| Error::Storage(e.to_string()))?,
+        ));
+        let stopped = |wal_damaged| {
+            let later = log.clone();
+            verify(
+                log.iter().cloned().map(Ok),
+                records.iter().cloned().map(Ok),
+                Some(head),
+                Mode::Stopped { wal_damaged },
+                move |after| Box::new(later.into_iter().filter(move |(s, _)| *s > after).map(Ok)),
+            )
+        };
+        let report = stopped(false)?;
+        assert_eq!(report.entries, 5);
+        assert_eq!(
+            report.problems,
+            [
+                Problem::EntriesPastHead {
+                    head: 4,
+                    from: 5,
+                    to: 5,
+                    wal_damaged: false
+                },
+                Problem::EditedRecord {
+                    key: "k1".to_owned(),
+                    seq: 2
+                },
+            ]
+        );
+
+        // Read up to a damaged log, the head may be older than what sled held: the
+        // entries past it are reported as such, and vouch as a running journal's do.
+        let report = stopped(true)?;
+        assert_eq!(
+            report.problems,
+            [Problem::EntriesPastHead {
+                head: 4,
+                from: 5,
+                to: 5,
+                wal_damaged: true
+            }]
+        );
+
+        // A running journal: an entry written meanwhile.
+        let report = check_up_to(&log, &records, head, log.clone())?;
+        assert!(report.is_clean(), "{report:?}");
+
+        // The newest entry up to the head is still checked against the head's hash.
+        let mut edited = log.clone();
+        let mut entry: LogEntry =
+            serde_json::from_slice(&edited[3].1).map_err(|e| Error::Storage(e.to_string()))?;
+        entry.at = Timestamp::from_micros(99);
+        entry.hash = entry.compute_hash().map(hex::encode).unwrap_or_default();
+        edited[3].1 = serde_json::to_vec(&entry).map_err(|e| Error::Storage(e.to_string()))?;
+        let report = verify(
+            edited.iter().cloned().map(Ok),
+            records.iter().cloned().map(Ok),
+            Some(head),
+            Mode::Stopped { wal_damaged: false },
+            |_| Box::new(std::iter::empty()),
+        )?;
+        assert!(
+            report.problems.contains(&Problem::EditedEntry {
+                seq: 4,
+                keys: vec!["k3".to_owned()]
+            }),
+            "{report:?}"
+        );
+        Ok(())
     }
 
     #[test]

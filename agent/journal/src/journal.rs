@@ -463,8 +463,10 @@ impl Journal {
         self.inner.reader.export(filter, out)
     }
 
+    /// The hash-chain check of this running journal, tolerant of the writes made
+    /// while it reads (see [`crate::Audit::verify`] for a stopped one).
     pub fn verify(&self) -> Result<VerifyReport, Error> {
-        self.inner.reader.verify()
+        self.inner.reader.verify(crate::chain::Mode::Live)
     }
 
     pub fn timeline(&self, task: &TaskId) -> Result<Vec<TimelineEntry>, Error> {

@@ -105,6 +105,54 @@ async fn verify_names_each_kind_of_tampering() -> TestResult {
     Ok(())
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_audit_reports_an_entry_forged_past_the_head() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    completed(dir.path(), &["k0", "k1"]).await?;
+
+    // k0's record edited, and an entry for its new bytes appended after the head,
+    // chaining on from it; the head left as it was.
+    {
+        let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
+        let k0 = keys::body(crate::slots::slot(&store, "k0")?.ok_or("k0 missing")?);
+        let original = String::from_utf8(store.get(&k0)?.ok_or("k0's slot is empty")?)?;
+        let edited = original.replace("\"final_status\":200", "\"final_status\":201");
+        assert_ne!(original, edited);
+        store.raw_put(&k0, edited.as_bytes())?;
+        let head = crate::chain::Head::decode(&store.get(keys::HEAD)?.ok_or("no head")?)?;
+        assert_eq!(head.seq, 4);
+        let mut forged = head;
+        let entry = forged.append(
+            crate::Timestamp::now(),
+            &[(
+                "k0".to_owned(),
+                "completed",
+                crate::chain::sha256(edited.as_bytes()),
+            )],
+        );
+        store.raw_put(&keys::log(5), &serde_json::to_vec(&entry)?)?;
+        store.flush()?;
+    }
+
+    let audit = Journal::open_for_audit(dir.path())?;
+    assert_eq!(
+        audit.verify()?.problems,
+        [
+            Problem::EntriesPastHead {
+                head: 4,
+                from: 5,
+                to: 5,
+                wal_damaged: false
+            },
+            Problem::EditedRecord {
+                key: "k0".to_owned(),
+                seq: 2
+            },
+        ]
+    );
+    Ok(())
+}
+
 /// Options for a journal in `dir` with `Durability::Node`.
 fn node_options(dir: &std::path::Path) -> Options {
     Options {
