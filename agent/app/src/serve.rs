@@ -341,8 +341,8 @@ fn follow_gpu(
 }
 
 /// How long a start-up waits for a journal another process holds (an `outrigger
-/// journal` command taking its lock for a moment, or a previous sidecar still
-/// exiting) before it goes on without one.
+/// journal` command holding its lock while it copies the journal, or a previous
+/// sidecar still exiting) before it goes on without one.
 const LOCKED_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 const LOCKED_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 

@@ -386,7 +386,13 @@ fn decode_listed(bytes: &[u8]) -> Result<Record, Error> {
 thread_local! {
     /// Records decoded by listings on this thread.
     pub(crate) static DECODED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// Called with each file an audit copies on this thread, before it is copied.
+    pub(crate) static ON_COPY: std::cell::RefCell<Option<CopyHook>> =
+        const { std::cell::RefCell::new(None) };
 }
+
+#[cfg(test)]
+pub(crate) type CopyHook = Box<dyn FnMut(&Path)>;
 
 pub(crate) fn check_namespace(namespace: &str) -> Result<(), Error> {
     if namespace.is_empty() || !namespace.chars().all(|c| c.is_ascii_graphic()) {
@@ -404,9 +410,11 @@ pub(crate) fn check_namespace(namespace: &str) -> Result<(), Error> {
 /// sled has no read-only open, and opening a journal replays its write-ahead log
 /// into sled and empties it. So the directory is copied first (into the system's
 /// temporary directory, removed when the audit is dropped) and the copy is opened:
-/// the original is never written (a read-only mount will do), and its lock is held
-/// only for a moment, to see whether a process has it. The cost is the copy: as much free
-/// space as the journal takes, and the time to copy it.
+/// the original is never written (a read-only mount will do). The journal's lock is
+/// held while it is copied, so that a sidecar starting meanwhile (which replays the
+/// log and empties it) cannot leave a torn copy: such a sidecar waits for the lock,
+/// for 5 s at most, so a copy that takes longer leaves it without its journal. The cost is
+/// the copy: as much free space as the journal takes, and the time to copy it.
 ///
 /// A damaged write-ahead log (a bad frame with whole frames after it, which the
 /// sidecar refuses) is read up to the damage, reported by [`Audit::damage`].
@@ -421,7 +429,8 @@ pub struct Audit {
 impl Audit {
     pub(crate) fn open(dir: &Path) -> Result<Self, Error> {
         store::check_journal(dir)?;
-        store::check_unlocked(dir)?;
+        // Held until the copy is made: `Error::Locked` if a process holds it.
+        let lock = store::take_lock(dir)?;
         let copy = tempfile::Builder::new()
             .prefix("outrigger-audit-")
             .tempdir()
@@ -432,8 +441,7 @@ impl Audit {
             })?;
         let journal = copy.path().join("journal");
         copy_dir(dir, &journal)?;
-        // A sidecar that started meanwhile may have changed the files midway.
-        store::check_unlocked(dir)?;
+        drop(lock);
         let (store, damage) = Store::open_copy(&journal).map_err(|e| match e {
             Error::Corrupt { detail, .. } => Error::Corrupt {
                 dir: dir.to_owned(),
@@ -524,6 +532,8 @@ fn copy_dir(from: &Path, to: &Path) -> Result<(), Error> {
         if kind.is_dir() {
             copy_dir(&path, &to.join(entry.file_name()))?;
         } else if kind.is_file() {
+            #[cfg(test)]
+            ON_COPY.with_borrow_mut(|hook| hook.as_mut().map(|hook| hook(&path)));
             std::fs::copy(&path, to.join(entry.file_name())).map_err(|e| failed(&path, e))?;
         }
     }

@@ -819,6 +819,35 @@ async fn an_audit_reads_a_copy_changes_no_file_and_holds_no_lock() -> TestResult
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_audit_holds_the_journal_s_lock_while_it_copies_it() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    completed(dir.path(), &["k0"]).await?;
+    // What a sidecar starting meanwhile would find, for each file copied.
+    let found = std::rc::Rc::new(std::cell::RefCell::new(Vec::new()));
+    let journal = dir.path().to_owned();
+    let seen = found.clone();
+    crate::audit::ON_COPY.set(Some(Box::new(move |file| {
+        let locked = matches!(
+            crate::store::check_unlocked(&journal),
+            Err(Error::Locked { .. })
+        );
+        seen.borrow_mut().push((file.to_owned(), locked));
+    })));
+    let audit = Journal::open_for_audit(dir.path());
+    crate::audit::ON_COPY.set(None);
+    drop(audit?);
+    let found = found.borrow();
+    assert!(
+        found.iter().any(|(file, _)| file.ends_with("db")),
+        "{found:?}"
+    );
+    assert!(found.iter().all(|(_, locked)| *locked), "{found:?}");
+    // And lets it go once the copy is made.
+    crate::store::check_unlocked(dir.path())?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_damaged_log_is_refused_by_the_sidecar_and_read_up_to_the_damage_by_an_audit()
 -> TestResult {
     let first = tempfile::tempdir()?;
