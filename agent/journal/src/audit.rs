@@ -95,52 +95,7 @@ impl Reader {
             Err(e) => Err(e),
         };
         if let Some(task) = &filter.task {
-            // A task's records, found through its index and put in order.
-            let mut positions = Vec::new();
-            for entry in self.store.scan_prefix(&keys::task_prefix(task.as_str())) {
-                let (index, _) = entry?;
-                let Some(key) = keys::task_entry_key(task.as_str(), &index) else {
-                    continue;
-                };
-                let key = String::from_utf8_lossy(key).into_owned();
-                match slots::locate(&self.store, &key)? {
-                    Some(slots::Found::Slot(slot)) => positions.push((Position::Slot(slot), key)),
-                    Some(slots::Found::Inline(_)) => {
-                        positions.push((Position::Inline(key.clone()), key));
-                    }
-                    None => {}
-                }
-            }
-            positions.sort_unstable();
-            positions.dedup();
-            for (position, key) in positions {
-                if after.is_some_and(|after| position <= *after) {
-                    continue;
-                }
-                let bytes = match &position {
-                    Position::Slot(slot) => self.store.get(&keys::body(*slot)),
-                    Position::Inline(_) => self
-                        .store
-                        .get(&keys::record(&key))
-                        .map(|bytes| bytes.filter(|b| keys::parse_pointer(b).is_none())),
-                };
-                let record = match bytes {
-                    // A record read must carry the key it was read for.
-                    Ok(Some(bytes)) => decode_listed(&bytes)
-                        .map(|record| (record.key.as_str() == key).then_some(record)),
-                    Ok(None) => Ok(None),
-                    Err(e) => Err(e),
-                };
-                let go_on = match record {
-                    Ok(Some(record)) => offer(position, Ok(record))?,
-                    Ok(None) => true,
-                    Err(e) => offer(position, Err(e))?,
-                };
-                if !go_on {
-                    return Ok(());
-                }
-            }
-            return Ok(());
+            return self.each_of_task(task.as_str(), after, offer);
         }
         // Format-1 records, stored under their keys (an older journal read as it is).
         if !matches!(after, Some(Position::Slot(_))) {
@@ -202,6 +157,109 @@ impl Reader {
             }
         }
         Ok(())
+    }
+
+    /// [`Reader::each`] for a task's records, found through its index, which is in
+    /// the listings' order: a page starts with one seek and reads what it holds.
+    /// Entries of the older index (by creation time; a journal of format 5 or older
+    /// read as it is, or one whose move was cut short) are located and put in order
+    /// first, and merged in.
+    fn each_of_task(
+        &self,
+        task: &str,
+        after: Option<&Position>,
+        mut offer: impl FnMut(Position, Result<Record, Error>) -> Result<bool, Error>,
+    ) -> Result<(), Error> {
+        let mut older = Vec::new();
+        for entry in self.store.scan_prefix(&keys::task_by_time_prefix(task)) {
+            let (index, _) = entry?;
+            #[cfg(test)]
+            TASK_ENTRIES.set(TASK_ENTRIES.get() + 1);
+            let Some((_, key)) = keys::task_by_time_entry(&index) else {
+                continue;
+            };
+            let key = String::from_utf8_lossy(key).into_owned();
+            match slots::locate(&self.store, &key)? {
+                Some(slots::Found::Slot(slot)) => older.push((Position::Slot(slot), key)),
+                Some(slots::Found::Inline(_)) => {
+                    older.push((Position::Inline(key.clone()), key));
+                }
+                None => {}
+            }
+        }
+        older.retain(|(position, _)| after.is_none_or(|after| position > after));
+        older.sort_unstable();
+        let mut older = older.into_iter().peekable();
+
+        let prefix = keys::task_prefix(task);
+        let from = match after {
+            Some(Position::Slot(slot)) => slot.checked_add(1),
+            Some(Position::Inline(_)) | None => Some(0),
+        };
+        let newer = from
+            .map(|from| self.store.range_from(&keys::task(task, from, "")))
+            .into_iter()
+            .flatten()
+            .take_while(|e| e.as_ref().map_or(true, |(k, _)| k.starts_with(&prefix)))
+            .filter_map(|entry| {
+                #[cfg(test)]
+                TASK_ENTRIES.set(TASK_ENTRIES.get() + 1);
+                match entry {
+                    Ok((index, _)) => keys::task_entry(&prefix, &index).map(|(slot, key)| {
+                        Ok((
+                            Position::Slot(slot),
+                            String::from_utf8_lossy(key).into_owned(),
+                        ))
+                    }),
+                    Err(e) => Some(Err(e)),
+                }
+            });
+        let mut newer = newer.peekable();
+        let mut last: Option<Position> = None;
+        loop {
+            let from_older = match (older.peek(), newer.peek()) {
+                (None, None) => return Ok(()),
+                (Some((o, _)), Some(Ok((n, _)))) => o <= n,
+                (Some(_), None) => true,
+                (None | Some(_), Some(_)) => false,
+            };
+            let next = if from_older {
+                older.next().map(Ok)
+            } else {
+                newer.next()
+            };
+            let Some(next) = next else {
+                return Ok(());
+            };
+            let (position, key) = next?;
+            // One record in both indexes (damage): listed once.
+            if last.as_ref() == Some(&position) {
+                continue;
+            }
+            last = Some(position.clone());
+            let bytes = match &position {
+                Position::Slot(slot) => self.store.get(&keys::body(*slot)),
+                Position::Inline(_) => self
+                    .store
+                    .get(&keys::record(&key))
+                    .map(|bytes| bytes.filter(|b| keys::parse_pointer(b).is_none())),
+            };
+            let record = match bytes {
+                // A record read must carry the key it was read for.
+                Ok(Some(bytes)) => decode_listed(&bytes)
+                    .map(|record| (record.key.as_str() == key).then_some(record)),
+                Ok(None) => Ok(None),
+                Err(e) => Err(e),
+            };
+            let go_on = match record {
+                Ok(Some(record)) => offer(position, Ok(record))?,
+                Ok(None) => true,
+                Err(e) => offer(position, Err(e))?,
+            };
+            if !go_on {
+                return Ok(());
+            }
+        }
     }
 
     /// The hash-chain check. On a running journal ([`chain::Mode::Live`]) it reads
@@ -386,6 +444,8 @@ fn decode_listed(bytes: &[u8]) -> Result<Record, Error> {
 thread_local! {
     /// Records decoded by listings on this thread.
     pub(crate) static DECODED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    /// Task-index entries read by listings on this thread.
+    pub(crate) static TASK_ENTRIES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     /// Called with each file an audit copies on this thread, before it is copied.
     pub(crate) static ON_COPY: std::cell::RefCell<Option<CopyHook>> =
         const { std::cell::RefCell::new(None) };
@@ -600,7 +660,7 @@ pub(crate) mod tests {
         paged_with(page, Filter::default(), limit)
     }
 
-    fn paged_with(
+    pub(crate) fn paged_with(
         page: impl Fn(&Filter) -> Result<Page, Error>,
         mut filter: Filter,
         limit: usize,
@@ -692,7 +752,39 @@ pub(crate) mod tests {
             .map(|r| r.key.to_string())
             .collect();
         assert_eq!(in_task.len(), total.div_ceil(3));
-        assert_eq!(paged_with(|f| journal.page(f), by_task, 101)?, in_task);
+        assert_eq!(
+            paged_with(|f| journal.page(f), by_task.clone(), 101)?,
+            in_task
+        );
+
+        // A task's page seeks to where it starts: one record asked for from a
+        // cursor in the middle reads about one index entry, not the task's index.
+        let task_half = journal.page(&Filter {
+            limit: Some(in_task.len() / 2),
+            ..by_task.clone()
+        })?;
+        TASK_ENTRIES.set(0);
+        DECODED.set(0);
+        let middle = journal.page(&Filter {
+            limit: Some(1),
+            after: task_half.next,
+            ..by_task
+        })?;
+        assert_eq!(
+            middle
+                .records
+                .iter()
+                .map(|r| r.key.to_string())
+                .collect::<Vec<_>>(),
+            [in_task[in_task.len() / 2].clone()]
+        );
+        let read = TASK_ENTRIES.get();
+        assert!((1..=2).contains(&read), "{read} task-index entries read");
+        assert!(
+            (1..=2).contains(&DECODED.get()),
+            "{} records decoded",
+            DECODED.get()
+        );
         drop(journal);
         task.await?;
         Ok(())

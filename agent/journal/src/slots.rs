@@ -247,6 +247,39 @@ pub(crate) fn migrate(store: &Store, format: &[u8]) -> Result<u64, Error> {
     }
 }
 
+/// Moves an older journal's task index (`t/{task}\0{created µs}{key}`, formats 1 to
+/// 5) to the one by slot (`T/{task}\0{slot}{key}`), in frames of [`MIGRATE_CHUNK`]
+/// entries, after [`migrate`] (every record is in a slot then); `format` is written
+/// with the first frame, as there. An entry whose record is gone goes. Returns how
+/// many moved.
+pub(crate) fn migrate_tasks(store: &Store, format: &[u8]) -> Result<u64, Error> {
+    let mut moved = 0;
+    loop {
+        let mut writes: Vec<OwnedWrite> = Vec::new();
+        if moved == 0 {
+            writes.push((keys::FORMAT.to_vec(), Some(format.to_vec())));
+        }
+        let mut taken = 0;
+        for entry in store.scan_prefix(keys::TASKS_BY_TIME).take(MIGRATE_CHUNK) {
+            let (storage_key, _) = entry?;
+            if let Some((task, key)) = keys::task_by_time_entry(&storage_key) {
+                let task = String::from_utf8_lossy(task);
+                let key = String::from_utf8_lossy(key);
+                if let Some(Found::Slot(slot)) = locate(store, &key)? {
+                    writes.push((keys::task(&task, slot, &key), Some(Vec::new())));
+                }
+            }
+            writes.push((storage_key, None));
+            taken += 1u64;
+        }
+        if taken == 0 {
+            return Ok(moved);
+        }
+        moved += taken;
+        store.apply(writes)?;
+    }
+}
+
 /// The slot after the highest one in use: where the next record goes.
 pub(crate) fn next_slot(store: &Store) -> Result<u64, Error> {
     next_after(store, keys::BODIES, keys::body_slot, "a record slot key")

@@ -1367,21 +1367,47 @@ pub(crate) mod keys {
         Some(u64::from_be_bytes(raw.try_into().ok()?))
     }
 
-    pub(crate) fn task_prefix(task: &str) -> Vec<u8> {
-        join(&[b"t/", task.as_bytes(), &[0]])
+    /// The task index of formats 1 to 5: `t/{task}\0{created µs}{key}`, in order
+    /// of creation time, which is not the listings' order (see [`TASKS`]).
+    pub(crate) const TASKS_BY_TIME: &[u8] = b"t/";
+    /// The task index since format 6: `T/{task}\0{slot}{key}`, in the listings'
+    /// order, so that a page of a task's records starts with one seek.
+    pub(crate) const TASKS: &[u8] = b"T/";
+
+    pub(crate) fn task_by_time_prefix(task: &str) -> Vec<u8> {
+        join(&[TASKS_BY_TIME, task.as_bytes(), &[0]])
     }
 
-    pub(crate) fn task(task: &str, created_us: u64, key: &str) -> Vec<u8> {
+    #[cfg(test)]
+    pub(crate) fn task_by_time(task: &str, created_us: u64, key: &str) -> Vec<u8> {
         join(&[
-            &task_prefix(task),
+            &task_by_time_prefix(task),
             &created_us.to_be_bytes(),
             key.as_bytes(),
         ])
     }
 
-    /// The record key behind a task-index entry.
-    pub(crate) fn task_entry_key<'a>(task: &str, storage_key: &'a [u8]) -> Option<&'a [u8]> {
-        storage_key.get(task_prefix(task).len() + 8..)
+    /// The task and the record key behind an entry of the older task index.
+    pub(crate) fn task_by_time_entry(storage_key: &[u8]) -> Option<(&[u8], &[u8])> {
+        let raw = storage_key.strip_prefix(TASKS_BY_TIME)?;
+        let end = raw.iter().position(|b| *b == 0)?;
+        Some((&raw[..end], raw.get(end + 1 + 8..)?))
+    }
+
+    pub(crate) fn task_prefix(task: &str) -> Vec<u8> {
+        join(&[TASKS, task.as_bytes(), &[0]])
+    }
+
+    pub(crate) fn task(task: &str, slot: u64, key: &str) -> Vec<u8> {
+        join(&[&task_prefix(task), &slot.to_be_bytes(), key.as_bytes()])
+    }
+
+    /// The slot and the record key behind a task-index entry of `prefix` (the
+    /// task's [`task_prefix`]).
+    pub(crate) fn task_entry<'a>(prefix: &[u8], storage_key: &'a [u8]) -> Option<(u64, &'a [u8])> {
+        let raw = storage_key.strip_prefix(prefix)?;
+        let slot = u64::from_be_bytes(raw.get(..8)?.try_into().ok()?);
+        Some((slot, &raw[8..]))
     }
 
     /// An expiry index entry: due time, kind, then an id that makes the key unique;

@@ -330,12 +330,32 @@ async fn a_damaged_record_file_leaves_its_records_undecodable_never_executed() -
 }
 
 /// Rewrites a journal the way format 1 stored it (each record under its own key),
-/// format 3 (each record's key pointing at its slot) or format 4 (each record's
-/// bytes in sled, under its slot).
+/// format 3 (each record's key pointing at its slot), format 4 (each record's
+/// bytes in sled, under its slot) or format 5 (as it is); in each, the task index by
+/// creation time.
 fn to_format(format: u8, dir: &std::path::Path, record_keys: &[&str]) -> TestResult {
     let store = Store::open(dir, 16 << 20, Durability::Process, false)?;
+    for entry in store.scan_prefix(keys::TASKS).collect::<Vec<_>>() {
+        let (index, _) = entry?;
+        let prefix = &index[..=index.iter().position(|b| *b == 0).ok_or("no task")?];
+        let (slot, key) = keys::task_entry(prefix, &index).ok_or("a bad task entry")?;
+        let key = std::str::from_utf8(key)?;
+        let bytes = store.get(&keys::body(slot))?.ok_or("slot empty")?;
+        let record = crate::writer::decode_record(key, &bytes)?;
+        let task = record
+            .task_id
+            .ok_or("a task entry of a record with no task")?;
+        store.raw_put(
+            &keys::task_by_time(task.as_str(), record.created_at.as_micros(), key),
+            &[],
+        )?;
+        store.raw_remove(&index)?;
+    }
     for key in record_keys {
         let slot = crate::slots::slot(&store, key)?.ok_or("record missing")?;
+        if format == b'5' {
+            continue;
+        }
         if format == b'4' {
             let bytes = store.get(&keys::body(slot))?.ok_or("slot empty")?;
             store.raw_put(&keys::body(slot), &bytes)?;
@@ -370,16 +390,21 @@ async fn a_format_4_journal_is_read_with_its_records_in_sled() -> TestResult {
     an_older_journal_is_read_then_moved_to_the_current_format(b'4', b'4').await
 }
 
-/// A move cut short by a crash: the format already says 5, some keys are still in the
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_format_5_journal_is_read_then_its_task_index_moves_to_slots() -> TestResult {
+    an_older_journal_is_read_then_moved_to_the_current_format(b'5', b'5').await
+}
+
+/// A move cut short by a crash: the format already says 6, some keys are still in the
 /// older index. The next open moves the rest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_move_to_the_current_format_cut_short_is_finished_at_the_next_open() -> TestResult {
-    an_older_journal_is_read_then_moved_to_the_current_format(b'3', b'5').await
+    an_older_journal_is_read_then_moved_to_the_current_format(b'3', b'6').await
 }
 
 /// Three calls ("done" and "kept" completed, "cut" left in flight) rewritten the way
 /// `format` stored them, the journal then marked `marked`. An offline audit reads it
-/// as it is; opening it moves it to format 5 (two keys per frame in tests), and every
+/// as it is; opening it moves it to format 6 (two keys per frame in tests), and every
 /// record reads, replays, verifies and expires as before.
 async fn an_older_journal_is_read_then_moved_to_the_current_format(
     format: u8,
@@ -424,6 +449,11 @@ async fn an_older_journal_is_read_then_moved_to_the_current_format(
             crate::audit::tests::paged(|filter| audit.page(filter), 100)?,
             "pages of one record list each once, in order"
         );
+        assert_eq!(
+            crate::audit::tests::paged_with(|filter| audit.page(filter), by_task()?, 1)?,
+            crate::audit::tests::paged(|filter| audit.page(filter), 100)?,
+            "the task's records through the older task index"
+        );
         assert!(audit.verify()?.is_clean());
     }
 
@@ -445,6 +475,11 @@ async fn an_older_journal_is_read_then_moved_to_the_current_format(
         Begin::Replay(_)
     ));
     assert_eq!(journal.list(&crate::Filter::default())?.len(), 3);
+    assert_eq!(
+        crate::audit::tests::paged_with(|filter| journal.page(filter), by_task()?, 1)?,
+        crate::audit::tests::paged(|filter| journal.page(filter), 100)?,
+        "the task's records through the moved task index"
+    );
     let report = journal.verify()?;
     assert!(report.is_clean(), "{report:?}");
     // Retention rewrites "done" as a tombstone, then forgets it.
@@ -453,11 +488,21 @@ async fn an_older_journal_is_read_then_moved_to_the_current_format(
     task.await?;
 
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"5"[..]));
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"6"[..]));
     assert_eq!(
         store.scan_prefix(keys::RECORDS).count(),
         0,
         "the older index is left behind"
+    );
+    assert_eq!(
+        store.scan_prefix(keys::TASKS_BY_TIME).count(),
+        0,
+        "the older task index is left behind"
+    );
+    assert_eq!(
+        store.scan_prefix(keys::TASKS).count(),
+        3,
+        "the task index by slot"
     );
     let moved = crate::slots::slot(&store, "done")?.ok_or("a record stays inline")?;
     assert!(
@@ -482,11 +527,24 @@ async fn an_older_journal_is_read_then_moved_to_the_current_format(
     assert_eq!(crate::slots::slot(&store, "done")?, None);
     assert_eq!(store.get(&crate::slots::index_key("done", moved))?, None);
     assert_eq!(
+        store.get(&keys::task("task-1", moved, "done"))?,
+        None,
+        "a purged record's task entry goes with it"
+    );
+    assert_eq!(
         store.get(&keys::body(moved))?,
         None,
         "a purged record's slot is freed"
     );
     Ok(())
+}
+
+/// The filter of task-1's records (every record of [`intent`]).
+fn by_task() -> Result<crate::Filter, Box<dyn StdError>> {
+    Ok(crate::Filter {
+        task: Some(TaskId::new("task-1")?),
+        ..crate::Filter::default()
+    })
 }
 
 /// Records in different index generations: each is found, by the writer and by a
@@ -591,24 +649,24 @@ fn a_journal_of_a_later_format_is_refused_not_misread() -> TestResult {
     let dir = tempfile::tempdir()?;
     drop(Journal::open(Options::new(dir.path()))?);
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    store.raw_put(keys::FORMAT, b"6")?;
+    store.raw_put(keys::FORMAT, b"7")?;
     store.flush()?;
     drop(store);
     let Err(e) = Journal::open(Options::new(dir.path())) else {
-        return Err("a format-6 journal was opened".into());
+        return Err("a format-7 journal was opened".into());
     };
     assert!(
         e.to_string()
-            .contains("holds journal format \"6\", which this build does not know"),
+            .contains("holds journal format \"7\", which this build does not know"),
         "{e}"
     );
     // Nor read by the audit.
     let Err(Error::Invalid { what, detail }) = Journal::open_for_audit(dir.path()) else {
-        return Err("the audit read a format-6 journal".into());
+        return Err("the audit read a format-7 journal".into());
     };
     assert_eq!(what, "journal format");
     assert!(
-        detail.contains("format \"6\"") && detail.contains("newer build"),
+        detail.contains("format \"7\"") && detail.contains("newer build"),
         "{detail}"
     );
     Ok(())
@@ -715,7 +773,7 @@ async fn format_2_streams_are_read_under_their_key_and_new_streams_get_slots() -
     task.await?;
 
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"5"[..]));
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"6"[..]));
     let raw = store.get(&keys::stream("fresh"))?.ok_or("fresh missing")?;
     let fresh_slot = crate::writer::decode_stream("fresh", &raw)?
         .events_slot

@@ -542,10 +542,9 @@ impl Core {
             batch.set(slots::index_key(&key, slot), Some(keys::pointer(slot)));
         }
         if previous.is_none() {
-            // The task index key embeds the creation time and the key: it is new.
+            // The task index key embeds the slot and the key: it is new.
             if let Some(task) = &rec.task_id {
-                let index = keys::task(task.as_str(), rec.created_at.as_micros(), &key);
-                batch.set(index, Some(Vec::new()));
+                batch.set(keys::task(task.as_str(), slot, &key), Some(Vec::new()));
             }
             let due = rec.created_at.saturating_add(self.options.retention);
             batch.expire_later(keys::EXPIRE_RECORD, due, key.clone());
@@ -573,9 +572,9 @@ impl Core {
         if let Some(slot) = self.slot(batch, &rec.key)? {
             removed.push(slots::index_key(key, slot));
             removed.push(keys::body(slot));
-        }
-        if let Some(task) = &rec.task_id {
-            removed.push(keys::task(task.as_str(), rec.created_at.as_micros(), key));
+            if let Some(task) = &rec.task_id {
+                removed.push(keys::task(task.as_str(), slot, key));
+            }
         }
         for k in removed {
             batch.set(k, None);
