@@ -191,21 +191,36 @@ impl Journal {
     /// again): an operator reviews the moved one. `Error::Locked` while a process
     /// holds it; the lock is held while it moves, so no sidecar opens it midway.
     pub fn quarantine(dir: &Path) -> Result<PathBuf, Error> {
+        // Written as given (`journal/`, `journal/.`), the new name would be inside
+        // the directory itself; without its trailing separators and `.` parts it
+        // has a name to put the suffix on, beside it.
+        let dir: PathBuf = dir.components().collect();
+        let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) else {
+            return Err(Error::Invalid {
+                what: "journal directory",
+                detail: format!(
+                    "{} names no directory to move aside (it ends in `..`, or is `.` or \
+                     the root): give the journal directory by its name, e.g. \
+                     `--journal-dir ./data/journal`",
+                    dir.display()
+                ),
+            });
+        };
         // A journal sled cannot open may lack one of its files; with neither, `dir`
         // is no journal (a data directory given by mistake).
         if !dir.join("db").is_file() && !dir.join("conf").is_file() {
-            crate::store::check_journal(dir)?;
+            crate::store::check_journal(&dir)?;
         }
         let _lock = dir
             .join("db")
             .is_file()
-            .then(|| crate::store::take_lock(dir))
+            .then(|| crate::store::take_lock(&dir))
             .transpose()?;
         let stamp = Timestamp::now().as_micros() / 1_000_000;
-        let mut name = dir.as_os_str().to_owned();
-        name.push(format!(".corrupt-{stamp}"));
-        let target = PathBuf::from(name);
-        std::fs::rename(dir, &target)
+        let mut moved = name.to_owned();
+        moved.push(format!(".corrupt-{stamp}"));
+        let target = parent.join(moved);
+        std::fs::rename(&dir, &target)
             .map_err(|e| Error::Storage(format!("cannot move {} aside: {e}", dir.display())))?;
         Ok(target)
     }

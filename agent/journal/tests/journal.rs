@@ -1199,6 +1199,34 @@ async fn audit_lists_exports_and_tells_a_task_story() -> TestResult {
 }
 
 #[test]
+fn quarantine_moves_the_directory_beside_itself_however_it_is_written() -> TestResult {
+    let parent = tempfile::tempdir()?;
+    for (name, written) in [("a", "a/"), ("b", "b/."), ("c", "./c//")] {
+        let dir = parent.path().join(name);
+        drop(Journal::open(Options::new(&dir))?);
+        let moved = Journal::quarantine(&parent.path().join(written))?;
+        assert_eq!(moved.parent(), Some(parent.path()), "{}", moved.display());
+        let moved_name = moved.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        assert!(
+            moved_name.starts_with(&format!("{name}.corrupt-")),
+            "{written}: moved to {}",
+            moved.display()
+        );
+        assert!(!dir.exists() && moved.join("db").is_file());
+    }
+
+    // A path with no name to put the suffix on is refused, and nothing moves.
+    let dir = parent.path().join("d");
+    drop(Journal::open(Options::new(&dir))?);
+    let Err(Error::Invalid { detail, .. }) = Journal::quarantine(&dir.join("records/..")) else {
+        return Err("a path ending in `..` must be refused".into());
+    };
+    assert!(detail.contains("--journal-dir"), "{detail}");
+    assert!(dir.join("db").is_file());
+    Ok(())
+}
+
+#[test]
 fn opening_nothing_is_a_clear_error() -> TestResult {
     let dir = tempfile::tempdir()?;
     let missing = dir.path().join("nope");
