@@ -223,16 +223,18 @@ impl Apt {
         })
     }
 
+    /// `program` as root. Through sudo the variable goes on `env`'s command line:
+    /// sudo's `env_reset` drops the ones set on sudo's own environment.
     fn command(&self, program: &str) -> Command {
-        let mut cmd = if self.sudo {
+        if self.sudo {
             let mut c = Command::new("sudo");
-            c.arg("-n").arg(program);
+            c.args(["-n", "env", "DEBIAN_FRONTEND=noninteractive", program]);
             c
         } else {
-            Command::new(program)
-        };
-        cmd.env("DEBIAN_FRONTEND", "noninteractive");
-        cmd
+            let mut c = Command::new(program);
+            c.env("DEBIAN_FRONTEND", "noninteractive");
+            c
+        }
     }
 
     fn update(&mut self) -> anyhow::Result<()> {
@@ -284,6 +286,41 @@ mod tests {
         ] {
             assert_eq!(parse_version(text), expect, "{text:?}");
         }
+    }
+
+    #[test]
+    fn apt_runs_noninteractive_as_root_and_through_sudo() {
+        let args = |cmd: &Command| -> Vec<String> {
+            std::iter::once(cmd.get_program())
+                .chain(cmd.get_args())
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect()
+        };
+        let sudo = Apt {
+            sudo: true,
+            updated: false,
+        }
+        .command("apt-get");
+        assert_eq!(
+            args(&sudo),
+            [
+                "sudo",
+                "-n",
+                "env",
+                "DEBIAN_FRONTEND=noninteractive",
+                "apt-get"
+            ]
+        );
+        let root = Apt {
+            sudo: false,
+            updated: false,
+        }
+        .command("apt-get");
+        assert_eq!(args(&root), ["apt-get"]);
+        assert!(
+            root.get_envs()
+                .any(|(k, v)| k == "DEBIAN_FRONTEND" && v == Some("noninteractive".as_ref()))
+        );
     }
 
     #[test]
