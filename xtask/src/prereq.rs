@@ -367,6 +367,58 @@ mod tests {
         Ok(())
     }
 
+    /// The stderr of `./x` run with nothing on `PATH` but the tools it uses and a
+    /// `cc` that runs `script`.
+    fn x_with_cc(script: &str) -> anyhow::Result<String> {
+        let bin = std::env::temp_dir().join(format!(
+            "outrigger-x-test-{}-{}",
+            std::process::id(),
+            script.len()
+        ));
+        std::fs::create_dir_all(&bin)?;
+        for tool in ["dirname", "mktemp", "rm", "id", "cat"] {
+            let found = ["/usr/bin", "/bin"]
+                .iter()
+                .map(|d| Path::new(d).join(tool))
+                .find(|p| p.is_file())
+                .with_context(|| format!("no {tool}"))?;
+            let link = bin.join(tool);
+            if !link.exists() {
+                std::os::unix::fs::symlink(found, link)?;
+            }
+        }
+        let cc = bin.join("cc");
+        std::fs::write(&cc, script)?;
+        std::fs::set_permissions(&cc, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
+        let out = Command::new("/bin/sh")
+            .arg(procs::root().join("x"))
+            .arg("--version")
+            .env_clear()
+            .env("PATH", &bin)
+            .output()?;
+        std::fs::remove_dir_all(&bin)?;
+        Ok(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+
+    #[test]
+    fn x_installs_a_c_toolchain_when_cc_cannot_link() -> anyhow::Result<()> {
+        // gcc without libc6-dev: there is a cc, but it links nothing.
+        let err = x_with_cc("#!/bin/sh\necho 'cannot find crt1.o' >&2\nexit 1\n")?;
+        assert!(
+            err.contains("x: no C compiler (cc) on PATH that can"),
+            "{err}"
+        );
+        // A cc that links: on to cargo (not on this PATH).
+        let links =
+            "#!/bin/sh\nwhile [ $# -gt 0 ]; do [ \"$1\" = -o ] && : >\"$2\"; shift; done\nexit 0\n";
+        let err = x_with_cc(links)?;
+        assert!(
+            !err.contains("C compiler") && err.contains("cargo"),
+            "{err}"
+        );
+        Ok(())
+    }
+
     #[test]
     fn node_versions_the_js_toolchain_runs_on() {
         for (version, ok) in [
