@@ -1902,7 +1902,13 @@ async fn t13_a_corrupt_journal_fails_closed_until_an_operator_moves_it_aside() {
     assert!(out.contains("payments/t13-0"), "{out}");
     assert!(err.contains("DAMAGED") && err.contains("frame"), "{err}");
     let (ok, out, _) = journal_cli("verify", "--journal-dir", &journal);
-    assert!(!ok && out.contains("damaged_wal"), "{out}");
+    assert!(
+        !ok && out.contains(r#""problem":"damaged_wal""#)
+            && out.contains(r#""at":"#)
+            && out.contains(r#""bytes_after":"#)
+            && out.contains(r#""frame":"#),
+        "{out}"
+    );
     assert_eq!(
         snapshot(&journal),
         before,

@@ -308,7 +308,7 @@ fn dispatch(cmd: Command) -> anyhow::Result<ExitCode> {
                     // What was read stops at the damage, so the chain is checked as far
                     // as it goes; the damage is a finding of its own.
                     if let (Some(damage), Some(list)) = (a.damage(), problems.as_array_mut()) {
-                        list.push(serde_json::json!({"damaged_wal": damage.to_string()}));
+                        list.push(damaged_wal(damage));
                     }
                     serde_json::json!({"entries": r.entries, "records": r.records, "problems": problems})
                 }
@@ -357,6 +357,17 @@ fn dispatch(cmd: Command) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// The `verify` finding of a damaged write-ahead log, shaped as the chain's
+/// problems are (`"problem"` names it).
+fn damaged_wal(damage: &outrigger_journal::WalDamage) -> Value {
+    serde_json::json!({
+        "problem": "damaged_wal",
+        "frame": damage.frame,
+        "at": damage.at,
+        "bytes_after": damage.bytes_after,
+    })
 }
 
 fn to_filter(f: &Filters) -> anyhow::Result<Filter> {
