@@ -188,7 +188,7 @@ fn open(common: &Common) -> anyhow::Result<Source> {
                     .filter(|t| !t.is_empty()),
             })
         }
-        Err(outrigger_journal::Error::Corrupt { dir, detail }) => bail!(
+        Err(outrigger_journal::Error::Corrupt { dir, detail, .. }) => bail!(
             "the journal in {} cannot be read: sled cannot open it ({detail}). The directory \
              was not changed; keep it for analysis. `outrigger journal quarantine \
              --journal-dir {}` moves it aside so that the sidecar starts a fresh journal",

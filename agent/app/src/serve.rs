@@ -397,7 +397,7 @@ async fn open_journal(
             }
             return None;
         }
-        Err(Error::Corrupt { dir, detail }) => {
+        Err(Error::Corrupt { dir, detail, .. }) => {
             tracing::error!(dir = %dir.display(), %detail,
                 "the journal is corrupt: moving it aside and starting a fresh one \
                  ([journal] on_corrupt = \"quarantine\"); every call it knew is unknown to \

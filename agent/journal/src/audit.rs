@@ -503,9 +503,10 @@ impl Audit {
         copy_dir(dir, &journal)?;
         drop(lock);
         let (store, damage) = Store::open_copy(&journal).map_err(|e| match e {
-            Error::Corrupt { detail, .. } => Error::Corrupt {
+            Error::Corrupt { detail, kind, .. } => Error::Corrupt {
                 dir: dir.to_owned(),
                 detail,
+                kind,
             },
             other => other,
         })?;

@@ -54,7 +54,7 @@ mod writer;
 
 pub use audit::{Audit, Cursor, Page};
 pub use chain::{Change, LogEntry, Problem, VerifyReport};
-pub use error::Error;
+pub use error::{Corruption, Error};
 pub use journal::{Journal, Recovery};
 pub use options::{Durability, Options};
 pub use record::{

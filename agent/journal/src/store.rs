@@ -291,6 +291,7 @@ impl Store {
         {
             return Err(Error::Corrupt {
                 dir: dir.to_owned(),
+                kind: crate::error::Corruption::DamagedWal,
                 detail: format!(
                     "frame {} of its write-ahead log {}, at byte {}, is damaged and whole \
                      frames follow it: damage, not a torn last write; nothing of the log was \
@@ -1047,6 +1048,7 @@ fn open_error(dir: &Path, e: sled::Error) -> Error {
         sled::Error::Corruption { .. } => Error::Corrupt {
             dir: dir.to_owned(),
             detail: e.to_string(),
+            kind: crate::error::Corruption::Store,
         },
         other => Error::Storage(format!(
             "cannot open the journal in {}: {other}",
