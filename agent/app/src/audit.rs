@@ -22,7 +22,7 @@ use outrigger_journal::{Audit, Filter, Journal};
 use outrigger_types::{IdempotencyKey, TaskId};
 use serde_json::Value;
 
-use crate::admin::{MAX_PAGE, filter_from};
+use crate::admin::{MAX_PAGE, filter_from, parse_time};
 
 /// Where the records come from.
 enum Source {
@@ -78,6 +78,26 @@ pub struct Filters {
 }
 
 impl Filters {
+    /// These filters with `--since` and `--until` as RFC 3339 times: a duration ago
+    /// (`1h`) is resolved once, here, so that every page asked of the admin API has
+    /// the same window (the sidecar would resolve it again for each).
+    fn resolved(&self) -> anyhow::Result<Filters> {
+        let at = |when: &Option<String>| -> anyhow::Result<Option<String>> {
+            when.as_deref()
+                .map(|w| {
+                    parse_time(w)
+                        .map(|t| humantime::format_rfc3339_micros(t).to_string())
+                        .map_err(|e| anyhow::anyhow!(e))
+                })
+                .transpose()
+        };
+        Ok(Filters {
+            since: at(&self.since)?,
+            until: at(&self.until)?,
+            ..self.clone()
+        })
+    }
+
     fn pairs(&self) -> Vec<(String, String)> {
         let mut q = Vec::new();
         let mut add = |k: &str, v: &Option<String>| {
@@ -401,16 +421,18 @@ fn each_page(
         Source::Admin { base, token } => {
             // Validate locally first so a typo gets the same message either way.
             to_filter(filters)?;
+            let filters = filters.resolved()?;
             let mut left = filters.limit.unwrap_or(usize::MAX);
             let mut after: Option<String> = None;
             while left > 0 {
+                let asked = left.min(MAX_PAGE);
                 let mut query: Vec<String> = filters
                     .pairs()
                     .iter()
                     .filter(|(k, _)| k != "limit")
                     .map(|(k, v)| format!("{k}={}", encode(v)))
                     .collect();
-                query.push(format!("limit={}", left.min(MAX_PAGE)));
+                query.push(format!("limit={asked}"));
                 if let Some(after) = &after {
                     query.push(format!("after={}", encode(after)));
                 }
@@ -420,8 +442,18 @@ fn each_page(
                     token.as_deref(),
                 )?;
                 let records = v["records"].as_array().cloned().unwrap_or_default();
+                let unpaged = unpaged_full_page(&v, asked);
                 left = left.saturating_sub(records.len());
                 page(records)?;
+                if unpaged {
+                    eprintln!(
+                        "(WARNING: the sidecar answered a full page of {asked} records and no \
+                         `next`: it is older than this command and does not page, so there \
+                         may be more records than listed. Narrow the listing (--task, \
+                         --since, --until), stop the sidecar to read the journal directly, \
+                         or upgrade it)"
+                    );
+                }
                 match v["next"].as_str() {
                     Some(next) => after = Some(next.to_owned()),
                     None => break,
@@ -430,6 +462,13 @@ fn each_page(
             Ok(())
         }
     }
+}
+
+/// Whether a page came from a sidecar that does not page (older than `next`): it
+/// holds as many records as were asked for, and no `next` at all, where a sidecar
+/// that pages answers `"next": null` on its last page.
+fn unpaged_full_page(page: &Value, asked: usize) -> bool {
+    page.get("next").is_none() && page["records"].as_array().is_some_and(|r| r.len() >= asked)
 }
 
 fn print_table(records: &[Value]) {
@@ -528,4 +567,57 @@ fn encode(s: &str) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_duration_ago_is_resolved_once_to_a_time() -> anyhow::Result<()> {
+        let filters = Filters {
+            since: Some("1h".to_owned()),
+            until: Some("2026-11-29T10:00:00Z".to_owned()),
+            task: Some("t".to_owned()),
+            ..Filters::default()
+        };
+        let resolved = filters.resolved()?;
+        let since = humantime::parse_rfc3339(resolved.since.as_deref().unwrap_or_default())?;
+        let ago = std::time::SystemTime::now().duration_since(since)?;
+        assert!(
+            (3590..=3610).contains(&ago.as_secs()),
+            "{:?} is not an hour ago",
+            resolved.since
+        );
+        assert_eq!(
+            humantime::parse_rfc3339(resolved.until.as_deref().unwrap_or_default())?,
+            humantime::parse_rfc3339("2026-11-29T10:00:00Z")?
+        );
+        assert_eq!(resolved.task.as_deref(), Some("t"));
+        // What is sent is what the admin API reads back.
+        assert!(filter_from(&resolved.pairs()).is_ok());
+        assert!(Filters::default().resolved()?.since.is_none());
+        assert!(
+            Filters {
+                since: Some("yesterday-ish".to_owned()),
+                ..Filters::default()
+            }
+            .resolved()
+            .is_err()
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_full_page_without_next_is_a_sidecar_that_does_not_page() {
+        let records = |n: usize| Value::Array(vec![serde_json::json!({}); n]);
+        let old = serde_json::json!({"count": 3, "records": records(3)});
+        assert!(unpaged_full_page(&old, 3));
+        let old_short = serde_json::json!({"count": 2, "records": records(2)});
+        assert!(!unpaged_full_page(&old_short, 3));
+        let last = serde_json::json!({"count": 3, "records": records(3), "next": null});
+        assert!(!unpaged_full_page(&last, 3));
+        let more = serde_json::json!({"count": 3, "records": records(3), "next": "7"});
+        assert!(!unpaged_full_page(&more, 3));
+    }
 }

@@ -22,7 +22,7 @@ mod faults;
 mod journal;
 mod tasks;
 pub use faults::Faults;
-pub use journal::{MAX_PAGE, filter_from};
+pub use journal::{MAX_PAGE, filter_from, parse_time};
 
 /// What `/readyz` reports on. Each component flips its own flag.
 #[derive(Debug, Default)]
