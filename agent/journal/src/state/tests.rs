@@ -546,7 +546,6 @@ fn transitions() {
     }
 }
 
-/// Events that must be refused: (class, setup, refused step, error).
 /// Whether an attempt takes the second durable write (`dispatched`) follows the
 /// class the record was made with, whatever class the request names now: a tool
 /// reclassified from `unsafe` after its record was made still gets the write before
@@ -588,6 +587,7 @@ fn the_dispatch_write_follows_the_records_class() {
     }
 }
 
+/// Events that must be refused: (class, setup, refused step, error).
 #[test]
 fn refusals() {
     let rows: &[(ToolClass, &[Step], Step, &str)] = &[
