@@ -261,7 +261,8 @@ struct Active {
 struct Version {
     loaded: Loaded,
     version: PolicyVersion,
-    /// Whether a call on it failed: such a version is never kept to stand in.
+    /// Whether a call on it failed through a fault of its own
+    /// ([`Fault::is_the_policys`]): such a version is never kept to stand in.
     faulted: AtomicBool,
 }
 
@@ -295,7 +296,7 @@ struct Counters {
 impl Counters {
     fn fault(&self, fault: &Fault) {
         let counter = match fault {
-            Fault::Timeout(_) => &self.timeouts,
+            Fault::Timeout(_) | Fault::InstantiateTimeout(_) => &self.timeouts,
             Fault::MemoryLimit(_) => &self.memory,
             Fault::Invalid(_) => &self.invalid,
             Fault::Trap(_) | Fault::Instantiate(_) | Fault::MissingHook(_) => &self.traps,
@@ -676,7 +677,9 @@ impl Registry {
             Err(fault) => fault,
         };
         slot.counters.fault(&fault);
-        active.current.faulted.store(true, Ordering::Relaxed);
+        if fault.is_the_policys() {
+            active.current.faulted.store(true, Ordering::Relaxed);
+        }
         let failed = &active.current.version;
         tracing::warn!(%hook, version = %failed, kind = fault.kind(), %fault, "policy failed; decision contained");
         if active.on_error == OnError::FailClosed {
@@ -695,7 +698,9 @@ impl Registry {
             match ask(&stand_in.loaded) {
                 Ok(value) => return decided(value, &stand_in.version, DecisionSource::Contained),
                 Err(fault) => {
-                    stand_in.faulted.store(true, Ordering::Relaxed);
+                    if fault.is_the_policys() {
+                        stand_in.faulted.store(true, Ordering::Relaxed);
+                    }
                     tracing::warn!(%hook, version = %stand_in.version, %fault, "stand-in policy failed too");
                 }
             }

@@ -35,8 +35,8 @@ const IDLE_TICKS: u32 = 100;
 /// How often a parked ticker looks whether its runtime is gone.
 const PARKED_RECHECK: Duration = Duration::from_secs(1);
 
-/// The least time the first instance of a component gets to instantiate, when it is
-/// loaded: a loaded machine must not refuse a component whose start-up is slower than
+/// The least time each instance of a component made when it is loaded (see
+/// [`Loaded::warm_up`]) gets to instantiate: a loaded machine must not refuse a component whose start-up is slower than
 /// one decision's deadline (a Python one copies tens of MB of initialised memory).
 pub const LOAD_INSTANTIATE_DEADLINE: Duration = Duration::from_secs(1);
 
@@ -102,7 +102,7 @@ pub struct RuntimeOptions {
     /// Where compiled components are cached; `None` compiles on every load.
     pub cache_dir: Option<PathBuf>,
     /// Wall-clock budget of one decision (and of an instantiation on a call's path;
-    /// the first, at load, gets at least [`LOAD_INSTANTIATE_DEADLINE`]).
+    /// those made at load get at least [`LOAD_INSTANTIATE_DEADLINE`]).
     pub deadline: Duration,
     /// Linear memory one instance may use, over all its memories.
     pub memory_limit_bytes: usize,
@@ -138,6 +138,11 @@ pub enum Fault {
     MemoryLimit(usize),
     #[error("could not be instantiated: {0}")]
     Instantiate(String),
+    /// A new instance, made on a call's path because every warm one was busy, ran
+    /// past the call's deadline while it started: the machine's load, not the
+    /// policy's fault (it started within [`LOAD_INSTANTIATE_DEADLINE`] at load).
+    #[error("ran past its {0:?} deadline while a new instance started (every warm one was busy)")]
+    InstantiateTimeout(Duration),
     #[error("does not implement the {0} hook")]
     MissingHook(Hook),
     #[error("returned an invalid decision: {0}")]
@@ -145,11 +150,18 @@ pub enum Fault {
 }
 
 impl Fault {
+    /// Whether the fault says something about the policy version, which then is not
+    /// kept to stand in for another: every fault but a new instance that could not
+    /// start within a call's deadline because the machine was busy.
+    pub fn is_the_policys(&self) -> bool {
+        !matches!(self, Self::InstantiateTimeout(_))
+    }
+
     /// A short stable name, for metric labels.
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Trap(_) => "trap",
-            Self::Timeout(_) => "timeout",
+            Self::Timeout(_) | Self::InstantiateTimeout(_) => "timeout",
             Self::MemoryLimit(_) => "memory",
             Self::Instantiate(_) => "instantiate",
             Self::MissingHook(_) => "missing_hook",
@@ -797,7 +809,12 @@ impl Loaded {
             .pop();
         let mut warm = match taken {
             Some(warm) => warm,
-            None => self.instantiate(inner.runtime.inner.options.deadline)?,
+            None => self
+                .instantiate(inner.runtime.inner.options.deadline)
+                .map_err(|fault| match fault {
+                    Fault::Timeout(deadline) => Fault::InstantiateTimeout(deadline),
+                    other => other,
+                })?,
         };
         let options = &inner.runtime.inner.options;
         warm.store.data_mut().begin_call(options.seed, ids);
@@ -830,21 +847,31 @@ impl Loaded {
         }
     }
 
-    /// Makes the first instance, under [`LOAD_INSTANTIATE_DEADLINE`] or the
-    /// deadline if longer, and keeps it warm for the next call. Instances made later,
-    /// on a call's path, get the call's deadline.
+    /// Fills the pool to `warm_instances` (one instance at least, as a check, kept
+    /// only if the pool takes any), each made under [`LOAD_INSTANTIATE_DEADLINE`] or
+    /// the deadline if longer, so that up to `warm_instances` concurrent calls find
+    /// one ready. An instance made later, on a call's path (more calls at once than
+    /// that), gets the call's deadline: a Python component, whose start-up copies
+    /// tens of MB, may not start within it. The cost is paid at load instead of at
+    /// the first burst of calls: the time to make them, and each one's memory for
+    /// as long as the version is loaded.
     pub fn warm_up(&self) -> Result<(), Fault> {
-        let deadline = self.inner.runtime.inner.options.deadline;
-        let warm = self.instantiate(deadline.max(LOAD_INSTANTIATE_DEADLINE))?;
-        let mut pool = self
-            .inner
-            .warm
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if pool.len() < self.inner.runtime.inner.options.warm_instances {
-            pool.push(warm);
+        let options = &self.inner.runtime.inner.options;
+        let deadline = options.deadline.max(LOAD_INSTANTIATE_DEADLINE);
+        loop {
+            let warm = self.instantiate(deadline)?;
+            let mut pool = self
+                .inner
+                .warm
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if pool.len() < options.warm_instances {
+                pool.push(warm);
+            }
+            if pool.len() >= options.warm_instances {
+                return Ok(());
+            }
         }
-        Ok(())
     }
 
     fn instantiate(&self, deadline: Duration) -> Result<Warm, Fault> {

@@ -1195,3 +1195,23 @@ fn an_artifact_this_engine_refuses_is_not_left_in_the_cache() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+#[test]
+fn a_load_warms_up_as_many_instances_as_calls_find_ready() {
+    for (warm_instances, expect) in [(3, 3), (1, 1), (0, 0)] {
+        let runtime = Runtime::new(RuntimeOptions {
+            warm_instances,
+            ..RuntimeOptions::default()
+        })
+        .expect("runtime");
+        let loaded = runtime
+            .load(retry_bytes(), BTreeMap::new(), "retry")
+            .expect("load");
+        loaded.warm_up().expect("warm up");
+        assert_eq!(
+            loaded.warm_instances(),
+            expect,
+            "warm_instances {warm_instances}"
+        );
+    }
+}
