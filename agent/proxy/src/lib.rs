@@ -37,6 +37,8 @@ pub mod server;
 pub mod sse;
 pub mod streams;
 pub mod tasks;
+#[cfg(test)]
+mod test_journal;
 mod tools;
 pub mod upstream;
 pub mod upstream_body;

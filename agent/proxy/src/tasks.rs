@@ -1218,49 +1218,13 @@ impl Tasks {
 
 #[cfg(test)]
 mod tests {
-    use std::path::PathBuf;
-    use std::sync::atomic::{AtomicU32, Ordering};
-
-    use outrigger_journal::{
-        Begin, Headers, Intent, KeySource, Options, RedactedRequest, StoredResponse,
-    };
+    use outrigger_journal::{Begin, Headers, Intent, KeySource, RedactedRequest, StoredResponse};
     use outrigger_types::{Fingerprint, IdempotencyKey, RequestId};
 
     use super::*;
+    use crate::test_journal::TempJournal;
 
     type TestResult = Result<(), Box<dyn std::error::Error>>;
-
-    /// A journal in a fresh temporary directory, removed on drop.
-    struct TempJournal {
-        journal: Journal,
-        writer: tokio::task::JoinHandle<()>,
-        dir: PathBuf,
-    }
-
-    impl TempJournal {
-        fn open() -> Result<Self, Box<dyn std::error::Error>> {
-            static N: AtomicU32 = AtomicU32::new(0);
-            let dir = std::env::temp_dir().join(format!(
-                "outrigger-tasks-test-{}-{}",
-                std::process::id(),
-                N.fetch_add(1, Ordering::Relaxed)
-            ));
-            let (journal, writer, _) = Journal::open(Options::new(dir.join("journal")))?;
-            let writer = tokio::spawn(writer.run());
-            Ok(Self {
-                journal,
-                writer,
-                dir,
-            })
-        }
-    }
-
-    impl Drop for TempJournal {
-        fn drop(&mut self) {
-            self.writer.abort();
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
-    }
 
     fn task() -> TaskId {
         match TaskId::new("task-1") {

@@ -1081,6 +1081,7 @@ mod tests {
 
     use super::*;
     use crate::sse::Framer;
+    use crate::test_journal::TempJournal;
 
     /// An upstream body that has nothing more, yet.
     struct Waiting;
@@ -1094,40 +1095,6 @@ mod tests {
             _: &mut Context<'_>,
         ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
             Poll::Pending
-        }
-    }
-
-    /// A journal in a fresh temporary directory, removed on drop.
-    struct TempJournal {
-        journal: Journal,
-        writer: tokio::task::JoinHandle<()>,
-        dir: std::path::PathBuf,
-    }
-
-    impl TempJournal {
-        fn open() -> Self {
-            static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-            let dir = std::env::temp_dir().join(format!(
-                "outrigger-model-test-{}-{}",
-                std::process::id(),
-                N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-            ));
-            let (journal, writer, _) =
-                Journal::open(outrigger_journal::Options::new(dir.join("journal")))
-                    .expect("a journal");
-            let writer = tokio::spawn(writer.run());
-            Self {
-                journal,
-                writer,
-                dir,
-            }
-        }
-    }
-
-    impl Drop for TempJournal {
-        fn drop(&mut self) {
-            self.writer.abort();
-            let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
 
@@ -1156,7 +1123,7 @@ mod tests {
     /// next attempt.
     #[tokio::test]
     async fn a_repeat_that_meets_an_attempt_ending_begins_the_next_one() {
-        let j = TempJournal::open();
+        let j = TempJournal::open().expect("a journal");
         let proxy = crate::Proxy::new(
             crate::Options {
                 providers: vec![provider()],
