@@ -85,13 +85,21 @@ impl Upstream {
         let target = req.uri().authority().cloned();
         let authority = || target.as_ref().map(|a| a.to_string()).unwrap_or_default();
         // Set once the request has a connection (new or pooled): before that, not a
-        // byte of it can have left.
-        let connection = capture_connection(&mut req);
+        // byte of it can have left. Only a timeout within `connect_timeout` can end
+        // during a connect (a longer one finds the connect failed first), so only
+        // then is it worth its allocations.
+        let connection = (timeout <= self.connect_timeout).then(|| capture_connection(&mut req));
         match tokio::time::timeout(timeout, self.client().request(req)).await {
-            Err(_) if connection.connection_metadata().is_none() => Err(Error::Connect {
-                authority: authority(),
-                detail: format!("no connection within {timeout:?}"),
-            }),
+            Err(_)
+                if connection
+                    .as_ref()
+                    .is_some_and(|c| c.connection_metadata().is_none()) =>
+            {
+                Err(Error::Connect {
+                    authority: authority(),
+                    detail: format!("no connection within {timeout:?}"),
+                })
+            }
             Err(_) => Err(Error::Timeout {
                 authority: authority(),
                 timeout,
