@@ -674,8 +674,6 @@ fn replayed_status(stored: u16) -> StatusCode {
 mod tests {
     use super::*;
 
-    /// A stored answer is replayed with its end-to-end headers only, whatever the
-    /// record holds.
     /// The in-doubt answer says what is true of the state the call rests in: held
     /// for an operator, safe to retry, or in progress until a restart (its end
     /// could not be journaled).
@@ -719,6 +717,8 @@ mod tests {
         assert!(unrecorded.get("resolve_url").is_none());
     }
 
+    /// A stored answer is replayed with its end-to-end headers only, whatever the
+    /// record holds.
     #[test]
     fn a_replay_carries_no_hop_by_hop_headers() {
         let stored = StoredResponse::new(
