@@ -310,29 +310,29 @@ pub fn unread_env(env: &[(String, String)]) -> Vec<&str> {
     env.iter()
         .filter_map(|(name, _)| {
             let rest = name.strip_prefix("OUTRIGGER_")?;
-            let lower = rest.to_ascii_lowercase();
-            let section = ENV_SECTIONS
-                .iter()
-                .any(|s| lower.starts_with(&format!("{s}_")));
-            (!section && !OTHERS.contains(&rest) && !rest.starts_with("REQUIRE_"))
-                .then_some(name.as_str())
+            (env_override(name).is_none()
+                && !OTHERS.contains(&rest)
+                && !rest.starts_with("REQUIRE_"))
+            .then_some(name.as_str())
         })
         .collect()
 }
 
+/// The config section and key an `OUTRIGGER_<SECTION>_<KEY>` variable overrides.
+fn env_override(name: &str) -> Option<(&'static str, String)> {
+    let rest = name.strip_prefix("OUTRIGGER_")?.to_ascii_lowercase();
+    let section = ENV_SECTIONS
+        .iter()
+        .find(|s| rest.starts_with(&format!("{s}_")))?;
+    Some((section, rest[section.len() + 1..].to_owned()))
+}
+
 fn apply_env_overrides(table: &mut toml::Table, env: &[(String, String)], problems: &mut Problems) {
     for (name, value) in env {
-        let Some(rest) = name.strip_prefix("OUTRIGGER_") else {
+        let Some((section, key)) = env_override(name) else {
             continue;
         };
-        let rest = rest.to_ascii_lowercase();
-        let Some(section) = ENV_SECTIONS
-            .iter()
-            .find(|s| rest.starts_with(&format!("{s}_")))
-        else {
-            continue;
-        };
-        let key = &rest[section.len() + 1..];
+        let key = key.as_str();
         let parsed = env_value(section, key, value);
         match table
             .entry(section.to_string())
