@@ -205,23 +205,19 @@ pub(crate) fn scan(
 
 /// Moves an older journal's index (`r/{key}`) to generations, and a format-1
 /// record stored inline to a slot of its own, in frames of [`MIGRATE_CHUNK`] keys;
-/// `format` is written with the first frame (if there is any to move), so that an older build refuses the
-/// journal from then on rather than miss the moved entries. Each key moves whole
+/// `format` is written with the first frame (if there is any to move), so that an
+/// older build refuses the journal from then on rather than miss the moved entries. Each key moves whole
 /// within one frame, so a crash part-way leaves some keys moved and the others as
 /// they were, and the next open moves the rest. Returns how many moved.
 pub(crate) fn migrate(store: &Store, format: &[u8]) -> Result<u64, Error> {
     // Looked up only for a format-1 record: an open with nothing to move reads no
     // slot.
     let mut next = None;
-    let mut moved = 0;
-    loop {
-        let mut writes: Vec<OwnedWrite> = Vec::new();
-        if moved == 0 {
-            writes.push((keys::FORMAT.to_vec(), Some(format.to_vec())));
-        }
-        let mut taken = 0;
-        for entry in store.scan_prefix(keys::RECORDS).take(MIGRATE_CHUNK) {
-            let (storage_key, value) = entry?;
+    move_in_frames(
+        store,
+        keys::RECORDS,
+        format,
+        |storage_key, value, writes| {
             let key = String::from_utf8_lossy(&storage_key[keys::RECORDS.len()..]).into_owned();
             let slot = match keys::parse_pointer(&value) {
                 Some(slot) => slot,
@@ -231,28 +227,47 @@ pub(crate) fn migrate(store: &Store, format: &[u8]) -> Result<u64, Error> {
                         None => next_slot(store)?,
                     };
                     next = Some(slot + 1);
-                    writes.push((keys::body(slot), Some(value.clone())));
+                    writes.push((keys::body(slot), Some(value)));
                     slot
                 }
             };
             writes.push((index_key(&key, slot), Some(keys::pointer(slot))));
-            writes.push((storage_key, None));
-            taken += 1u64;
-        }
-        if taken == 0 {
-            return Ok(moved);
-        }
-        moved += taken;
-        store.apply(writes)?;
-    }
+            Ok(())
+        },
+    )
 }
 
 /// Moves an older journal's task index (`t/{task}\0{created µs}{key}`, formats 1 to
-/// 5) to the one by slot (`T/{task}\0{slot}{key}`), in frames of [`MIGRATE_CHUNK`]
-/// entries, after [`migrate`] (every record is in a slot then); `format` is written
-/// with the first frame, as there. An entry whose record is gone goes. Returns how
-/// many moved.
+/// 5) to the one by slot (`T/{task}\0{slot}{key}`), as [`migrate`] moves its index
+/// and after it (every record is in a slot then). An entry whose record is gone
+/// goes. Returns how many moved.
 pub(crate) fn migrate_tasks(store: &Store, format: &[u8]) -> Result<u64, Error> {
+    move_in_frames(
+        store,
+        keys::TASKS_BY_TIME,
+        format,
+        |storage_key, _, writes| {
+            if let Some((task, key)) = keys::task_by_time_entry(storage_key) {
+                let task = String::from_utf8_lossy(task);
+                let key = String::from_utf8_lossy(key);
+                if let Some(Found::Slot(slot)) = locate(store, &key)? {
+                    writes.push((keys::task(&task, slot, &key), Some(Vec::new())));
+                }
+            }
+            Ok(())
+        },
+    )
+}
+
+/// Moves every entry under `prefix`, in frames of [`MIGRATE_CHUNK`]: `each` adds
+/// what an entry becomes, and the entry itself is deleted in the same frame.
+/// `format` is written with the first frame. Returns how many entries moved.
+fn move_in_frames(
+    store: &Store,
+    prefix: &[u8],
+    format: &[u8],
+    mut each: impl FnMut(&[u8], Vec<u8>, &mut Vec<OwnedWrite>) -> Result<(), Error>,
+) -> Result<u64, Error> {
     let mut moved = 0;
     loop {
         let mut writes: Vec<OwnedWrite> = Vec::new();
@@ -260,15 +275,9 @@ pub(crate) fn migrate_tasks(store: &Store, format: &[u8]) -> Result<u64, Error> 
             writes.push((keys::FORMAT.to_vec(), Some(format.to_vec())));
         }
         let mut taken = 0;
-        for entry in store.scan_prefix(keys::TASKS_BY_TIME).take(MIGRATE_CHUNK) {
-            let (storage_key, _) = entry?;
-            if let Some((task, key)) = keys::task_by_time_entry(&storage_key) {
-                let task = String::from_utf8_lossy(task);
-                let key = String::from_utf8_lossy(key);
-                if let Some(Found::Slot(slot)) = locate(store, &key)? {
-                    writes.push((keys::task(&task, slot, &key), Some(Vec::new())));
-                }
-            }
+        for entry in store.scan_prefix(prefix).take(MIGRATE_CHUNK) {
+            let (storage_key, value) = entry?;
+            each(&storage_key, value, &mut writes)?;
             writes.push((storage_key, None));
             taken += 1u64;
         }
