@@ -628,7 +628,8 @@ pub(crate) fn relayed(
     h: &HeaderMap,
     body: Bytes,
 ) -> (StoredResponse, Response<Body>) {
-    let h = answer_headers(h);
+    let mut h = h.clone();
+    keep_end_to_end(&mut h);
     let stored = StoredResponse::new(status.as_u16(), redacted_headers(&h), body.clone());
     let mut resp = Response::new(body::full(body));
     *resp.status_mut() = status;
@@ -636,12 +637,11 @@ pub(crate) fn relayed(
     (stored, resp)
 }
 
-/// An answer's headers as they are stored and relayed.
-pub(crate) fn answer_headers(h: &HeaderMap) -> HeaderMap {
-    let mut h = h.clone();
-    headers::strip_hop_by_hop(&mut h);
+/// Leaves out the hop-by-hop headers and the length, which the body's own framing
+/// says.
+fn keep_end_to_end(h: &mut HeaderMap) {
+    headers::strip_hop_by_hop(h);
     h.remove(header::CONTENT_LENGTH);
-    h
 }
 
 /// A stored answer, replayed as it was given: status, end-to-end headers and body,
@@ -658,7 +658,7 @@ pub(crate) fn replay_stored(stored: &StoredResponse) -> Response<Body> {
             resp.headers_mut().append(k, v);
         }
     }
-    *resp.headers_mut() = answer_headers(resp.headers());
+    keep_end_to_end(resp.headers_mut());
     resp.headers_mut()
         .insert(headers::REPLAYED, HeaderValue::from_static("true"));
     resp
