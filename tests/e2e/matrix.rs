@@ -933,6 +933,74 @@ async fn l6_a_client_that_stops_reading_is_cancelled_after_an_idle_write_timeout
     );
 }
 
+/// L6, the other way: a client that sends its request slowly does not hold a
+/// connection, or a call, for ever. With `[limits] client_read_timeout` at 1 s, a
+/// connection that sends nothing, or half a head, is closed; one that stops in the
+/// middle of its body gets `408` and its call is neither sent nor journaled; the
+/// sidecar goes on serving.
+#[tokio::test]
+async fn l6_a_client_that_sends_its_request_slowly_is_given_up() {
+    let tool = MockTool::start(ToolBehaviour::default()).await.expect("tool");
+    let config = format!(
+        "[limits]\nclient_read_timeout = \"1s\"\n\n[[tools]]\nname = \"payments\"\n\
+         kind = \"http\"\nbase_url = \"{}\"\n",
+        tool.url()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+
+    // Reads until the sidecar closes the connection; what it sent, and when.
+    async fn until_closed(mut conn: TcpStream) -> (String, Duration) {
+        let started = Instant::now();
+        let mut got = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut got)).await;
+        assert!(read.is_ok(), "the connection is still open after 10 s");
+        (String::from_utf8_lossy(&got).into_owned(), started.elapsed())
+    }
+
+    let silent = TcpStream::connect(sidecar.data).await.expect("connect");
+    let (sent, took) = until_closed(silent).await;
+    assert!(took >= Duration::from_millis(900), "closed after {took:?}");
+    assert!(sent.is_empty() || sent.starts_with("HTTP/1.1 408"), "{sent:?}");
+
+    let mut half_head = TcpStream::connect(sidecar.data).await.expect("connect");
+    half_head
+        .write_all(b"POST /tools/payments/charge HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .expect("write");
+    let (sent, took) = until_closed(half_head).await;
+    assert!(took >= Duration::from_millis(900), "closed after {took:?}");
+    assert!(sent.is_empty() || sent.starts_with("HTTP/1.1 408"), "{sent:?}");
+
+    let mut half_body = TcpStream::connect(sidecar.data).await.expect("connect");
+    half_body
+        .write_all(
+            b"POST /tools/payments/charge HTTP/1.1\r\nHost: x\r\nIdempotency-Key: slow-1\r\n\
+              Content-Type: application/json\r\nContent-Length: 20\r\n\r\n{\"amount\":",
+        )
+        .await
+        .expect("write");
+    let (sent, took) = until_closed(half_body).await;
+    assert!(took >= Duration::from_millis(900), "answered after {took:?}");
+    assert!(sent.starts_with("HTTP/1.1 408"), "{sent:?}");
+    assert!(sent.contains("body-timeout"), "{sent:?}");
+    assert_eq!(tool.received(), 0, "the call reached the tool");
+    let record = get(&sidecar.admin_url("/v1/journal/payments%2Fslow-1")).await;
+    assert_eq!(record.status, StatusCode::NOT_FOUND, "{}", record.text());
+    let listing = get(&sidecar.admin_url("/v1/journal")).await.json();
+    assert_eq!(listing["records"], json!([]), "{listing}");
+
+    let r = post_json(
+        &sidecar.url("/tools/payments/charge"),
+        &[("idempotency-key", "slow-1")],
+        &json!({"amount": 1}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(tool.received(), 1);
+    let record = get(&sidecar.admin_url("/v1/journal/payments%2Fslow-1")).await;
+    assert_eq!(record.status, StatusCode::OK, "{}", record.text());
+}
+
 /// L7: upstream bytes sliced into 1–3 byte writes (splitting SSE frames, CRLFs and
 /// UTF-8) reach the agent byte-identical in both dialects; a 1 MiB line is refused
 /// with a clear, typed error event and the sidecar stays up.

@@ -530,6 +530,13 @@ fn validate(
             Duration::from_secs(30),
             "a client would be cut off at its first slow write",
         ),
+        client_read_timeout: positive_duration(
+            p,
+            "limits.client_read_timeout",
+            &raw.limits.client_read_timeout,
+            outrigger_proxy::server::DEFAULT_CLIENT_READ_TIMEOUT,
+            "every request would time out before its head arrived",
+        ),
     };
     if limits.max_body_bytes == 0 {
         p.add("limits.max_body_bytes", "must be greater than 0");

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use anyhow::Context;
 use outrigger_proxy::Proxy;
-use outrigger_proxy::server::serve;
+use outrigger_proxy::server::serve_with_limits;
 use outrigger_proxy::tasks::{Prices, Tasks, TasksOptions};
 use outrigger_telemetry::slo::Slos;
 use outrigger_telemetry::{Metrics, MetricsOptions};
@@ -153,18 +153,22 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
         gpu: gpu_rx,
         tasks: tasks.clone(),
         slos: slos.clone(),
+        read_timeout: config.proxy.limits.client_read_timeout,
     });
 
     let (drain_tx, drain_rx) = watch::channel(false);
     let (admin_stop_tx, admin_stop_rx) = watch::channel(false);
 
-    let stall_limit = config.proxy.limits.client_stall_timeout;
+    let conn_limits = outrigger_proxy::server::ConnLimits {
+        write_stall: Some(config.proxy.limits.client_stall_timeout),
+        read: Some(config.proxy.limits.client_read_timeout),
+    };
     let workers =
         outrigger_proxy::workers::Workers::start(outrigger_proxy::workers::count(config.workers))
             .context("cannot start the data plane's worker threads")?;
     tracing::debug!(threads = workers.len(), "data-plane workers started");
     let detached = proxy.detached_calls_settled();
-    let data_task = tokio::spawn(outrigger_proxy::server::serve_with_stall_limit(
+    let data_task = tokio::spawn(serve_with_limits(
         data,
         move |req, peer| {
             let proxy = proxy.clone();
@@ -172,11 +176,17 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
         },
         wait_for(drain_rx),
         config.drain_deadline,
-        Some(stall_limit),
+        conn_limits,
         Some(workers),
         detached,
     ));
-    let admin_task = tokio::spawn(serve(
+    // Probes and operators get the same read limit; a slow reader of the admin plane
+    // holds nothing upstream.
+    let admin_limits = outrigger_proxy::server::ConnLimits {
+        write_stall: None,
+        ..conn_limits
+    };
+    let admin_task = tokio::spawn(serve_with_limits(
         admin,
         move |req, peer| {
             let admin = admin_state.clone();
@@ -184,6 +194,9 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
         },
         wait_for(admin_stop_rx),
         std::time::Duration::from_secs(1),
+        admin_limits,
+        None,
+        std::future::ready(()),
     ));
 
     readiness.started.store(true, Ordering::Release);

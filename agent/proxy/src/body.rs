@@ -3,6 +3,7 @@
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
@@ -40,8 +41,21 @@ where
 pub enum ReadError {
     #[error("the request body is larger than {limit} bytes")]
     TooLarge { limit: usize },
+    #[error("the client sent no byte of the request body for {idle:?}")]
+    TimedOut { idle: Duration },
     #[error("the request body could not be read: {0}")]
     Io(BoxError),
+}
+
+/// Reads a client's request body like [`read_limited`], giving up once no byte of it
+/// has arrived for `idle`: a client that stalls mid-body does not hold its call (and
+/// its connection) open.
+pub async fn read_request<B>(body: B, limit: usize, idle: Duration) -> Result<Bytes, ReadError>
+where
+    B: HttpBody<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    read_limited(IdleLimited::new(body, idle), limit).await
 }
 
 /// Reads a whole body, refusing more than `limit` bytes (checked against the
@@ -59,10 +73,70 @@ where
         Err(e) => {
             if e.is::<http_body_util::LengthLimitError>() {
                 Err(ReadError::TooLarge { limit })
+            } else if let Some(IdleTimeout(idle)) = e.downcast_ref() {
+                Err(ReadError::TimedOut { idle: *idle })
             } else {
                 Err(ReadError::Io(e))
             }
         }
+    }
+}
+
+/// No frame of a body arrived for this long.
+#[derive(Debug, thiserror::Error)]
+#[error("no byte arrived for {0:?}")]
+struct IdleTimeout(Duration);
+
+/// A body whose next frame fails with [`IdleTimeout`] once it has been awaited for
+/// longer than `idle`.
+struct IdleLimited<B> {
+    inner: B,
+    idle: Duration,
+    timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl<B> IdleLimited<B> {
+    fn new(inner: B, idle: Duration) -> Self {
+        Self {
+            inner,
+            idle,
+            timer: Box::pin(tokio::time::sleep(idle)),
+        }
+    }
+}
+
+impl<B> HttpBody for IdleLimited<B>
+where
+    B: HttpBody + Unpin,
+    B::Error: Into<BoxError>,
+{
+    type Data = B::Data;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.get_mut();
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                let next = tokio::time::Instant::now() + this.idle;
+                this.timer.as_mut().reset(next);
+                Poll::Ready(frame.map(|f| f.map_err(Into::into)))
+            }
+            Poll::Pending => match this.timer.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Some(Err(IdleTimeout(this.idle).into()))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 
@@ -186,5 +260,57 @@ where
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use futures_util::StreamExt;
+    use http_body::Frame;
+    use http_body_util::StreamBody;
+
+    use super::*;
+
+    /// A body whose chunks arrive `gap` apart.
+    fn paced(
+        chunks: &'static [&'static str],
+        gap: Duration,
+    ) -> impl HttpBody<Data = Bytes, Error = Infallible> + Unpin {
+        let frames = futures_util::stream::iter(chunks).then(move |c| async move {
+            tokio::time::sleep(gap).await;
+            Ok::<_, Infallible>(Frame::data(Bytes::from_static(c.as_bytes())))
+        });
+        StreamBody::new(Box::pin(frames))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_pauses_past_the_limit_times_out_and_a_steady_one_is_read() {
+        let idle = Duration::from_secs(5);
+        let got = read_request(
+            paced(&["a", "b", "c"], Duration::from_secs(4)),
+            1 << 10,
+            idle,
+        )
+        .await
+        .expect("each chunk came within the limit");
+        assert_eq!(got, "abc");
+
+        let started = tokio::time::Instant::now();
+        let err = read_request(paced(&["a", "b"], Duration::from_secs(6)), 1 << 10, idle)
+            .await
+            .expect_err("the first chunk came too late");
+        assert!(
+            matches!(err, ReadError::TimedOut { idle: i } if i == idle),
+            "{err:?}"
+        );
+        assert_eq!(started.elapsed(), idle);
+
+        let err = read_request(paced(&["abcd", "efgh"], Duration::from_secs(1)), 6, idle)
+            .await
+            .expect_err("too large");
+        assert!(matches!(err, ReadError::TooLarge { limit: 6 }), "{err:?}");
     }
 }

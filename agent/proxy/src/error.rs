@@ -32,6 +32,8 @@ pub enum Error {
     UnknownTool { tool: String, known: Vec<String> },
     #[error("could not read the request body: {0}")]
     ReadBody(String),
+    #[error("the client sent no byte of the request body for {idle:?}")]
+    BodyTimeout { idle: std::time::Duration },
     #[error("upstream {target}: {source}")]
     Upstream {
         target: String,
@@ -69,6 +71,7 @@ impl From<ReadError> for Error {
     fn from(e: ReadError) -> Self {
         match e {
             ReadError::TooLarge { limit } => Self::BodyTooLarge { limit },
+            ReadError::TimedOut { idle } => Self::BodyTimeout { idle },
             ReadError::Io(e) => Self::ReadBody(e.to_string()),
         }
     }
@@ -156,6 +159,18 @@ impl Error {
                 "Unreadable request body",
                 format!("The request body could not be read: {detail}."),
             ),
+            Self::BodyTimeout { idle } => Problem::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "body-timeout",
+                "Request body too slow",
+                format!(
+                    "No byte of the request body arrived for {} s ([limits] \
+                     client_read_timeout); nothing was sent upstream. Send the body \
+                     without pausing, or raise the limit.",
+                    idle.as_secs_f64()
+                ),
+            )
+            .header(header::CONNECTION, HeaderValue::from_static("close")),
             Self::Upstream { target, source } => {
                 let (status, slug, title) = match source {
                     upstream::Error::Timeout { .. } => {

@@ -74,7 +74,8 @@ pub async fn call(
         });
     }
     let (parts, body) = req.into_parts();
-    let bytes = body::read_limited(body, shared.options.limits.max_body_bytes).await?;
+    let limits = &shared.options.limits;
+    let bytes = body::read_request(body, limits.max_body_bytes, limits.client_read_timeout).await?;
     let message: Option<Value> = if method == Method::POST {
         Some(serde_json::from_slice(&bytes).map_err(|e| Error::MalformedJson(e.to_string()))?)
     } else {
@@ -655,6 +656,7 @@ fn rpc_failure(id: &Value, e: &Error) -> Response<Body> {
         | Error::NotFound { .. }
         | Error::UnknownTool { .. }
         | Error::ReadBody(_)
+        | Error::BodyTimeout { .. }
         | Error::Upstream { .. }
         | Error::BuildRequest(_)
         | Error::MissingKey { .. }

@@ -282,6 +282,7 @@ pub(crate) fn failed_of(e: &Error) -> Failed {
         | Error::NotFound { .. }
         | Error::UnknownTool { .. }
         | Error::ReadBody(_)
+        | Error::BodyTimeout { .. }
         | Error::MissingKey { .. }
         | Error::StreamKeyReused { .. }
         | Error::UnknownStream { .. } => Failed::InvalidRequest,

@@ -202,6 +202,10 @@ pub struct Limits {
     /// A client connection whose writes make no progress this long (the agent
     /// stopped reading) is closed, releasing its upstream.
     pub client_stall_timeout: Duration,
+    /// How long a client may take over a request's head (and, kept alive, wait before
+    /// its next one) and pause in the middle of its body before the sidecar gives up on
+    /// it; see `server::ConnLimits::read`.
+    pub client_read_timeout: Duration,
 }
 
 impl Default for Limits {
@@ -212,6 +216,7 @@ impl Default for Limits {
             first_byte_timeout: Duration::from_secs(120),
             max_event_bytes: crate::sse::DEFAULT_MAX_EVENT_BYTES,
             client_stall_timeout: Duration::from_secs(30),
+            client_read_timeout: crate::server::DEFAULT_CLIENT_READ_TIMEOUT,
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Serving HTTP on a listener with a graceful drain: on shutdown, stop accepting,
 //! let in-flight requests finish until the drain deadline, then cut what is left.
-//! Connections can be given a write-stall limit: a client that stops reading does
-//! not get to hold its upstream stream (and its memory) open for ever.
+//! Connections can be given limits: a client that stops reading does not get to hold
+//! its upstream stream (and its memory) open for ever, and one that sends its request
+//! slowly, or nothing, does not get to hold a connection.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper::{Request, Response};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -46,30 +47,54 @@ where
     F: Future<Output = Response<Body>> + Send + 'static,
 {
     let nothing_else = std::future::ready(());
-    serve_with_stall_limit(
+    serve_with_limits(
         listener,
         handler,
         shutdown,
         drain_deadline,
-        None,
+        ConnLimits::default(),
         None,
         nothing_else,
     )
     .await
 }
 
-/// [`serve`], with connections closed when a write to the client makes no progress
-/// for `stall_limit` (the client stopped reading): the request's upstream is then
-/// released like on any disconnect. With `workers`, each connection is served on the
-/// next worker thread instead of the caller's runtime; the workers stop once the
-/// drain is over. The drain also waits, within its deadline, for `settled`: work
-/// that outlives its connection (calls whose agents went away).
-pub async fn serve_with_stall_limit<H, F>(
+/// What a client connection may take from the sidecar.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnLimits {
+    /// A write to the client that makes no progress this long (the client stopped
+    /// reading) closes the connection; the request's upstream is then released like on
+    /// any disconnect.
+    pub write_stall: Option<Duration>,
+    /// The time a client has to send a request's head: from the connection's start
+    /// (its first byte, then the whole head; each may take this long) and, on a kept-alive
+    /// connection, from the end of the previous answer. A connection past it is closed.
+    /// Bodies are bounded by their reader (`body::read_request`).
+    pub read: Option<Duration>,
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        Self {
+            write_stall: None,
+            read: Some(DEFAULT_CLIENT_READ_TIMEOUT),
+        }
+    }
+}
+
+/// [`ConnLimits::read`] unless configured.
+pub const DEFAULT_CLIENT_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// [`serve`], with connections held to `limits`. With `workers`, each connection is
+/// served on the next worker thread instead of the caller's runtime; the workers stop
+/// once the drain is over. The drain also waits, within its deadline, for `settled`:
+/// work that outlives its connection (calls whose agents went away).
+pub async fn serve_with_limits<H, F>(
     listener: TcpListener,
     handler: H,
     shutdown: impl Future<Output = ()>,
     drain_deadline: Duration,
-    stall_limit: Option<Duration>,
+    limits: ConnLimits,
     workers: Option<Workers>,
     settled: impl Future<Output = ()>,
 ) -> Drained
@@ -79,7 +104,14 @@ where
 {
     let handler = Arc::new(handler);
     let graceful = GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    if let Some(read) = limits.read {
+        // hyper starts this clock when it waits for a head, idle keep-alive included.
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(read);
+    }
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
@@ -104,7 +136,7 @@ where
         let watcher = graceful.watcher();
         let builder = builder.clone();
         let serve_one = async move |stream: TcpStream| {
-            let io = TokioIo::new(StallLimited::new(stream, stall_limit));
+            let io = TokioIo::new(ClientConn::new(stream, limits));
             let conn = builder.serve_connection_with_upgrades(io, svc).into_owned();
             if let Err(e) = watcher.watch(conn).await {
                 tracing::debug!(error = %e, %peer, "connection ended with an error");
@@ -144,22 +176,29 @@ where
     }
 }
 
-/// A connection whose writes fail with `TimedOut` once one has been pending (the
-/// peer's receive window full) for longer than the limit.
-pub struct StallLimited<S> {
+/// A client connection whose writes fail with `TimedOut` once one has been pending
+/// (the peer's receive window full) for longer than the write-stall limit, and whose
+/// reads fail so when it has sent no byte within the read limit of its start (hyper's
+/// head timer only starts once the protocol is known, after that first byte).
+pub struct ClientConn<S> {
     inner: S,
     limit: Option<Duration>,
     timer: Option<Pin<Box<Sleep>>>,
     armed: bool,
+    /// Until the first byte arrives: when the connection is given up, and on what.
+    first_byte: Option<(Pin<Box<Sleep>>, Duration)>,
 }
 
-impl<S> StallLimited<S> {
-    pub fn new(inner: S, limit: Option<Duration>) -> Self {
+impl<S> ClientConn<S> {
+    pub fn new(inner: S, limits: ConnLimits) -> Self {
         Self {
             inner,
-            limit,
+            limit: limits.write_stall,
             timer: None,
             armed: false,
+            first_byte: limits
+                .read
+                .map(|read| (Box::pin(tokio::time::sleep(read)), read)),
         }
     }
 
@@ -204,17 +243,35 @@ impl<S> StallLimited<S> {
     }
 }
 
-impl<S: AsyncRead + Unpin> AsyncRead for StallLimited<S> {
+impl<S: AsyncRead + Unpin> AsyncRead for ClientConn<S> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+        let this = self.get_mut();
+        let Some((deadline, read)) = &mut this.first_byte else {
+            return Pin::new(&mut this.inner).poll_read(cx, buf);
+        };
+        let before = buf.filled().len();
+        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) if buf.filled().len() == before => Poll::Ready(Ok(())),
+            Poll::Ready(r) => {
+                this.first_byte = None;
+                Poll::Ready(r)
+            }
+            Poll::Pending => match deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the client sent nothing for {read:?}"),
+                ))),
+                Poll::Pending => Poll::Pending,
+            },
+        }
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for StallLimited<S> {
+impl<S: AsyncWrite + Unpin> AsyncWrite for ClientConn<S> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -260,7 +317,11 @@ mod tests {
     async fn a_write_pending_past_the_limit_fails_and_one_that_progresses_does_not() {
         // A pipe with 16 bytes of room stands in for a client's full receive window.
         let (client, mut peer) = tokio::io::duplex(16);
-        let mut conn = StallLimited::new(client, Some(Duration::from_secs(2)));
+        let limits = ConnLimits {
+            write_stall: Some(Duration::from_secs(2)),
+            read: None,
+        };
+        let mut conn = ClientConn::new(client, limits);
         conn.write_all(&[0; 16])
             .await
             .expect("room for the first bytes");
@@ -273,7 +334,7 @@ mod tests {
         assert_eq!(started.elapsed(), Duration::from_secs(2));
 
         // A reader that drains slowly (1 s per 16 bytes) is never cut.
-        let mut conn = StallLimited::new(conn.inner, Some(Duration::from_secs(2)));
+        let mut conn = ClientConn::new(conn.inner, limits);
         let reader = tokio::spawn(async move {
             let mut buf = [0u8; 16];
             let mut total = 0;
@@ -290,5 +351,35 @@ mod tests {
             .expect("a slow reader keeps the connection");
         drop(conn);
         assert!(reader.await.expect("reader") >= 16 * 5);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_sends_nothing_is_given_up_and_one_that_starts_is_not() {
+        use tokio::io::AsyncReadExt;
+        let limits = ConnLimits {
+            write_stall: None,
+            read: Some(Duration::from_secs(3)),
+        };
+        let (client, _peer) = tokio::io::duplex(64);
+        let mut conn = ClientConn::new(client, limits);
+        let started = tokio::time::Instant::now();
+        let err = conn
+            .read(&mut [0u8; 8])
+            .await
+            .expect_err("nothing was sent");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+
+        // Once a byte has come, waiting is hyper's business (its head timer).
+        let (client, mut peer) = tokio::io::duplex(64);
+        let mut conn = ClientConn::new(client, limits);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        peer.write_all(b"G").await.expect("write");
+        assert_eq!(conn.read(&mut [0u8; 8]).await.expect("read"), 1);
+        let waited = tokio::time::timeout(Duration::from_secs(60), conn.read(&mut [0u8; 8])).await;
+        assert!(
+            waited.is_err(),
+            "a started connection is not cut by the first-byte limit"
+        );
     }
 }

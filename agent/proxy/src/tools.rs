@@ -218,7 +218,8 @@ async fn journal_call(
         }
     };
     let (parts, body) = req.into_parts();
-    let bytes = body::read_limited(body, shared.options.limits.max_body_bytes).await?;
+    let limits = &shared.options.limits;
+    let bytes = body::read_request(body, limits.max_body_bytes, limits.client_read_timeout).await?;
 
     let choice = if journaled {
         choose_key(shared, &parts.headers, ctx, tool, None, &bytes)?

@@ -82,9 +82,43 @@ pub struct Admin {
     pub gpu: tokio::sync::watch::Receiver<Arc<outrigger_gpu::Snapshot>>,
     pub tasks: Option<outrigger_proxy::tasks::Tasks>,
     pub slos: Arc<outrigger_telemetry::slo::Slos>,
+    /// `[limits] client_read_timeout`: the longest pause in a request body.
+    pub read_timeout: std::time::Duration,
 }
 
 impl Admin {
+    /// Reads a request's body, at most `limit` bytes of it, or says why it cannot.
+    async fn read_body(&self, req: Request<Incoming>, limit: usize) -> Result<Bytes, Problem> {
+        use outrigger_proxy::body::{ReadError, read_request};
+        read_request(req.into_body(), limit, self.read_timeout)
+            .await
+            .map_err(|e| match e {
+                ReadError::TooLarge { limit } => Problem::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body-too-large",
+                    "Request body too large",
+                    format!("The admin API reads at most {limit} bytes of a request body."),
+                ),
+                ReadError::TimedOut { idle } => Problem::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "body-timeout",
+                    "Request body too slow",
+                    format!(
+                        "No byte of the request body arrived for {} s ([limits] \
+                         client_read_timeout). Send the body without pausing.",
+                        idle.as_secs_f64()
+                    ),
+                )
+                .header(header::CONNECTION, HeaderValue::from_static("close")),
+                ReadError::Io(e) => Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "unreadable-body",
+                    "Unreadable request body",
+                    e.to_string(),
+                ),
+            })
+    }
+
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let path = req.uri().path().to_string();
         let method = req.method().clone();
@@ -123,35 +157,19 @@ impl Admin {
             _ => {}
         }
         if path == "/v1/tasks" || path.starts_with("/v1/tasks/") {
-            let body = match outrigger_proxy::body::read_limited(req.into_body(), 1 << 16).await {
+            let body = match self.read_body(req, 1 << 16).await {
                 Ok(b) => b,
-                Err(e) => {
-                    return Problem::new(
-                        StatusCode::BAD_REQUEST,
-                        "unreadable-body",
-                        "Unreadable request body",
-                        e.to_string(),
-                    )
-                    .into_response();
-                }
+                Err(problem) => return problem.into_response(),
             };
             return tasks::handle(self.tasks.as_ref(), &method, &path, body).await;
         }
         if path == "/v1/faults" {
             return match method {
                 Method::GET => self.faults.get(),
-                Method::POST => {
-                    match outrigger_proxy::body::read_limited(req.into_body(), 1 << 16).await {
-                        Ok(body) => self.faults.set(self.journal.as_ref(), &body),
-                        Err(e) => Problem::new(
-                            StatusCode::BAD_REQUEST,
-                            "unreadable-body",
-                            "Unreadable request body",
-                            e.to_string(),
-                        )
-                        .into_response(),
-                    }
-                }
+                Method::POST => match self.read_body(req, 1 << 16).await {
+                    Ok(body) => self.faults.set(self.journal.as_ref(), &body),
+                    Err(problem) => problem.into_response(),
+                },
                 _ => Problem::new(
                     StatusCode::METHOD_NOT_ALLOWED,
                     "method-not-allowed",
@@ -164,17 +182,9 @@ impl Admin {
         }
         if path == "/v1/journal" || path.starts_with("/v1/journal/") {
             let query = req.uri().query().unwrap_or_default().to_string();
-            let body = match outrigger_proxy::body::read_limited(req.into_body(), 1 << 20).await {
+            let body = match self.read_body(req, 1 << 20).await {
                 Ok(b) => b,
-                Err(e) => {
-                    return Problem::new(
-                        StatusCode::BAD_REQUEST,
-                        "unreadable-body",
-                        "Unreadable request body",
-                        e.to_string(),
-                    )
-                    .into_response();
-                }
+                Err(problem) => return problem.into_response(),
             };
             return journal::handle(self.journal.as_ref(), &method, &path, &query, body).await;
         }

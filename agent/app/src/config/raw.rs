@@ -174,6 +174,7 @@ pub struct Limits {
     pub connect_timeout: Option<String>,
     pub first_byte_timeout: Option<String>,
     pub client_stall_timeout: Option<String>,
+    pub client_read_timeout: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -304,6 +304,7 @@ fn a_zero_duration_is_refused_wherever_zero_breaks_something() {
 connect_timeout = "0s"
 first_byte_timeout = "0ms"
 client_stall_timeout = "0s"
+client_read_timeout = "0s"
 
 [drain]
 deadline = "0s"
@@ -350,6 +351,7 @@ timeout = "0s"
             "drain.deadline",
             "journal.stream_retention",
             "journal.tombstone_retention",
+            "limits.client_read_timeout",
             "limits.client_stall_timeout",
             "limits.connect_timeout",
             "limits.first_byte_timeout",

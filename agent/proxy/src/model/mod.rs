@@ -64,7 +64,9 @@ pub async fn call(
     let (parts, body) = req.into_parts();
     // The span is named after the model (`chat gpt-4o`), so it starts once the request
     // is read; a request that cannot be read or routed is still one (failed) call.
-    let parsed = match body::read_limited(body, shared.options.limits.max_body_bytes).await {
+    let limits = &shared.options.limits;
+    let read = body::read_request(body, limits.max_body_bytes, limits.client_read_timeout);
+    let parsed = match read.await {
         Ok(bytes) => ModelRequest::parse(dialect, bytes)
             .and_then(|request| Ok((resolve(shared, dialect, &request.model)?, request))),
         Err(e) => Err(Error::from(e)),
