@@ -940,7 +940,9 @@ async fn l6_a_client_that_stops_reading_is_cancelled_after_an_idle_write_timeout
 /// sidecar goes on serving.
 #[tokio::test]
 async fn l6_a_client_that_sends_its_request_slowly_is_given_up() {
-    let tool = MockTool::start(ToolBehaviour::default()).await.expect("tool");
+    let tool = MockTool::start(ToolBehaviour::default())
+        .await
+        .expect("tool");
     let config = format!(
         "[limits]\nclient_read_timeout = \"1s\"\n\n[[tools]]\nname = \"payments\"\n\
          kind = \"http\"\nbase_url = \"{}\"\n",
@@ -954,13 +956,19 @@ async fn l6_a_client_that_sends_its_request_slowly_is_given_up() {
         let mut got = Vec::new();
         let read = tokio::time::timeout(Duration::from_secs(10), conn.read_to_end(&mut got)).await;
         assert!(read.is_ok(), "the connection is still open after 10 s");
-        (String::from_utf8_lossy(&got).into_owned(), started.elapsed())
+        (
+            String::from_utf8_lossy(&got).into_owned(),
+            started.elapsed(),
+        )
     }
 
     let silent = TcpStream::connect(sidecar.data).await.expect("connect");
     let (sent, took) = until_closed(silent).await;
     assert!(took >= Duration::from_millis(900), "closed after {took:?}");
-    assert!(sent.is_empty() || sent.starts_with("HTTP/1.1 408"), "{sent:?}");
+    assert!(
+        sent.is_empty() || sent.starts_with("HTTP/1.1 408"),
+        "{sent:?}"
+    );
 
     let mut half_head = TcpStream::connect(sidecar.data).await.expect("connect");
     half_head
@@ -969,7 +977,10 @@ async fn l6_a_client_that_sends_its_request_slowly_is_given_up() {
         .expect("write");
     let (sent, took) = until_closed(half_head).await;
     assert!(took >= Duration::from_millis(900), "closed after {took:?}");
-    assert!(sent.is_empty() || sent.starts_with("HTTP/1.1 408"), "{sent:?}");
+    assert!(
+        sent.is_empty() || sent.starts_with("HTTP/1.1 408"),
+        "{sent:?}"
+    );
 
     let mut half_body = TcpStream::connect(sidecar.data).await.expect("connect");
     half_body
@@ -980,7 +991,10 @@ async fn l6_a_client_that_sends_its_request_slowly_is_given_up() {
         .await
         .expect("write");
     let (sent, took) = until_closed(half_body).await;
-    assert!(took >= Duration::from_millis(900), "answered after {took:?}");
+    assert!(
+        took >= Duration::from_millis(900),
+        "answered after {took:?}"
+    );
     assert!(sent.starts_with("HTTP/1.1 408"), "{sent:?}");
     assert!(sent.contains("body-timeout"), "{sent:?}");
     assert_eq!(tool.received(), 0, "the call reached the tool");

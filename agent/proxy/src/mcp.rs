@@ -25,6 +25,7 @@ use outrigger_journal::{
     self as journal, Headers, Intent, Record, RedactedRequest, StoredResponse,
 };
 use outrigger_types::IdempotencyKey;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 use tracing::Instrument;
 
@@ -220,7 +221,7 @@ async fn tool_call(
     let proto = McpCall {
         server,
         agent,
-        message,
+        bytes: &bytes,
         id: &id,
         pending,
         journal_key: &journal_key,
@@ -267,7 +268,8 @@ fn build(server: &Tool, method: Method, agent: &HeaderMap, bytes: Bytes) -> Requ
 struct McpCall<'a> {
     server: &'a Tool,
     agent: &'a HeaderMap,
-    message: &'a Value,
+    /// The agent's message as it sent it.
+    bytes: &'a Bytes,
     id: &'a Value,
     pending: &'a PendingTool,
     journal_key: &'a str,
@@ -283,13 +285,8 @@ impl Protocol for McpCall<'_> {
     }
 
     fn build(&self, downstream: &str) -> Result<Request<Full<Bytes>>, Error> {
-        let message = forwarded(self.message, downstream)?;
-        let mut req = build(
-            self.server,
-            Method::POST,
-            self.agent,
-            Bytes::from(message.to_string()),
-        );
+        let message = forwarded(self.bytes, downstream)?;
+        let mut req = build(self.server, Method::POST, self.agent, message);
         if let Ok(v) = HeaderValue::from_str(downstream) {
             req.headers_mut().insert(headers::IDEMPOTENCY_KEY, v);
         }
@@ -359,28 +356,40 @@ impl Protocol for McpCall<'_> {
     }
 }
 
-/// The `tools/call` as it goes to the server: the downstream key (and the trace
-/// context) in `params._meta`. It takes `params` apart without indexing, so that
-/// nothing the agent sent can make it panic.
-fn forwarded(message: &Value, downstream: &str) -> Result<Value, Error> {
-    let mut message = message.clone();
-    let params = message
-        .get_mut("params")
-        .and_then(Value::as_object_mut)
-        .ok_or_else(|| Error::BuildRequest("the tools/call has no params object".into()))?;
-    let meta = params.entry("_meta").or_insert_with(|| json!({}));
-    if !meta.is_object() {
-        *meta = json!({});
+/// A JSON object's members, their values as the agent wrote them, in its order.
+type Members = indexmap::IndexMap<String, Box<RawValue>>;
+
+/// The `tools/call` as it goes to the server: the agent's message with the downstream
+/// key (and the trace context) added to `params._meta`. Every value the sidecar does not
+/// touch keeps the agent's bytes (an integer past 64 bits keeps its digits), and
+/// members keep their order. It takes `params` apart without indexing, so that nothing
+/// the agent sent can make it panic.
+fn forwarded(message: &[u8], downstream: &str) -> Result<Bytes, Error> {
+    let unusable = || Error::BuildRequest("the tools/call has no params object".into());
+    let mut message: Members = serde_json::from_slice(message).map_err(|_| unusable())?;
+    let params = message.get("params").ok_or_else(unusable)?;
+    let mut params: Members = serde_json::from_str(params.get()).map_err(|_| unusable())?;
+    // A `_meta` of `null` (the only other one `CallParams::of` lets through) is
+    // replaced.
+    let mut meta: Members = params
+        .get("_meta")
+        .and_then(|m| serde_json::from_str(m.get()).ok())
+        .unwrap_or_default();
+    meta.insert(META_KEY.to_owned(), raw(downstream)?);
+    // The server's spans join the sidecar's `execute_tool` span (MCP carries trace
+    // context in `_meta`, not in HTTP headers).
+    if let Some(tp) = outrigger_telemetry::spans::current_traceparent() {
+        meta.insert("traceparent".to_owned(), raw(tp.as_str())?);
     }
-    if let Some(meta) = meta.as_object_mut() {
-        meta.insert(META_KEY.to_owned(), json!(downstream));
-        // The server's spans join the sidecar's `execute_tool` span (MCP carries
-        // trace context in `_meta`, not in HTTP headers).
-        if let Some(tp) = outrigger_telemetry::spans::current_traceparent() {
-            meta.insert("traceparent".to_owned(), json!(tp));
-        }
-    }
-    Ok(message)
+    params.insert("_meta".to_owned(), raw(&meta)?);
+    message.insert("params".to_owned(), raw(&params)?);
+    serde_json::to_vec(&message)
+        .map(Bytes::from)
+        .map_err(|e| Error::BuildRequest(e.to_string()))
+}
+
+fn raw<T: serde::Serialize + ?Sized>(value: &T) -> Result<Box<RawValue>, Error> {
+    serde_json::value::to_raw_value(value).map_err(|e| Error::BuildRequest(e.to_string()))
 }
 
 /// What the sidecar reads of a `tools/call`, checked as MCP's `CallToolRequest`
@@ -772,21 +781,32 @@ mod tests {
         );
     }
 
-    /// The forwarded message carries the downstream key in `_meta`, and building it
-    /// never indexes into something that is not an object.
+    /// The forwarded message carries the downstream key in `_meta`, keeps every
+    /// other byte the agent wrote (an integer past 64 bits, a float's spelling, the
+    /// members' order), and building it never indexes into something that is not an
+    /// object.
     #[test]
     fn the_forwarded_call_carries_the_downstream_key_in_meta() {
+        let sent = |message: &str| -> Value {
+            let sent = forwarded(message.as_bytes(), "k").expect("built");
+            serde_json::from_slice(&sent).expect("JSON")
+        };
         for params in [json!({"name": "send"}), json!({"name": "send", "_meta": 5})] {
             let message =
                 json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params});
-            let sent = forwarded(&message, "k").expect("built");
-            assert_eq!(sent["params"]["_meta"][META_KEY], "k");
+            assert_eq!(sent(&message.to_string())["params"]["_meta"][META_KEY], "k");
         }
-        for params in [json!(["x"]), json!("x"), Value::Null] {
+        let message = r#"{"jsonrpc":"2.0","method":"tools/call","id":7,"params":{"name":"pay","arguments":{"amount":123456789012345678901234567890,"rate":1.10,"z":1,"a":2},"_meta":{"progressToken":"t"}}}"#;
+        let got = forwarded(message.as_bytes(), "k").expect("built");
+        assert_eq!(
+            std::str::from_utf8(&got).expect("UTF-8"),
+            r#"{"jsonrpc":"2.0","method":"tools/call","id":7,"params":{"name":"pay","arguments":{"amount":123456789012345678901234567890,"rate":1.10,"z":1,"a":2},"_meta":{"progressToken":"t","outrigger/idempotency-key":"k"}}}"#
+        );
+        for params in ["[\"x\"]", "\"x\"", "null"] {
             let message =
-                json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params});
+                format!(r#"{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{params}}}"#);
             assert!(matches!(
-                forwarded(&message, "k"),
+                forwarded(message.as_bytes(), "k"),
                 Err(Error::BuildRequest(_))
             ));
         }
