@@ -364,6 +364,89 @@ async fn tasks_survive_a_restart_and_recovery_is_judged_on_the_journal() {
     );
 }
 
+/// A declared maintenance window (`POST /v1/slo/maintenance`) and synthetic calls
+/// (`Outrigger-Synthetic: true`) are left out of the SLOs that exclude them; a window
+/// is open until its end or until it is closed, and bad requests say what to send.
+#[tokio::test]
+async fn maintenance_windows_and_synthetic_calls_are_left_out_of_the_slos() {
+    let model = MockProvider::start(Behaviour::default())
+        .await
+        .expect("provider");
+    let tool = MockTool::start(ToolBehaviour::default())
+        .await
+        .expect("tool");
+    let extra = r#"
+[[slos]]
+name = "tools-declared"
+object = "tool_calls"
+metric = "availability"
+target = 0.99
+window = "1d"
+exclusions = ["maintenance", "synthetic"]
+data_source = "prometheus:outrigger_slo_events_total"
+"#;
+    let sidecar = Sidecar::start(&config(&model.openai_base(), &tool.url(), extra), &[]).await;
+    let busy = async |key: &str, extra: &[(&str, &str)]| {
+        let mut h = vec![("idempotency-key", key), ("x-mock-tool", "status=429")];
+        h.extend_from_slice(extra);
+        post_json(
+            &sidecar.url("/tools/payments/charge"),
+            &h,
+            &json!({"n": key}),
+        )
+        .await
+    };
+    let maintenance =
+        async |body: Value| post_json(&sidecar.admin_url("/v1/slo/maintenance"), &[], &body).await;
+
+    let r = busy("s1", &[("outrigger-synthetic", "true")]).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{}", r.text());
+    let r = busy("s2", &[("outrigger-synthetic", "maybe")]).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.text());
+    assert!(r.text().contains("Outrigger-Synthetic"), "{}", r.text());
+
+    let r = maintenance(json!({"open": true, "for": "1h"})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(r.json()["open"], true, "{}", r.text());
+    assert!(r.json()["until"].is_string(), "{}", r.text());
+    let slo = get(&sidecar.admin_url("/v1/slo")).await.json();
+    assert_eq!(slo["maintenance"]["open"], true, "{slo}");
+    assert_eq!(busy("m1", &[]).await.status, StatusCode::TOO_MANY_REQUESTS);
+
+    for (bad, says) in [
+        (json!({"open": true, "for": "soon"}), "not a duration"),
+        (json!({"open": false, "for": "1h"}), "only goes with"),
+        (json!({"open": "yes"}), "open"),
+    ] {
+        let r = maintenance(bad.clone()).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}: {}", r.text());
+        assert!(r.text().contains(says), "{bad}: {}", r.text());
+    }
+    let r = get(&sidecar.admin_url("/v1/slo/maintenance")).await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{}", r.text());
+
+    let r = maintenance(json!({"open": false})).await;
+    assert_eq!(
+        r.json(),
+        json!({"open": false, "until": null}),
+        "{}",
+        r.text()
+    );
+    assert_eq!(busy("b1", &[]).await.status, StatusCode::TOO_MANY_REQUESTS);
+
+    let slo = get(&sidecar.admin_url("/v1/slo")).await.json();
+    let declared = slo["slos"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["name"] == "tools-declared"))
+        .unwrap_or_else(|| panic!("no SLO tools-declared: {slo}"));
+    assert_eq!(declared["bad"], 1, "{declared}");
+    assert_eq!(declared["excluded_by_reason"]["synthetic"], 1, "{declared}");
+    assert_eq!(
+        declared["excluded_by_reason"]["maintenance"], 1,
+        "{declared}"
+    );
+}
+
 #[test]
 fn an_slo_missing_a_part_is_refused_naming_the_part() {
     let dir = tempfile::tempdir().expect("dir");

@@ -320,10 +320,14 @@ async fn persist_books(
     {
         tracing::warn!(error = %e, "tasks could not be persisted");
     }
-    if let Some(j) = journal
-        && let Err(e) = slos.persist(j, std::time::SystemTime::now()).await
-    {
-        tracing::warn!(error = %e, "SLO counts could not be persisted");
+    let now = std::time::SystemTime::now();
+    match journal {
+        Some(j) => {
+            if let Err(e) = slos.persist(j, now).await {
+                tracing::warn!(error = %e, "SLO counts could not be persisted");
+            }
+        }
+        None => slos.forget_old(now).await,
     }
 }
 

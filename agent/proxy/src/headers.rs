@@ -6,6 +6,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use crate::options::{Dialect, Secret};
 
 pub const TASK_ID: &str = "outrigger-task-id";
+pub const SYNTHETIC: &str = "outrigger-synthetic";
 pub const REQUEST_ID: &str = "outrigger-request-id";
 pub const REPLAYED: &str = "outrigger-replayed";
 /// On model-call answers: the upstream attempts it took (retries and fallbacks included).

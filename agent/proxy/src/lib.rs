@@ -75,6 +75,9 @@ pub(crate) struct Shared {
     pub ledger: resilience::Ledger,
     /// The node's GPU health, pushed by the binary's GPU monitor.
     pub gpu: arc_swap::ArcSwap<outrigger_types::GpuSummary>,
+    /// How many times the GPUs turned unhealthy: a call that sees it change was
+    /// served while they were, even if they recovered before it ended.
+    pub gpu_unhealthy_spells: std::sync::atomic::AtomicU64,
     /// Generations running in this process, by stream key.
     pub streams: streams::Registry,
     /// Tasks by `Outrigger-Task-Id` (`None` without a journal to keep them in).
@@ -131,6 +134,8 @@ pub struct RequestContext {
     pub request_id: RequestId,
     pub task_id: Option<TaskId>,
     pub peer: SocketAddr,
+    /// `Outrigger-Synthetic: true`: drill or probe traffic, left out of the SLOs.
+    pub synthetic: bool,
 }
 
 impl Proxy {
@@ -149,6 +154,7 @@ impl Proxy {
                 retry_budgets: resilience::RetryBudgets::new(r.retry_budget),
                 ledger: resilience::Ledger::default(),
                 gpu: arc_swap::ArcSwap::from_pointee(outrigger_types::GpuSummary::default()),
+                gpu_unhealthy_spells: std::sync::atomic::AtomicU64::new(0),
                 streams: streams::Registry::default(),
                 tasks: components.tasks,
                 slos: components.slos,
@@ -166,7 +172,14 @@ impl Proxy {
     }
 
     /// Updates the GPU health the data plane sees (fallback input, hardware cause).
+    /// Called by one feeder, in order.
     pub fn set_gpu(&self, summary: outrigger_types::GpuSummary) {
+        let unhealthy = outrigger_types::GpuState::Unhealthy;
+        if summary.state == unhealthy && self.shared.gpu.load().state != unhealthy {
+            self.shared
+                .gpu_unhealthy_spells
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        }
         self.shared.gpu.store(Arc::new(summary));
     }
 
@@ -178,9 +191,9 @@ impl Proxy {
         let inflight = self.shared.metrics.inflight(route);
         let mut target = String::from("-");
 
-        let result = match parse_task_id(&req) {
+        let result = match parse_task_id(&req).and_then(|t| Ok((t, parse_synthetic(&req)?))) {
             Err(e) => Err(e),
-            Ok(task_id) => {
+            Ok((task_id, synthetic)) => {
                 if let (Some(tasks), Some(t)) = (&self.shared.tasks, &task_id) {
                     tasks.touch(t, request_id.as_str(), std::time::SystemTime::now());
                 }
@@ -188,6 +201,7 @@ impl Proxy {
                     request_id: request_id.clone(),
                     task_id,
                     peer,
+                    synthetic,
                 };
                 self.dispatch(req, route, &ctx, &mut target).await
             }
@@ -287,6 +301,21 @@ fn route_of(path: &str) -> RouteLabel {
         p if p.starts_with("/mcp/") => RouteLabel::Mcp,
         p if p.starts_with("/v1/streams/") => RouteLabel::Streams,
         _ => RouteLabel::Other,
+    }
+}
+
+/// `Outrigger-Synthetic`: `true` or `false` (any case); absent is `false`.
+fn parse_synthetic<B>(req: &Request<B>) -> Result<bool, Error> {
+    let Some(v) = req.headers().get(headers::SYNTHETIC) else {
+        return Ok(false);
+    };
+    match v.as_bytes() {
+        v if v.eq_ignore_ascii_case(b"true") => Ok(true),
+        v if v.eq_ignore_ascii_case(b"false") => Ok(false),
+        _ => Err(Error::BadHeader {
+            header: "Outrigger-Synthetic",
+            detail: "send true or false".into(),
+        }),
     }
 }
 

@@ -4,11 +4,12 @@
 //! a stream, not its first), so every channel agrees on what happened.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime};
+use std::sync::atomic::Ordering;
+use std::time::{Instant, SystemTime};
 
 use outrigger_telemetry::slo::{Failed, ObjectKind, Signals, SloEvent, classify};
 use outrigger_telemetry::spans::{self, Join};
-use outrigger_telemetry::{ModelCallRecord, ToolCallRecord, names};
+use outrigger_telemetry::{ChunkGaps, ModelCallRecord, ToolCallRecord, names};
 use outrigger_types::{GpuState, PolicyVersion, TaskId};
 use tracing::Span;
 
@@ -17,9 +18,6 @@ use crate::model::attempts::Trail;
 use crate::options::Dialect;
 use crate::tasks::{ModelCallSummary, ToolCallOutcome, ToolCallSummary};
 use crate::{RequestContext, Shared};
-
-/// Chunk gaps kept per call for the inter-chunk histogram (the rest are dropped).
-const MAX_GAPS: usize = 4_096;
 
 /// A model call being observed.
 pub(crate) struct ModelCall {
@@ -33,14 +31,17 @@ pub(crate) struct ModelCall {
     pub stream: bool,
     first_chunk: Option<Instant>,
     last_chunk: Option<Instant>,
-    gaps: Vec<Duration>,
+    gaps: ChunkGaps,
     attempts: u32,
     retries: u32,
     fallbacks: u32,
     policy_versions: Vec<PolicyVersion>,
     replayed: bool,
     gpu_unhealthy: bool,
+    /// [`Shared::gpu_unhealthy_spells`] when the call started.
+    gpu_spells: u64,
     local: bool,
+    synthetic: bool,
     done: bool,
 }
 
@@ -104,14 +105,16 @@ impl ModelCall {
             stream: false,
             first_chunk: None,
             last_chunk: None,
-            gaps: Vec::new(),
+            gaps: ChunkGaps::default(),
             attempts: 0,
             retries: 0,
             fallbacks: 0,
             policy_versions: Vec::new(),
             replayed: false,
             gpu_unhealthy: gpu.state == GpuState::Unhealthy,
+            gpu_spells: shared.gpu_unhealthy_spells.load(Ordering::Acquire),
             local: false,
+            synthetic: ctx.synthetic,
             done: false,
         }
     }
@@ -153,11 +156,7 @@ impl ModelCall {
     pub fn chunk(&mut self, at: Instant) {
         match self.last_chunk {
             None => self.first_chunk = Some(at),
-            Some(prev) => {
-                if self.gaps.len() < MAX_GAPS {
-                    self.gaps.push(at.saturating_duration_since(prev));
-                }
-            }
+            Some(prev) => self.gaps.push(at.saturating_duration_since(prev)),
         }
         self.last_chunk = Some(at);
     }
@@ -183,13 +182,17 @@ impl ModelCall {
         let ttft = self
             .first_chunk
             .map(|t| t.saturating_duration_since(self.started));
+        // Unhealthy when it started, when it ended, or at any time between.
+        let spells = self.shared.gpu_unhealthy_spells.load(Ordering::Acquire);
         let gpu_unhealthy = self.local
-            && (self.gpu_unhealthy || self.shared.gpu.load().state == GpuState::Unhealthy);
+            && (self.gpu_unhealthy
+                || spells != self.gpu_spells
+                || self.shared.gpu.load().state == GpuState::Unhealthy);
         let signals = Signals {
             failure: end.failed.or(end.aborted.then_some(Failed::Transport)),
             gpu_unhealthy,
             client_cancelled: end.client_cancelled,
-            synthetic: false,
+            synthetic: self.synthetic,
             maintenance: self.shared.slos.maintenance_active(),
         };
         let outcome = classify(&signals);
@@ -212,8 +215,7 @@ impl ModelCall {
                 trace_id,
             });
         }
-        let inter_token = (!self.gaps.is_empty())
-            .then(|| self.gaps.iter().sum::<Duration>() / self.gaps.len() as u32);
+        let inter_token = self.gaps.mean();
         let mut event = SloEvent::new(ObjectKind::ModelCalls, outcome, now);
         event.provider = Some(&self.provider);
         event.model = Some(&self.model);
@@ -322,6 +324,7 @@ pub(crate) struct ToolCall {
     task: Option<TaskId>,
     tool: String,
     protocol: &'static str,
+    synthetic: bool,
 }
 
 /// How a tool call ended.
@@ -391,6 +394,7 @@ impl ToolCall {
             task: ctx.task_id.clone(),
             tool: tool.to_string(),
             protocol,
+            synthetic: ctx.synthetic,
         }
     }
 
@@ -400,7 +404,7 @@ impl ToolCall {
             failure: end.failed,
             gpu_unhealthy: false,
             client_cancelled: false,
-            synthetic: false,
+            synthetic: self.synthetic,
             maintenance: self.shared.slos.maintenance_active(),
         });
         let trace_id = spans::trace_id(&self.span);
@@ -481,6 +485,7 @@ mod tests {
             request_id: RequestId::from_generated("r1".into()),
             task_id: Some(task.clone()),
             peer: SocketAddr::from(([127, 0, 0, 1], 1)),
+            synthetic: false,
         };
         let mut call = ModelCall::start(
             &proxy.shared,

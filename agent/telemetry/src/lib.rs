@@ -30,7 +30,7 @@ pub mod spans;
 pub use error::{Error, SloProblem};
 pub use labels::{Interner, Label, TraceId};
 pub use metrics::{
-    HttpLabels, Inflight, Metrics, MetricsOptions, ModelCallRecord, PolicyEventKind, ReplayKind,
-    RouteLabel, ToolCallRecord,
+    ChunkGaps, HttpLabels, Inflight, Metrics, MetricsOptions, ModelCallRecord, PolicyEventKind,
+    ReplayKind, RouteLabel, ToolCallRecord,
 };
 pub use pipeline::{LogFormat, OtlpOptions, TelemetryGuard, TelemetryOptions, dispatch, init};

@@ -33,6 +33,10 @@ pub const BURN_WINDOWS: [(&str, Duration); 4] = [
 ];
 const MIN_WINDOW: Duration = Duration::from_secs(3600);
 const MAX_WINDOW: Duration = Duration::from_secs(400 * 24 * 3600);
+/// No maintenance window is open.
+const NO_MAINTENANCE: u64 = 0;
+/// The maintenance window lasts until it is closed.
+const OPEN_ENDED: u64 = u64::MAX;
 /// The kv namespace the bucket counts persist under.
 pub const STORE_NAMESPACE: &str = "slo";
 
@@ -835,7 +839,9 @@ struct Tracked {
 pub struct Slos {
     state: Mutex<Vec<Tracked>>,
     metrics: Metrics,
-    maintenance: std::sync::atomic::AtomicBool,
+    /// The open maintenance window's end, in milliseconds since the epoch
+    /// ([`NO_MAINTENANCE`], [`OPEN_ENDED`]).
+    maintenance: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Slos {
@@ -900,6 +906,23 @@ pub trait SloStore {
     ) -> impl Future<Output = Result<(), Error>> + Send;
 }
 
+/// A store that keeps nothing ([`Slos::forget_old`]).
+struct Nowhere;
+
+impl SloStore for Nowhere {
+    fn load(&self) -> Result<Vec<(String, Vec<u8>)>, Error> {
+        Ok(Vec::new())
+    }
+
+    fn save(
+        &self,
+        _key: String,
+        _value: Option<Vec<u8>>,
+    ) -> impl Future<Output = Result<(), Error>> + Send {
+        std::future::ready(Ok(()))
+    }
+}
+
 impl SloStore for outrigger_journal::Journal {
     fn load(&self) -> Result<Vec<(String, Vec<u8>)>, Error> {
         self.kv_scan(STORE_NAMESPACE)
@@ -939,18 +962,44 @@ impl Slos {
         Self {
             state: Mutex::new(tracked),
             metrics,
-            maintenance: std::sync::atomic::AtomicBool::new(false),
+            maintenance: std::sync::atomic::AtomicU64::new(NO_MAINTENANCE),
         }
     }
 
-    /// Opens or closes a declared maintenance window (feeds [`Signals::maintenance`]).
-    pub fn set_maintenance(&self, active: bool) {
+    /// Opens a declared maintenance window, until `until` or, with `None`, until it
+    /// is closed (feeds [`Signals::maintenance`]). Opening one replaces the last.
+    pub fn open_maintenance(&self, until: Option<SystemTime>) {
+        let end = until.map_or(OPEN_ENDED, |t| {
+            t.duration_since(UNIX_EPOCH)
+                .map_or(NO_MAINTENANCE, |d| {
+                    u64::try_from(d.as_millis()).unwrap_or(OPEN_ENDED - 1)
+                })
+                .clamp(1, OPEN_ENDED - 1)
+        });
         self.maintenance
-            .store(active, std::sync::atomic::Ordering::Relaxed);
+            .store(end, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn close_maintenance(&self) {
+        self.maintenance
+            .store(NO_MAINTENANCE, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The maintenance window open at `now`: `None` when there is none, `Some(None)`
+    /// when it lasts until closed, `Some(Some(end))` otherwise.
+    pub fn maintenance(&self, now: SystemTime) -> Option<Option<SystemTime>> {
+        match self.maintenance.load(std::sync::atomic::Ordering::Relaxed) {
+            NO_MAINTENANCE => None,
+            OPEN_ENDED => Some(None),
+            end_ms => {
+                let end = UNIX_EPOCH + Duration::from_millis(end_ms);
+                (now < end).then_some(Some(end))
+            }
+        }
     }
 
     pub fn maintenance_active(&self) -> bool {
-        self.maintenance.load(std::sync::atomic::Ordering::Relaxed)
+        self.maintenance(SystemTime::now()).is_some()
     }
 
     /// Counts `event` in every SLO it belongs to, and in
@@ -1093,6 +1142,14 @@ impl Slos {
             restored += 1;
         }
         Ok(restored)
+    }
+
+    /// Drops the buckets that fell out of every window, for a sidecar that keeps its
+    /// counts nowhere (no journal): without it they would pile up for as long as the
+    /// process runs.
+    pub async fn forget_old(&self, now: SystemTime) {
+        // Nothing fails to be stored nowhere.
+        let _ = self.persist(&Nowhere, now).await;
     }
 
     /// Writes the buckets changed since the last call and deletes those that fell out

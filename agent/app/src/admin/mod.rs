@@ -163,6 +163,12 @@ impl Admin {
             };
             return tasks::handle(self.tasks.as_ref(), &method, &path, body).await;
         }
+        if path == "/v1/slo/maintenance" {
+            return match self.read_body(req, 1 << 12).await {
+                Ok(body) => tasks::maintenance(&self.slos, &method, &body),
+                Err(problem) => problem.into_response(),
+            };
+        }
         if path == "/v1/faults" {
             return match method {
                 Method::GET => self.faults.get(),

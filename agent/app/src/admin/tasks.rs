@@ -6,7 +6,11 @@
 //!   tool calls.
 //! - `POST /v1/tasks/{id}/end` with `{"outcome": "success" | "failure" | "cancelled"}`
 //!   ends it and returns the verdict on its recovery.
-//! - `GET /v1/slo` reports each SLO with its budget left and burn by cause.
+//! - `GET /v1/slo` reports each SLO with its budget left and burn by cause, and the
+//!   maintenance window.
+//! - `POST /v1/slo/maintenance` with `{"open": true, "for": "2h"}` (or without `for`:
+//!   until closed) or `{"open": false}` opens or closes a declared maintenance window:
+//!   calls that end inside it are left out of the SLOs.
 
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -123,11 +127,85 @@ fn parse_end(body: &[u8]) -> Result<TaskOutcome, String> {
 
 pub fn slo(slos: &Arc<Slos>, method: &Method) -> Response<Body> {
     match *method {
-        Method::GET => json_response(
-            StatusCode::OK,
-            &json!({"slos": slos.report(SystemTime::now())}),
-        ),
+        Method::GET => {
+            let now = SystemTime::now();
+            json_response(
+                StatusCode::OK,
+                &json!({"slos": slos.report(now), "maintenance": maintenance_json(slos, now)}),
+            )
+        }
         _ => method_not_allowed("GET"),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MaintenanceRequest {
+    open: bool,
+    #[serde(rename = "for")]
+    lasting: Option<String>,
+}
+
+/// `POST /v1/slo/maintenance`.
+pub fn maintenance(slos: &Slos, method: &Method, body: &[u8]) -> Response<Body> {
+    if *method != Method::POST {
+        return method_not_allowed("POST");
+    }
+    let invalid = |detail: String| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "invalid-request",
+            "Invalid maintenance request",
+            detail,
+        )
+        .into_response()
+    };
+    let request: MaintenanceRequest = match serde_json::from_slice(body) {
+        Ok(r) => r,
+        Err(e) => {
+            return invalid(format!(
+                "{e}. Send {{\"open\": true, \"for\": \"2h\"}}, {{\"open\": true}} (until closed) or {{\"open\": false}}."
+            ));
+        }
+    };
+    let now = SystemTime::now();
+    match (request.open, request.lasting) {
+        (false, Some(_)) => return invalid("\"for\" only goes with \"open\": true.".into()),
+        (false, None) => {
+            slos.close_maintenance();
+            tracing::info!("SLO maintenance window closed");
+        }
+        (true, None) => {
+            slos.open_maintenance(None);
+            tracing::info!("SLO maintenance window opened until closed");
+        }
+        (true, Some(lasting)) => {
+            let lasting = match humantime::parse_duration(&lasting) {
+                Ok(d) if !d.is_zero() => d,
+                Ok(_) => return invalid("\"for\" must be longer than 0.".into()),
+                Err(e) => {
+                    return invalid(format!(
+                        "\"for\": {lasting:?} is not a duration ({e}); write e.g. \"90m\" or \"2h\"."
+                    ));
+                }
+            };
+            let Some(end) = now.checked_add(lasting) else {
+                return invalid("\"for\" is too long.".into());
+            };
+            slos.open_maintenance(Some(end));
+            tracing::info!(until = %humantime::format_rfc3339_seconds(end), "SLO maintenance window opened");
+        }
+    }
+    json_response(StatusCode::OK, &maintenance_json(slos, now))
+}
+
+fn maintenance_json(slos: &Slos, now: SystemTime) -> serde_json::Value {
+    match slos.maintenance(now) {
+        None => json!({"open": false, "until": null}),
+        Some(until) => json!({
+            "open": true,
+            "until": until.map(|t| humantime::format_rfc3339_seconds(t).to_string()),
+        }),
     }
 }
 

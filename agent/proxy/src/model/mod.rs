@@ -1105,6 +1105,7 @@ mod tests {
             request_id: outrigger_types::RequestId::from_generated("r1".into()),
             task_id: None,
             peer: std::net::SocketAddr::from(([127, 0, 0, 1], 1)),
+            synthetic: false,
         }
     }
 

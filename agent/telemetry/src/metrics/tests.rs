@@ -12,6 +12,31 @@ fn trace() -> Option<TraceId> {
     TraceId::from_hex(TRACE)
 }
 
+fn gaps(ms: &[u64]) -> ChunkGaps {
+    let mut gaps = ChunkGaps::default();
+    for &ms in ms {
+        gaps.push(Duration::from_millis(ms));
+    }
+    gaps
+}
+
+/// Every gap is kept, however long the stream, and the mean is of all of them.
+#[test]
+fn chunk_gaps_keep_every_gap_of_a_long_stream() {
+    let mut g = ChunkGaps::default();
+    for i in 0..10_000u64 {
+        g.push(Duration::from_millis(if i < 5_000 { 10 } else { 30 }));
+    }
+    assert_eq!(g.len(), 10_000);
+    assert_eq!(g.mean(), Some(Duration::from_millis(20)));
+    assert_eq!(g.iter().last(), Some(Duration::from_millis(30)));
+    g.push(Duration::from_secs(1 << 40));
+    assert_eq!(
+        g.iter().last(),
+        Some(Duration::from_micros(u64::from(u32::MAX)))
+    );
+}
+
 /// Records one of everything, so every family has a series.
 fn exercised() -> Metrics {
     let m = Metrics::with_options(&MetricsOptions {
@@ -38,7 +63,7 @@ fn exercised() -> Metrics {
         stream: true,
         duration: Duration::from_millis(900),
         ttft: Some(Duration::from_millis(150)),
-        chunk_gaps: &[Duration::from_millis(20), Duration::from_millis(30)],
+        chunk_gaps: &gaps(&[20, 30]),
         tokens_in: Some(120),
         tokens_out: Some(40),
         error_type: None,
@@ -245,7 +270,7 @@ fn unreported_usage_is_not_recorded_as_zero() {
         stream: false,
         duration: Duration::from_millis(10),
         ttft: Some(Duration::from_millis(5)),
-        chunk_gaps: &[],
+        chunk_gaps: &ChunkGaps::default(),
         tokens_in: None,
         tokens_out: None,
         error_type: Some("stream_interrupted"),
@@ -274,7 +299,7 @@ fn labels_are_bounded_and_ids_never_become_labels() {
             stream: false,
             duration: Duration::from_millis(10),
             ttft: None,
-            chunk_gaps: &[],
+            chunk_gaps: &ChunkGaps::default(),
             tokens_in: None,
             tokens_out: None,
             error_type: None,

@@ -700,3 +700,58 @@ async fn the_journal_kv_is_a_store() -> Result<(), Box<dyn std::error::Error>> {
     writer.abort();
     Ok(())
 }
+
+/// A maintenance window is open until its end, or until it is closed.
+#[test]
+fn a_maintenance_window_lasts_until_its_end_or_until_closed() {
+    let slos = Slos::new(vec![slo("availability", None, 0.9, &[])], Metrics::new());
+    let now = SystemTime::now();
+    assert_eq!(slos.maintenance(now), None);
+    assert!(!slos.maintenance_active());
+
+    let end = now + Duration::from_secs(600);
+    slos.open_maintenance(Some(end));
+    let got = slos.maintenance(now).flatten().expect("open with an end");
+    assert!(got.duration_since(end).unwrap_or_else(|e| e.duration()) < Duration::from_millis(1));
+    assert!(slos.maintenance_active());
+    assert_eq!(
+        slos.maintenance(end + Duration::from_millis(1)),
+        None,
+        "past its end"
+    );
+
+    slos.open_maintenance(Some(now - Duration::from_secs(1)));
+    assert!(
+        !slos.maintenance_active(),
+        "an end in the past opens nothing"
+    );
+
+    slos.open_maintenance(None);
+    assert_eq!(
+        slos.maintenance(now + Duration::from_secs(86400 * 365)),
+        Some(None)
+    );
+    slos.close_maintenance();
+    assert!(!slos.maintenance_active());
+}
+
+/// A sidecar without a journal still drops the buckets every window has left.
+#[tokio::test]
+async fn counts_kept_nowhere_are_forgotten_once_every_window_has_left_them() {
+    let slos = Slos::new(vec![slo("availability", None, 0.99, &[])], Metrics::new());
+    let now = t0();
+    for minutes in 0..30 {
+        let at = now + Duration::from_secs(minutes * 60);
+        slos.record(&model_event(Outcome::Bad(Cause::Capacity), at));
+    }
+    let held = |slos: &Slos| -> (usize, usize) {
+        let state = slos.state.lock().unwrap_or_else(PoisonError::into_inner);
+        (state[0].buckets.len(), state[0].dirty.len())
+    };
+    assert!(held(&slos).0 >= 6, "{:?}", held(&slos));
+    slos.forget_old(now + Duration::from_secs(3600)).await;
+    assert_eq!(held(&slos).1, 0, "nothing is waiting to be stored");
+    assert!(held(&slos).0 >= 6, "the buckets are still in the window");
+    slos.forget_old(now + Duration::from_secs(40 * 86400)).await;
+    assert_eq!(held(&slos), (0, 0));
+}

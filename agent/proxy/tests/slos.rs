@@ -1,11 +1,12 @@
-//! Tool calls in the SLOs: each bad call is charged to the cause that failed it, as
-//! `docs/telemetry.md` ("One cause per bad event") says, whatever the journal makes
-//! of the call. A tool that is down and a tool that says 429 both leave the call
-//! "not executed", but one is the network and the other capacity; a tool's 5xx is
-//! the tool server's (`upstream_model`), and a journal that cannot record the call is
-//! the sidecar's own failure (`release`).
+//! Calls in the SLOs: each bad call is charged to the cause that failed it, as
+//! `docs/telemetry.md` ("One cause per bad event") says. For tool calls, whatever the
+//! journal makes of the call: a tool that is down and a tool that says 429 both leave
+//! the call "not executed", but one is the network and the other capacity; a tool's
+//! 5xx is the tool server's (`upstream_model`), and a journal that cannot record the
+//! call is the sidecar's own failure (`release`). A local model call that fails while
+//! the GPUs were unhealthy at any time during it is the hardware's.
 //!
-//! The real data plane serves on loopback against the scripted tool of
+//! The real data plane serves on loopback against the scripted tool and provider of
 //! `outrigger-testing`; requests are written by hand, one connection each.
 
 use std::net::SocketAddr;
@@ -13,12 +14,13 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use http::Uri;
-use outrigger_proxy::options::{Tool, ToolKind};
+use outrigger_proxy::options::{Capabilities, Dialect, ModelPattern, Provider, Tool, ToolKind};
 use outrigger_proxy::{Components, Options, Proxy, server};
 use outrigger_telemetry::Metrics;
 use outrigger_telemetry::slo::{Slo, SloReport, SloSpec, Slos};
+use outrigger_testing::provider::{Behaviour, MockProvider};
 use outrigger_testing::tool::{MockTool, ToolBehaviour};
-use outrigger_types::ToolClass;
+use outrigger_types::{GpuState, GpuSummary, ToolClass};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -193,4 +195,117 @@ async fn each_bad_tool_call_is_charged_to_its_own_cause() -> TestResult {
     }
     writer.abort();
     Ok(())
+}
+
+/// A local model call whose stream breaks is the hardware's when the GPUs turned
+/// unhealthy during it, even though they were healthy when it started and when it
+/// ended; the same failure with the GPUs healthy throughout is the network's.
+#[tokio::test]
+async fn a_local_call_the_gpus_failed_during_is_charged_to_hardware() -> TestResult {
+    let mock = MockProvider::start(Behaviour {
+        chunks: 40,
+        chunk_delay: Duration::from_millis(40),
+        cut_after: Some(16),
+        ..Behaviour::default()
+    })
+    .await?;
+    let metrics = Metrics::new();
+    let spec = SloSpec {
+        object: Some("model_calls".into()),
+        ..slo("local-availability", "availability")
+    };
+    let slos = Arc::new(Slos::new(
+        Slo::from_specs(&[spec], "slos")?,
+        metrics.clone(),
+    ));
+    let options = Options {
+        providers: vec![Provider {
+            name: "local".into(),
+            dialect: Dialect::OpenAi,
+            base_url: mock.openai_base().parse()?,
+            api_key: None,
+            models: vec![ModelPattern::Any],
+            caps: Capabilities {
+                local: true,
+                ..Capabilities::permissive()
+            },
+        }],
+        ..Options::default()
+    };
+    let components = Components {
+        slos: slos.clone(),
+        ..Components::new(metrics, None)
+    };
+    let proxy = Proxy::new(options, components);
+    let gpu = |state| GpuSummary {
+        state,
+        present: true,
+        ..GpuSummary::default()
+    };
+    proxy.set_gpu(gpu(GpuState::Healthy));
+    let sidecar = serve(proxy.clone()).await?;
+    let body = r#"{"model":"llama","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+
+    // The GPUs stay healthy: a broken stream is the network's.
+    stream(sidecar, body, None).await?;
+    recorded(&slos, 1).await?;
+    assert_eq!(
+        causes(&report(&slos, "local-availability")?),
+        [("network", 1)]
+    );
+
+    // They turn unhealthy a moment into the stream and recover before it breaks.
+    let (started, streaming) = tokio::sync::oneshot::channel();
+    let during = tokio::spawn(async move { stream(sidecar, body, Some(started)).await });
+    streaming.await?;
+    proxy.set_gpu(gpu(GpuState::Unhealthy));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    proxy.set_gpu(gpu(GpuState::Healthy));
+    during.await??;
+    recorded(&slos, 2).await?;
+    assert_eq!(
+        causes(&report(&slos, "local-availability")?),
+        [("hardware", 1), ("network", 1)]
+    );
+    Ok(())
+}
+
+/// Waits (up to 5 s) until `n` calls are recorded: a call is recorded once its answer
+/// is over, a moment after the agent has read it.
+async fn recorded(slos: &Slos, n: u64) -> Result<(), String> {
+    for _ in 0..500 {
+        let r = report(slos, "local-availability")?;
+        if r.good + r.bad + r.excluded >= n {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Err(format!("{n} calls were not recorded within 5 s"))
+}
+
+/// Sends a streamed chat request and reads the answer to its end; `started` is told
+/// once the first bytes of the answer have arrived.
+async fn stream(
+    addr: SocketAddr,
+    body: &str,
+    started: Option<tokio::sync::oneshot::Sender<()>>,
+) -> std::io::Result<()> {
+    let mut conn = TcpStream::connect(addr).await?;
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: sidecar\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    conn.write_all(request.as_bytes()).await?;
+    let read = async {
+        let mut buf = [0u8; 4096];
+        let mut started = started;
+        while conn.read(&mut buf).await? > 0 {
+            if let Some(tx) = started.take() {
+                let _ = tx.send(());
+            }
+        }
+        Ok(())
+    };
+    tokio::time::timeout(Duration::from_secs(10), read).await?
 }
