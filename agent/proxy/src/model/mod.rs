@@ -776,7 +776,7 @@ fn admit(
         .collect();
     let limits = shared.options.budget.limits;
     let wall_clock_ms = shared.ledger.wall_clock(task.as_str()).as_millis() as u64;
-    let (reservation, decided) = shared.ledger.reserve_if(task.as_str(), estimate, |usage| {
+    let (reservation, decided) = shared.ledger.reserve_with(task.as_str(), |usage| {
         let req = BudgetRequest {
             task_id: Some(task.to_string()),
             request_id: ctx.request_id.to_string(),
@@ -792,8 +792,19 @@ fn admit(
             downgrades,
         };
         let decided = shared.decider.budget(&req);
-        let admitted = !matches!(decided.value, BudgetDecision::Reject(_));
-        (admitted, decided)
+        let reserved = match &decided.value {
+            BudgetDecision::Admit => Some(estimate),
+            // The call goes to the cheaper model: its estimate is what it may cost.
+            BudgetDecision::Downgrade(model) => Some(Usage {
+                cost_micros: shared
+                    .options
+                    .provider_for(request.dialect, model)
+                    .map_or(estimate.cost_micros, |p| cost(p, tokens_in, tokens_out)),
+                ..estimate
+            }),
+            BudgetDecision::Reject(_) => None,
+        };
+        (reserved, decided)
     });
     trail.policy_versions.push(decided.version.clone());
     match decided.value {
@@ -1230,5 +1241,95 @@ mod tests {
         drop(relay);
         assert_eq!(shared.ledger.committed("t"), estimate);
         assert_eq!(shared.ledger.usage("t"), estimate, "nothing left reserved");
+    }
+
+    /// The budget policy downgrades a call: the task's reservation is the cheaper
+    /// model's estimate, not the one asked for, so the task's other calls are not
+    /// refused for money this one will not spend.
+    #[test]
+    fn a_downgraded_call_reserves_the_cheaper_models_estimate() {
+        struct Downgrading;
+        impl crate::decider::Decider for Downgrading {
+            fn retry(
+                &self,
+                ctx: &outrigger_types::CallContext,
+                failure: &outrigger_types::Failure,
+            ) -> outrigger_types::Decided<outrigger_types::RetryDecision> {
+                crate::decider::NoPolicy.retry(ctx, failure)
+            }
+            fn fallback(
+                &self,
+                req: &outrigger_types::FallbackRequest,
+            ) -> outrigger_types::Decided<Vec<usize>> {
+                crate::decider::NoPolicy.fallback(req)
+            }
+            fn budget(
+                &self,
+                _: &outrigger_types::BudgetRequest,
+            ) -> outrigger_types::Decided<BudgetDecision> {
+                outrigger_types::Decided {
+                    value: BudgetDecision::Downgrade("small".into()),
+                    version: outrigger_types::PolicyVersion::new("budget", "test"),
+                    source: outrigger_types::DecisionSource::Policy,
+                }
+            }
+        }
+        let priced = |name: &str, price_in, price_out| Provider {
+            name: name.into(),
+            models: vec![crate::options::ModelPattern::Name(name.into())],
+            caps: crate::options::Capabilities {
+                price_in,
+                price_out,
+                ..crate::options::Capabilities::permissive()
+            },
+            ..provider()
+        };
+        let (big, small) = (
+            priced("big", 10_000_000, 30_000_000),
+            priced("small", 100_000, 400_000),
+        );
+        let proxy = crate::Proxy::new(
+            crate::Options {
+                providers: vec![big.clone(), small.clone()],
+                budget: crate::options::Budget {
+                    limits: outrigger_types::Limits {
+                        cost_micros: Some(50_000_000),
+                        ..outrigger_types::Limits::default()
+                    },
+                    downgrades: vec!["small".into()],
+                },
+                ..crate::Options::default()
+            },
+            crate::Components {
+                decider: Arc::new(Downgrading),
+                ..crate::Components::new(outrigger_telemetry::Metrics::new(), None)
+            },
+        );
+        let request = ModelRequest::parse(
+            Dialect::OpenAi,
+            Bytes::from_static(
+                br#"{"model":"big","max_tokens":1000,"messages":[{"role":"user","content":"hello there"}]}"#,
+            ),
+        )
+        .expect("a request");
+        let task = TaskId::new("t").expect("a task id");
+        let (reservation, downgrade) = admit(
+            &proxy.shared,
+            &task,
+            &ctx(),
+            &request,
+            &big,
+            &mut Trail::default(),
+        )
+        .expect("admitted");
+        assert_eq!(downgrade.as_deref(), Some("small"));
+        let (tokens_in, tokens_out) = (
+            request.estimated_prompt_tokens,
+            request.reserve_output_tokens(),
+        );
+        let reserved = proxy.shared.ledger.usage("t");
+        assert_eq!(reserved.cost_micros, cost(&small, tokens_in, tokens_out));
+        assert!(reserved.cost_micros < cost(&big, tokens_in, tokens_out));
+        drop(reservation);
     }
 }

@@ -128,12 +128,25 @@ impl Ledger {
         estimate: Usage,
         admit: impl FnOnce(&Usage) -> (bool, T),
     ) -> (Option<Reservation>, T) {
+        self.reserve_with(task, |usage| {
+            let (ok, value) = admit(usage);
+            (ok.then_some(estimate), value)
+        })
+    }
+
+    /// [`Ledger::reserve_if`], where `admit` also says what to reserve (a call it
+    /// downgrades is reserved at the cheaper model's estimate), or `None` to refuse.
+    pub fn reserve_with<T>(
+        &self,
+        task: &str,
+        admit: impl FnOnce(&Usage) -> (Option<Usage>, T),
+    ) -> (Option<Reservation>, T) {
         let account = self.account(task);
         let mut acc = lock(&account);
-        let (ok, value) = admit(&acc.committed.plus(&acc.reserved));
-        if !ok {
+        let (estimate, value) = admit(&acc.committed.plus(&acc.reserved));
+        let Some(estimate) = estimate else {
             return (None, value);
-        }
+        };
         acc.reserved = acc.reserved.plus(&estimate);
         drop(acc);
         (
