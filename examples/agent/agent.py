@@ -3,8 +3,10 @@ model answers with one tool call per step (checking each city), until it is done
 
 It talks to the sidecar exactly as it would talk to OpenAI and to its own tools:
 the stock OpenAI SDK with its base URL pointed at the sidecar, plain HTTP for the
-tools, and one extra header, Outrigger-Task-Id, naming the task. Nothing else in the
-agent knows about crashes.
+tools, and a few extra headers: Outrigger-Task-Id naming the task, and on tool calls
+the model's tool_call_id and `Prefer: wait=30` (a repeat of a call still running,
+because the agent was killed during it, waits for its result instead of getting
+409). Nothing else in the agent knows about crashes.
 
 Kill it at any point and start it again with the same task id: the model calls it
 repeats are answered from the sidecar's journal (the same tool_call_ids come back),
@@ -55,6 +57,7 @@ def call_tool(tool_call):
             "content-type": "application/json",
             "outrigger-task-id": TASK_ID,
             "outrigger-tool-call-id": tool_call.id,
+            "prefer": "wait=30",
         },
     )
     with urllib.request.urlopen(request, timeout=30) as response:

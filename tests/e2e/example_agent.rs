@@ -1,7 +1,7 @@
 //! The crash-recovery example (`examples/agent/agent.py`, the stock OpenAI Python
 //! SDK) killed mid-task and restarted from scratch: the task completes, every side
 //! effect happened exactly once, and the model calls it repeated came from the
-//! journal.
+//! journal. It is killed once between calls, once while a tool call is running.
 //!
 //! Needs the example's virtual environment (`examples/agent/setup.sh`, which
 //! `./x test` runs). Without it the test says so and passes only when
@@ -95,5 +95,79 @@ async fn the_example_agent_survives_being_killed_mid_task() {
         "{by_key:?}"
     );
     // Only the turns it had not seen were generated: steps + the final answer.
+    assert_eq!(model.generation_count(), steps as u64 + 1);
+}
+
+/// Killed while its third tool call is still running at the tool: the sidecar
+/// finishes that call and journals it, and the restarted agent's repeat gets its
+/// result (waiting for it if need be) instead of running it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_agent_killed_during_a_tool_call_repeats_no_side_effect() {
+    let Some(python) = python() else { return };
+    let steps = 4;
+    let model = MockProvider::start(Behaviour {
+        agent_steps: Some(steps),
+        chunks: 3,
+        ..Behaviour::default()
+    })
+    .await
+    .expect("provider");
+    let tool = MockTool::start(ToolBehaviour::default())
+        .await
+        .expect("tool");
+    tool.push(ToolBehaviour::default());
+    tool.push(ToolBehaviour::default());
+    tool.push(ToolBehaviour {
+        delay: std::time::Duration::from_millis(1500),
+        ..ToolBehaviour::default()
+    });
+    let config = format!(
+        "[[providers]]\nname = \"mock\"\nkind = \"openai\"\nbase_url = \"{}\"\nmodels = [\"*\"]\n\
+         [[tools]]\nname = \"booking\"\nkind = \"http\"\nbase_url = \"{}\"\nclass = \"unsafe\"\nkey_required = true\n",
+        model.openai_base(),
+        tool.url()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let agent = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/agent/agent.py");
+    let command = || {
+        let mut cmd = Command::new(&python);
+        cmd.arg(&agent)
+            .env("OUTRIGGER_URL", format!("http://{}", sidecar.data))
+            .env("TASK_ID", "trip-in-flight")
+            .env("PYTHONUNBUFFERED", "1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        cmd
+    };
+    let mut first = command().spawn().expect("start the agent");
+    let in_flight = eventually(std::time::Duration::from_secs(30), || tool.received() == 3).await;
+    first.kill().expect("kill the agent");
+    let out = first.wait_with_output().expect("the killed agent");
+    let (out, err) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        in_flight,
+        "the third tool call never reached the tool:\n{out}\n{err}"
+    );
+    assert_eq!(tool.effects().len(), 2, "the third call is still running");
+
+    let out = tokio::task::block_in_place(|| command().output()).expect("run the agent");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert!(stdout.contains("done:"), "{stdout}");
+    assert_eq!(
+        stdout.matches("replayed from the journal").count(),
+        3,
+        "{stdout}"
+    );
+    assert_eq!(stdout.matches("(replayed)").count(), 3, "{stdout}");
+    let by_key = tool.effects_by_key();
+    assert_eq!(tool.effects().len(), steps, "{by_key:?}");
+    assert!(by_key.values().all(|n| *n == 1), "{by_key:?}");
     assert_eq!(model.generation_count(), steps as u64 + 1);
 }
