@@ -886,6 +886,19 @@ async fn mcp_tool_calls_with_unusable_params_are_refused_before_the_journal() {
             bad.text()
         );
     }
+    // A member named twice: the server might read either.
+    let twice = br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"send_email","arguments":{"to":"x","to":"y"}}}"#;
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri(&url)
+        .header("content-type", "application/json")
+        .header("idempotency-key", "mail-params")
+        .body(Full::new(Bytes::from_static(twice)))
+        .expect("request");
+    let bad = send(req).await;
+    assert_eq!(bad.json()["id"], 7, "{}", bad.text());
+    assert_eq!(bad.json()["error"]["code"], -32602, "{}", bad.text());
+    assert!(bad.text().contains("appears twice"), "{}", bad.text());
     assert!(e.mcp.methods().is_empty(), "nothing reached the server");
     let good = post_json(
         &url,

@@ -148,6 +148,83 @@ impl Iterator for Escape {
     }
 }
 
+/// Parses JSON like `serde_json::from_slice::<Value>`, except that an object naming
+/// a member twice is an error (`Category::Data`) instead of keeping the last one:
+/// what a fingerprint is taken of must be what every reader of the bytes sees.
+pub(crate) fn parse_unique(bytes: &[u8]) -> serde_json::Result<Value> {
+    let Unique(value) = serde_json::from_slice(bytes)?;
+    Ok(value)
+}
+
+/// A JSON value whose objects name each member once.
+struct Unique(Value);
+
+impl<'de> serde::Deserialize<'de> for Unique {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(UniqueVisitor).map(Unique)
+    }
+}
+
+struct UniqueVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UniqueVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::Number(v.into()))
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::Number(v.into()))
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(Unique(item)) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut members = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let Unique(value) = map.next_value()?;
+            if members.contains_key(&key) {
+                return Err(serde::de::Error::custom(format_args!(
+                    "the member {key:?} appears twice in one object"
+                )));
+            }
+            members.insert(key, value);
+        }
+        Ok(Value::Object(members))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -162,6 +239,26 @@ mod tests {
 
     fn jcs(value: &Value) -> String {
         String::from_utf8(serde_jcs::to_vec(value).expect("jcs")).expect("utf-8")
+    }
+
+    /// The same values as serde_json's own parse, and a member named twice refused.
+    #[test]
+    fn parse_unique_reads_what_serde_json_reads_and_refuses_a_member_named_twice() {
+        for doc in [
+            &br#"{"a":[1,-2,3.5,1e300,"x\u00e9",true,null,{}],"b":{"c":18446744073709551615}}"#[..],
+            b"[]",
+            b"\"s\"",
+            b"0",
+        ] {
+            let theirs: Value = serde_json::from_slice(doc).expect("JSON");
+            assert_eq!(parse_unique(doc).expect("unique"), theirs);
+        }
+        for doc in [&br#"{"a":1,"a":2}"#[..], br#"[{"x":{"b":1,"b":1}}]"#] {
+            let err = parse_unique(doc).expect_err("a member twice");
+            assert_eq!(err.classify(), serde_json::error::Category::Data, "{err}");
+        }
+        let err = parse_unique(b"{").expect_err("unfinished");
+        assert_ne!(err.classify(), serde_json::error::Category::Data);
     }
 
     #[test]

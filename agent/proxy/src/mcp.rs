@@ -30,6 +30,7 @@ use serde_json::{Value, json};
 use tracing::Instrument;
 
 use crate::body::{self, Body};
+use crate::canonical;
 use crate::error::Error;
 use crate::journaled::{self, Answered, DetachedEnd, Protocol, Settled};
 use crate::observe::{PendingTool, ToolCall};
@@ -78,7 +79,27 @@ pub async fn call(
     let limits = &shared.options.limits;
     let bytes = body::read_request(body, limits.max_body_bytes, limits.client_read_timeout).await?;
     let message: Option<Value> = if method == Method::POST {
-        Some(serde_json::from_slice(&bytes).map_err(|e| Error::MalformedJson(e.to_string()))?)
+        Some(match canonical::parse_unique(&bytes) {
+            Ok(message) => message,
+            Err(twice) if twice.classify() == serde_json::error::Category::Data => {
+                // A member named twice: which one the server reads is its parser's
+                // choice, so a `tools/call` (fingerprinted, journaled) is refused;
+                // anything else passes through as sent.
+                let message: Value = serde_json::from_slice(&bytes)
+                    .map_err(|e| Error::MalformedJson(e.to_string()))?;
+                if message["method"] == "tools/call" {
+                    let id = message.get("id").cloned().unwrap_or(Value::Null);
+                    return Ok(rpc_error(
+                        &id,
+                        -32602,
+                        &format!("{twice}: send each member once"),
+                        None,
+                    ));
+                }
+                message
+            }
+            Err(e) => return Err(Error::MalformedJson(e.to_string())),
+        })
     } else {
         None
     };
