@@ -214,12 +214,17 @@ impl<'de> serde::de::Visitor<'de> for UniqueVisitor {
         let mut members = serde_json::Map::new();
         while let Some(key) = map.next_key::<String>()? {
             let Unique(value) = map.next_value()?;
-            if members.contains_key(&key) {
-                return Err(serde::de::Error::custom(format_args!(
-                    "the member {key:?} appears twice in one object"
-                )));
+            match members.entry(key) {
+                serde_json::map::Entry::Vacant(slot) => {
+                    slot.insert(value);
+                }
+                serde_json::map::Entry::Occupied(taken) => {
+                    return Err(serde::de::Error::custom(format_args!(
+                        "the member {:?} appears twice in one object",
+                        taken.key()
+                    )));
+                }
             }
-            members.insert(key, value);
         }
         Ok(Value::Object(members))
     }
