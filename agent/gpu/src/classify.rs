@@ -216,7 +216,10 @@ enum Counter {
     PcieReplays,
     NvlinkReplay(u32),
     NvlinkRecovery(u32),
-    NvlinkCrc(u32),
+    /// The two CRC counters keep a window each: one failed read of either must not
+    /// look like a reset of their sum (and its recovery like a burst of errors).
+    NvlinkCrcFlit(u32),
+    NvlinkCrcData(u32),
 }
 
 /// A sample-driven finding before hysteresis.
@@ -798,18 +801,25 @@ fn nvlink_findings(track: &mut Track, now: Moment, sample: &Sample, found: &mut 
                 ));
             }
         }
-        if link.crc_flit_errors.is_some() || link.crc_data_errors.is_some() {
-            let crc = link.crc_flit_errors.unwrap_or(0) + link.crc_data_errors.unwrap_or(0);
-            let window = track.counter(Counter::NvlinkCrc(link.link), now.mono, crc);
-            let (delta, rate) = (window.delta(), window.per_second());
-            if rate.is_some_and(|rate| rate >= NVLINK_CRC_BURST_PER_SECOND) {
+        let mut crc_read = false;
+        let (mut delta, mut rate) = (0, 0.0);
+        for (counter, value) in [
+            (Counter::NvlinkCrcFlit(link.link), link.crc_flit_errors),
+            (Counter::NvlinkCrcData(link.link), link.crc_data_errors),
+        ] {
+            // A counter that could not be read this time is skipped, not taken as 0.
+            if let Some(value) = value {
+                let window = track.counter(counter, now.mono, value);
+                delta += window.delta();
+                rate += window.per_second().unwrap_or(0.0);
+                crc_read = true;
+            }
+        }
+        if crc_read {
+            if rate >= NVLINK_CRC_BURST_PER_SECOND {
                 found.push(Finding::unhealthy(
                     ReasonCode::NvlinkCrcBurst,
-                    format!(
-                        "NVLink {} CRC errors at {:.0}/s",
-                        link.link,
-                        rate.unwrap_or(0.0)
-                    ),
+                    format!("NVLink {} CRC errors at {rate:.0}/s", link.link),
                 ));
             } else if delta >= 1 {
                 found.push(Finding::degraded(

@@ -665,3 +665,25 @@ fn helper_tables() {
     assert_eq!(recovery_action_name(9), "action 9");
     assert_eq!(ReasonCode::ClockSlowdown.as_str(), "hw_slowdown");
 }
+
+#[test]
+fn one_unreadable_crc_counter_is_not_a_counter_reset() {
+    let link = |crc_data_errors| Sample {
+        nvlinks: vec![NvLink {
+            link: 0,
+            active: true,
+            replay_errors: Some(0),
+            recovery_errors: Some(0),
+            crc_flit_errors: Some(5_000),
+            crc_data_errors,
+        }],
+        ..healthy_sample()
+    };
+    let mut run = Run::new();
+    assert_eq!(run.sample(link(Some(3_000))).state, GpuState::Healthy);
+    assert_eq!(run.sample(link(Some(3_000))).state, GpuState::Healthy);
+    assert_eq!(run.sample(link(None)).state, GpuState::Healthy);
+    // The lifetime count read again is no new error.
+    let health = run.sample(link(Some(3_000)));
+    assert_eq!(health.state, GpuState::Healthy, "{:?}", health.reasons);
+}
