@@ -269,8 +269,9 @@ struct Track {
     last_error: Option<Error>,
     signals: Sample,
     counters: BTreeMap<Counter, CounterWindow>,
-    /// Links active in the first sample that had NVLink data; only those can "go down".
-    nvlink_baseline: Option<BTreeSet<u32>>,
+    /// Each link's state the first time it was read; only links active then can
+    /// "go down".
+    nvlink_baseline: BTreeMap<u32, bool>,
     xid_history: VecDeque<XidRecord>,
     xid_counts: BTreeMap<String, u64>,
     uncorrected_ecc_events: u64,
@@ -287,7 +288,7 @@ impl Track {
             last_error: None,
             signals: Sample::default(),
             counters: BTreeMap::new(),
-            nvlink_baseline: None,
+            nvlink_baseline: BTreeMap::new(),
             xid_history: VecDeque::new(),
             xid_counts: BTreeMap::new(),
             uncorrected_ecc_events: 0,
@@ -754,17 +755,25 @@ fn nvlink_findings(track: &mut Track, now: Moment, sample: &Sample, found: &mut 
     if sample.nvlinks.is_empty() {
         return;
     }
-    let active: BTreeSet<u32> = sample
-        .nvlinks
-        .iter()
-        .filter(|link| link.active)
-        .map(|link| link.link)
-        .collect();
-    let baseline = track.nvlink_baseline.get_or_insert_with(|| active.clone());
+    for link in &sample.nvlinks {
+        if let Some(active) = link.active {
+            track.nvlink_baseline.entry(link.link).or_insert(active);
+        }
+    }
     // NVML reports MIG-mode links as down, so "down" means nothing there (DCGM does
-    // the same).
-    if sample.mig_enabled != Some(true) {
-        let down: Vec<String> = baseline.difference(&active).map(u32::to_string).collect();
+    // the same); when the MIG mode could not be read, neither can "down" be judged.
+    let mig_unknown = sample.mig_enabled.is_none() && sample.signal_failed("mig_mode");
+    if sample.mig_enabled != Some(true) && !mig_unknown {
+        // Only links read as inactive count: a link whose state could not be read this
+        // time is unknown, not down.
+        let down: Vec<String> = sample
+            .nvlinks
+            .iter()
+            .filter(|link| {
+                link.active == Some(false) && track.nvlink_baseline.get(&link.link) == Some(&true)
+            })
+            .map(|link| link.link.to_string())
+            .collect();
         if !down.is_empty() {
             found.push(Finding::unhealthy(
                 ReasonCode::NvlinkDown,
@@ -772,7 +781,11 @@ fn nvlink_findings(track: &mut Track, now: Moment, sample: &Sample, found: &mut 
             ));
         }
     }
-    for link in sample.nvlinks.iter().filter(|link| link.active) {
+    for link in sample
+        .nvlinks
+        .iter()
+        .filter(|link| link.active == Some(true))
+    {
         if let Some(recovery) = link.recovery_errors {
             let delta = track
                 .counter(Counter::NvlinkRecovery(link.link), now.mono, recovery)

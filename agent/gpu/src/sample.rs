@@ -56,8 +56,11 @@ pub struct Sample {
     /// Clock-event reason bits (see [`CLOCK_EVENT_REASONS`]).
     pub clock_event_reasons: Option<u64>,
     pub pcie: Pcie,
-    /// Links that answered; empty on GPUs without NVLink.
+    /// Links that exist (a link whose state read failed is listed with `active: None`);
+    /// empty on GPUs without NVLink.
     pub nvlinks: Vec<NvLink>,
+    /// `None` both when the GPU has no MIG and when the read failed (then `failed`
+    /// lists `mig_mode`).
     pub mig_enabled: Option<bool>,
     /// Signals the GPU or driver does not offer (not an error).
     pub absent: Vec<String>,
@@ -106,7 +109,8 @@ pub struct Pcie {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct NvLink {
     pub link: u32,
-    pub active: bool,
+    /// `None` when the link's state could not be read this time: unknown, not down.
+    pub active: Option<bool>,
     pub replay_errors: Option<u64>,
     pub recovery_errors: Option<u64>,
     pub crc_flit_errors: Option<u64>,

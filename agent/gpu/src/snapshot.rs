@@ -749,7 +749,11 @@ fn render_gpu(out: &mut String, gpu: &GpuHealth) {
         _ => unknown(),
     };
     let _ = writeln!(out, "  PCIe         {pcie}");
-    let active = s.nvlinks.iter().filter(|link| link.active).count();
+    let active = s
+        .nvlinks
+        .iter()
+        .filter(|link| link.active == Some(true))
+        .count();
     let _ = writeln!(
         out,
         "  NVLink       {active} of {} link(s) active",

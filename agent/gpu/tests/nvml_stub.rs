@@ -427,3 +427,37 @@ fn stub_init_fails() -> TestResult {
         Ok(())
     })
 }
+
+#[test]
+fn stub_nvlink_flaky() -> TestResult {
+    in_scenario("nvlink_flaky", "stub_nvlink_flaky", |stub| {
+        let backend = NvmlBackend::load(Some(stub))?;
+        let device = backend
+            .devices()?
+            .into_iter()
+            .find(|device| device.uuid == GPU0)
+            .ok_or("GPU 0 missing")?;
+        let mut classifier = Classifier::new(&stub_options(stub));
+        let start = Moment::now();
+
+        let first = backend.sample(GPU0)?;
+        let states: Vec<_> = first.nvlinks.iter().map(|l| (l.link, l.active)).collect();
+        assert_eq!(states, vec![(0, Some(true)), (1, Some(true))]);
+        classifier.step(start, &device, Ok(first), &[]);
+
+        // Link 1's state read fails: the link is listed as unknown, not left out (which
+        // the classifier would take for "down").
+        let second = backend.sample(GPU0)?;
+        let states: Vec<_> = second.nvlinks.iter().map(|l| (l.link, l.active)).collect();
+        assert_eq!(states, vec![(0, Some(true)), (1, None)]);
+        assert!(second.signal_failed("nvlink1_state"), "{:?}", second.failed);
+        let health = classifier.step(
+            start.after(Duration::from_secs(5)),
+            &device,
+            Ok(second),
+            &[],
+        );
+        assert_eq!(health.state, GpuState::Healthy, "{:?}", health.reasons);
+        Ok(())
+    })
+}

@@ -16,6 +16,7 @@
 //! | `lost` | every telemetry query returns `GPU_IS_LOST` |
 //! | `mig` | MIG mode on, partitioned into MIG devices in slots 0 and 2 of 7 |
 //! | `init_fails` | `nvmlInit_v2` itself returns `DRIVER_NOT_LOADED` |
+//! | `nvlink_flaky` | NVLinks 0 and 1 active; link 1's state reads fail with `UNKNOWN` after the first |
 //!
 //! GPU 1 is healthy in every scenario, so tests can check that a fault stays on its GPU.
 //! Functions the stub does not export fail in `nvml-wrapper` with `FailedToLoadSymbol`,
@@ -107,6 +108,7 @@ enum Scenario {
     Lost,
     Mig,
     InitFails,
+    NvlinkFlaky,
 }
 
 impl Scenario {
@@ -119,6 +121,7 @@ impl Scenario {
             Ok("lost") => Some(Self::Lost),
             Ok("mig") => Some(Self::Mig),
             Ok("init_fails") => Some(Self::InitFails),
+            Ok("nvlink_flaky") => Some(Self::NvlinkFlaky),
             Ok(_) => None,
         }
     }
@@ -130,6 +133,8 @@ struct State {
     /// XID 79 has been handed out; from then on GPU 0 is gone.
     xid_delivered: bool,
     dbe_delivered: bool,
+    /// How often GPU 0's NVLink 1 state was asked for (`nvlink_flaky`).
+    link1_state_reads: u32,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -275,6 +280,7 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
             scenario,
             xid_delivered: false,
             dbe_delivered: false,
+            link1_state_reads: 0,
         });
     }
     nvmlReturn_enum_NVML_SUCCESS
@@ -769,15 +775,33 @@ pub unsafe extern "C" fn nvmlDeviceGetMaxPcieLinkWidth(
     with_device(device, Query::Telemetry, |_, _| unsafe { put(width, 16) })
 }
 
-/// The stub's GPUs have no NVLink, like a PCIe card.
+/// The stub's GPUs have no NVLink, like a PCIe card, except GPU 0 in `nvlink_flaky`.
+///
+/// # Safety
+/// `active` must be valid for a write.
 #[unsafe(no_mangle)]
-pub extern "C" fn nvmlDeviceGetNvLinkState(
+pub unsafe extern "C" fn nvmlDeviceGetNvLinkState(
     device: nvmlDevice_t,
-    _link: c_uint,
-    _active: *mut nvmlEnableState_t,
+    link: c_uint,
+    active: *mut nvmlEnableState_t,
 ) -> nvmlReturn_t {
-    with_device(device, Query::Telemetry, |_, _| {
-        nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED
+    with_device(device, Query::Telemetry, |index, scenario| {
+        if index != 0 || scenario != Scenario::NvlinkFlaky {
+            return nvmlReturn_enum_NVML_ERROR_NOT_SUPPORTED;
+        }
+        let readable = match link {
+            0 => true,
+            1 => state().as_mut().is_some_and(|state| {
+                state.link1_state_reads += 1;
+                state.link1_state_reads == 1
+            }),
+            _ => return nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT,
+        };
+        if !readable {
+            return nvmlReturn_enum_NVML_ERROR_UNKNOWN;
+        }
+        // SAFETY: forwarded caller contract.
+        unsafe { put(active, nvmlEnableState_enum_NVML_FEATURE_ENABLED) }
     })
 }
 

@@ -502,7 +502,7 @@ fn with_links(links: &[(u32, bool, u64, u64, u64)], mig: bool) -> Sample {
             .iter()
             .map(|&(link, active, replay, recovery, crc)| NvLink {
                 link,
-                active,
+                active: Some(active),
                 replay_errors: Some(replay),
                 recovery_errors: Some(recovery),
                 crc_flit_errors: Some(crc),
@@ -671,7 +671,7 @@ fn one_unreadable_crc_counter_is_not_a_counter_reset() {
     let link = |crc_data_errors| Sample {
         nvlinks: vec![NvLink {
             link: 0,
-            active: true,
+            active: Some(true),
             replay_errors: Some(0),
             recovery_errors: Some(0),
             crc_flit_errors: Some(5_000),
@@ -686,4 +686,50 @@ fn one_unreadable_crc_counter_is_not_a_counter_reset() {
     // The lifetime count read again is no new error.
     let health = run.sample(link(Some(3_000)));
     assert_eq!(health.state, GpuState::Healthy, "{:?}", health.reasons);
+}
+
+#[test]
+fn an_unreadable_link_state_or_mig_mode_is_not_a_link_down() {
+    let up = || with_links(&[(0, true, 0, 0, 0), (1, true, 0, 0, 0)], false);
+    let failure = |signal: &str| SignalFailure {
+        signal: signal.to_owned(),
+        error: "Unknown Error".to_owned(),
+    };
+
+    // Link 1's state cannot be read once: unknown, not down.
+    let mut run = Run::new();
+    run.sample(up());
+    let mut unreadable = up();
+    unreadable.nvlinks[1] = NvLink {
+        link: 1,
+        active: None,
+        ..NvLink::default()
+    };
+    unreadable.failed.push(failure("nvlink1_state"));
+    let health = run.sample(unreadable);
+    assert_eq!(health.state, GpuState::Healthy, "{:?}", health.reasons);
+    assert_eq!(run.sample(up()).state, GpuState::Healthy);
+    // Read as down, it is down.
+    let down = run.sample(with_links(
+        &[(0, true, 0, 0, 0), (1, false, 0, 0, 0)],
+        false,
+    ));
+    assert_eq!(down.reason_codes(), vec![ReasonCode::NvlinkDown]);
+
+    // Links read as down while the MIG mode is unreadable: MIG may be why.
+    let mut run = Run::new();
+    run.sample(up());
+    let mut mig_unknown = with_links(&[(0, false, 0, 0, 0), (1, false, 0, 0, 0)], false);
+    mig_unknown.mig_enabled = None;
+    mig_unknown.failed.push(failure("mig_mode"));
+    let health = run.sample(mig_unknown);
+    assert_eq!(health.state, GpuState::Healthy, "{:?}", health.reasons);
+
+    // A GPU without MIG at all (the read says "not supported") is still judged.
+    let mut run = Run::new();
+    run.sample(up());
+    let mut no_mig = with_links(&[(0, true, 0, 0, 0), (1, false, 0, 0, 0)], false);
+    no_mig.mig_enabled = None;
+    no_mig.absent.push("mig_mode".to_owned());
+    assert_eq!(run.sample(no_mig).state, GpuState::Unhealthy);
 }

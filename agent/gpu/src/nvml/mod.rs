@@ -454,14 +454,20 @@ fn read_nvlinks(reader: &mut Reader, device: &Device<'_>) -> Result<Vec<NvLink>,
     for link in 0..NVLINK_MAX_LINKS {
         let wrapper = device.link_wrapper_for(link);
         let active = match wrapper.is_active() {
-            Ok(active) => active,
+            Ok(active) => Some(active),
             Err(NvmlError::GpuLost) => return Err(Error::GpuLost),
             Err(NvmlError::ResetRequired) => return Err(Error::ResetRequired),
-            // Links beyond this GPU's count answer with an error; only "no link at
-            // all" is worth reporting.
-            Err(error) => {
+            // Links beyond this GPU's count answer "invalid argument" or "not
+            // supported"; only "no link at all" is worth reporting.
+            Err(error) if is_absent(&error) => {
                 unanswered.get_or_insert(error);
                 continue;
+            }
+            // Any other failure says nothing about the link: its state is unknown this
+            // time, which must not read as "down".
+            Err(error) => {
+                reader.read::<()>(&format!("nvlink{link}_state"), Err(error))?;
+                None
             }
         };
         let mut record = NvLink {
@@ -469,7 +475,7 @@ fn read_nvlinks(reader: &mut Reader, device: &Device<'_>) -> Result<Vec<NvLink>,
             active,
             ..NvLink::default()
         };
-        if active {
+        if active == Some(true) {
             record.replay_errors = reader.read(
                 &format!("nvlink{link}_replay_errors"),
                 wrapper.error_counter(ErrorCounter::DlReplay),

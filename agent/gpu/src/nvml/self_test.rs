@@ -485,7 +485,11 @@ fn check_sample(report: &mut SelfTestReport, uuid: &str, sample: &Sample, record
     };
     report.check("clock_event_reasons", gpu, status, detail);
 
-    let active = sample.nvlinks.iter().filter(|link| link.active).count();
+    let active = sample
+        .nvlinks
+        .iter()
+        .filter(|link| link.active == Some(true))
+        .count();
     report.check(
         "nvlink",
         gpu,
