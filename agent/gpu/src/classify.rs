@@ -35,6 +35,10 @@ const THERMAL_CRITICAL_MARGIN_C: u32 = 2;
 const REMAPPED_ROWS_UNCORRECTABLE_LIMIT: u64 = 512;
 const RETIRED_PAGES_LIMIT: u64 = 63;
 const NVLINK_CRC_BURST_PER_SECOND: f64 = 100.0;
+/// The readings that show NVML can still talk to the GPU. A sample in which every one
+/// of them failed (a wedged GPU answers each call with `UNKNOWN`) is no sign of life
+/// and counts as a failed sample for staleness.
+const CORE_SIGNALS: [&str; 3] = ["temperature", "memory", "power"];
 /// XID 154 only announces that the recovery-action field changed; the next sample
 /// reads that field and judges it.
 const XID_RECOVERY_ACTION_CHANGED: u64 = 154;
@@ -589,7 +593,26 @@ fn apply_failure(track: &mut Track, now: Moment, error: Error) {
     track.last_error = Some(error);
 }
 
+/// Why `sample` counts as failed: none of its core readings succeeded and at least one
+/// failed (a GPU that merely lacks them is not blind).
+fn blind(sample: &Sample) -> Option<String> {
+    let read = sample.temperature_c.is_some()
+        || sample.memory_total_bytes.is_some()
+        || sample.power_mw.is_some();
+    if read {
+        return None;
+    }
+    let failures: Vec<String> = sample
+        .failed
+        .iter()
+        .filter(|failure| CORE_SIGNALS.contains(&failure.signal.as_str()))
+        .map(|failure| format!("{}: {}", failure.signal, failure.error))
+        .collect();
+    (!failures.is_empty()).then(|| format!("no core reading succeeded ({})", failures.join("; ")))
+}
+
 fn apply_sample(policy: &Policy, track: &mut Track, now: Moment, sample: Sample) {
+    let blind = blind(&sample);
     let findings = findings(track, now, &sample);
     let bad: BTreeSet<ReasonCode> = findings.iter().map(|finding| finding.code).collect();
     for finding in findings {
@@ -604,6 +627,12 @@ fn apply_sample(policy: &Policy, track: &mut Track, now: Moment, sample: Sample)
                 track.mark_bad(now, finding.code, finding.detail, needed);
             }
         }
+    }
+    if let Some(why) = blind {
+        // What it did read still counts (findings above), but it is no successful
+        // sample: staleness grows, and streaks it could not judge are left as they are.
+        track.last_error = Some(Error::Other(why));
+        return;
     }
     // A good sample breaks every sample-driven streak (XIDs are event-driven and only
     // clear by time).

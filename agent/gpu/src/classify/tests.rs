@@ -733,3 +733,77 @@ fn an_unreadable_link_state_or_mig_mode_is_not_a_link_down() {
     no_mig.absent.push("mig_mode".to_owned());
     assert_eq!(run.sample(no_mig).state, GpuState::Unhealthy);
 }
+
+/// A wedged GPU: NVML still answers, but every read fails.
+fn every_read_failed() -> Sample {
+    let failed = [
+        "temperature",
+        "temperature_slowdown",
+        "temperature_shutdown",
+        "power",
+        "power_limit",
+        "energy",
+        "utilization",
+        "memory",
+        "ecc_mode",
+        "field_values",
+        "clock_event_reasons",
+        "pcie_replays",
+        "mig_mode",
+    ]
+    .into_iter()
+    .map(|signal| SignalFailure {
+        signal: signal.to_owned(),
+        error: "Unknown Error".to_owned(),
+    })
+    .collect();
+    Sample {
+        failed,
+        ..Sample::default()
+    }
+}
+
+#[test]
+fn samples_with_every_core_reading_failed_go_stale() {
+    let mut run = Run::new();
+    let mut health = run.sample(every_read_failed());
+    for _ in 1..24 {
+        health = run.sample(every_read_failed());
+    }
+    assert_eq!(health.state, GpuState::Unhealthy, "{:?}", health.reasons);
+    assert_eq!(health.reasons[0].code, ReasonCode::StaleSample);
+    assert!(
+        health.reasons[0]
+            .detail
+            .contains("temperature: Unknown Error"),
+        "{}",
+        health.reasons[0].detail
+    );
+    assert_eq!(health.last_sampled_at, None);
+
+    // The 15 s / 60 s rule counts from the last sample that read something.
+    let mut run = Run::new();
+    run.sample(healthy_sample());
+    for _ in 0..3 {
+        let health = run.sample(every_read_failed());
+        assert!(!health.reason_codes().contains(&ReasonCode::StaleSample));
+    }
+    let stale = run.sample(every_read_failed());
+    assert!(
+        stale.reason_codes().contains(&ReasonCode::StaleSample),
+        "20 s"
+    );
+    assert_eq!(stale.state, GpuState::Degraded);
+    for _ in 0..9 {
+        run.sample(every_read_failed());
+    }
+    assert_eq!(
+        run.sample(every_read_failed()).state,
+        GpuState::Unhealthy,
+        "70 s"
+    );
+    // A sample that reads again ends the staleness.
+    let back = run.sample(healthy_sample());
+    assert!(!back.reason_codes().contains(&ReasonCode::StaleSample));
+    assert_ne!(back.state, GpuState::Unhealthy);
+}
