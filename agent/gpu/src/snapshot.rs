@@ -2,6 +2,7 @@
 //! the readiness verdict, the text of `outrigger gpu`, the metric samples and the
 //! hardware-fault timeline, all computed from cached state (never from NVML).
 
+use std::collections::BTreeSet;
 use std::fmt::Write as _;
 use std::time::SystemTime;
 
@@ -329,7 +330,14 @@ impl Snapshot {
                 duration / 1000.0,
             );
         }
-        for problem in &self.problems {
+        // Several problems can share a reason (too few GPUs, and a watched one not
+        // visible); a label set must appear once.
+        let mut reasons = BTreeSet::new();
+        for problem in self
+            .problems
+            .iter()
+            .filter(|problem| reasons.insert(problem.code))
+        {
             push(
                 &mut out,
                 "outrigger_gpu_node_problem",

@@ -378,6 +378,37 @@ async fn missing_gpus_are_a_node_problem() {
 }
 
 #[tokio::test]
+async fn two_missing_gpu_problems_are_one_metric_series() {
+    let options = Options {
+        expected_count: Some(2),
+        watch: Watch::Uuids(vec![fake_uuid(0), fake_uuid(7)]),
+        ..options()
+    };
+    let mut h = Harness::start(FakeBackend::with_gpus(1), options);
+    let snapshot = h.until("the first round", |s| s.rounds >= 1).await;
+    let codes: Vec<ReasonCode> = snapshot.problems.iter().map(|p| p.code).collect();
+    assert_eq!(codes, vec![ReasonCode::GpuMissing, ReasonCode::GpuMissing]);
+    let metrics = snapshot.metrics();
+    let mut series: Vec<_> = metrics
+        .iter()
+        .map(|metric| (metric.name, metric.labels.clone()))
+        .collect();
+    let all = series.len();
+    series.sort();
+    series.dedup();
+    assert_eq!(series.len(), all, "a label set appears twice: {metrics:#?}");
+    let missing = metrics
+        .iter()
+        .filter(|metric| {
+            metric.name == "outrigger_gpu_node_problem"
+                && metric.labels == [("reason", "gpu_missing".to_owned())]
+        })
+        .count();
+    assert_eq!(missing, 1);
+    h.stop();
+}
+
+#[tokio::test]
 async fn enumeration_is_retried_until_it_works() {
     let backend = FakeBackend::with_gpus(1);
     backend.set_devices_error(Some(Error::Other("NVML busy".to_owned())));
