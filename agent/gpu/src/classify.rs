@@ -386,6 +386,11 @@ impl Classifier {
             .or_insert_with(|| Track::new(device.clone(), now));
     }
 
+    /// Forgets a GPU that is no longer listed.
+    pub fn untrack(&mut self, uuid: &str) {
+        self.gpus.remove(uuid);
+    }
+
     /// One sampling step for one GPU: its events since the last step, then its sample.
     pub fn step(
         &mut self,

@@ -76,6 +76,18 @@ impl Engine {
     pub(crate) fn set_devices(&mut self, now: Moment, devices: &[DeviceInfo]) {
         self.devices = devices.to_vec();
         self.problems.clear();
+        // A GPU listed before but not now (listed anew under another id) is forgotten.
+        let listed = |uuid: &str| devices.iter().any(|device| device.uuid == uuid);
+        let gone: Vec<String> = self
+            .health
+            .keys()
+            .filter(|uuid| !listed(uuid))
+            .cloned()
+            .collect();
+        for uuid in gone {
+            self.health.remove(&uuid);
+            self.classifier.untrack(&uuid);
+        }
         for device in devices {
             self.classifier.track(now, device);
             if let Some(health) = self.classifier.health(now, &device.uuid) {
@@ -491,16 +503,21 @@ fn run_sampler(shared: &Shared, backend: &dyn Backend) {
     let mut devices: Option<Vec<DeviceInfo>> = None;
     let mut next = shared.clock.now().mono;
     while !shared.stop.is_raised() {
-        if devices.is_none() {
-            match backend.devices() {
-                Ok(list) => {
+        // Listed every round: a backend may list a GPU anew (NVML lists a GPU whose
+        // handle failed at start-up under its real UUID once the handle works).
+        match backend.devices() {
+            Ok(list) => {
+                if devices.as_ref() != Some(&list) {
                     shared.publish(|engine, now| engine.set_devices(now, &list));
                     devices = Some(list);
                 }
-                Err(error) => {
-                    tracing::warn!(%error, "cannot list GPUs; retrying");
-                    shared.publish(|engine, now| engine.set_enumeration_error(now, &error));
-                }
+            }
+            Err(error) if devices.is_none() => {
+                tracing::warn!(%error, "cannot list GPUs; retrying");
+                shared.publish(|engine, now| engine.set_enumeration_error(now, &error));
+            }
+            Err(error) => {
+                tracing::debug!(%error, "cannot list GPUs again; keeping the last list");
             }
         }
         if let Some(list) = &devices {

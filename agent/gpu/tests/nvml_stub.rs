@@ -461,3 +461,32 @@ fn stub_nvlink_flaky() -> TestResult {
         Ok(())
     })
 }
+
+#[test]
+fn stub_handle_flaky() -> TestResult {
+    in_scenario("handle_flaky", "stub_handle_flaky", |stub| {
+        // GPU 0's handle fails once, at load: it is listed under a placeholder, asked
+        // for again when sampled, and then monitored under its real UUID.
+        let options = Options {
+            sample_interval: Duration::from_millis(100),
+            watch: Watch::Uuids(vec![GPU0.to_owned()]),
+            ..stub_options(stub)
+        };
+        let (monitor, handles) = Monitor::launch(options);
+        let sampled = wait_for(&monitor, "GPU 0 under its UUID, healthy", |s| {
+            gpu_state(s, GPU0) == Some(GpuState::Healthy)
+        })?;
+        assert!(sampled.gpu("nvml-index-0").is_none(), "{:#?}", sampled.gpus);
+        assert_eq!(sampled.gpus.len(), 2);
+        assert!(sampled.problems.is_empty(), "{:?}", sampled.problems);
+        assert!(sampled.ready, "{}", sampled.ready_reason);
+        // Its events were never registered, and the snapshot says so.
+        assert!(
+            matches!(&sampled.events, EventStatus::Partial(why) if why.contains("nvml-index-0")),
+            "{:?}",
+            sampled.events
+        );
+        stop(monitor, handles);
+        Ok(())
+    })
+}

@@ -16,6 +16,7 @@
 //! | `lost` | every telemetry query returns `GPU_IS_LOST` |
 //! | `mig` | MIG mode on, partitioned into MIG devices in slots 0 and 2 of 7 |
 //! | `init_fails` | `nvmlInit_v2` itself returns `DRIVER_NOT_LOADED` |
+//! | `handle_flaky` | the first `nvmlDeviceGetHandleByIndex_v2` for it fails with `UNKNOWN` |
 //! | `nvlink_flaky` | NVLinks 0 and 1 active; link 1's state reads fail with `UNKNOWN` after the first |
 //!
 //! GPU 1 is healthy in every scenario, so tests can check that a fault stays on its GPU.
@@ -108,6 +109,7 @@ enum Scenario {
     Lost,
     Mig,
     InitFails,
+    HandleFlaky,
     NvlinkFlaky,
 }
 
@@ -121,6 +123,7 @@ impl Scenario {
             Ok("lost") => Some(Self::Lost),
             Ok("mig") => Some(Self::Mig),
             Ok("init_fails") => Some(Self::InitFails),
+            Ok("handle_flaky") => Some(Self::HandleFlaky),
             Ok("nvlink_flaky") => Some(Self::NvlinkFlaky),
             Ok(_) => None,
         }
@@ -133,6 +136,8 @@ struct State {
     /// XID 79 has been handed out; from then on GPU 0 is gone.
     xid_delivered: bool,
     dbe_delivered: bool,
+    /// Whether GPU 0's handle was asked for already (`handle_flaky`).
+    handle0_asked: bool,
     /// How often GPU 0's NVLink 1 state was asked for (`nvlink_flaky`).
     link1_state_reads: u32,
 }
@@ -280,6 +285,7 @@ pub extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
             scenario,
             xid_delivered: false,
             dbe_delivered: false,
+            handle0_asked: false,
             link1_state_reads: 0,
         });
     }
@@ -336,10 +342,17 @@ pub unsafe extern "C" fn nvmlDeviceGetHandleByIndex_v2(
     index: c_uint,
     device: *mut nvmlDevice_t,
 ) -> nvmlReturn_t {
-    if state().is_none() {
-        return nvmlReturn_enum_NVML_ERROR_UNINITIALIZED;
-    }
     let index = index as usize;
+    {
+        let mut guard = state();
+        let Some(state) = guard.as_mut() else {
+            return nvmlReturn_enum_NVML_ERROR_UNINITIALIZED;
+        };
+        if index == 0 && state.scenario == Scenario::HandleFlaky && !state.handle0_asked {
+            state.handle0_asked = true;
+            return nvmlReturn_enum_NVML_ERROR_UNKNOWN;
+        }
+    }
     if index >= GPU_COUNT {
         return nvmlReturn_enum_NVML_ERROR_INVALID_ARGUMENT;
     }

@@ -9,7 +9,7 @@
 mod self_test;
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nvml_wrapper::bitmasks::event::EventTypes;
@@ -108,17 +108,30 @@ fn is_absent(error: &NvmlError) -> bool {
 }
 
 /// One GPU found at load time. A GPU whose handle failed stays listed (under a
-/// placeholder id) so that its failure is reported rather than silently skipped.
+/// placeholder id) so that its failure is reported rather than silently skipped, and
+/// its handle is asked for again when it is sampled (see [`NvmlBackend::device`]).
+#[derive(Clone)]
 struct Gpu {
+    /// The id the GPU was first listed under; a placeholder when its handle or UUID
+    /// could not be read at load. The monitor may go on asking for it by that id.
+    listed_as: String,
     info: DeviceInfo,
-    device: Result<Device<'static>, Error>,
+    device: Result<Arc<Device<'static>>, Error>,
+}
+
+impl Gpu {
+    /// Whether the handle or the real UUID is still missing.
+    fn incomplete(&self) -> bool {
+        self.device.is_err() || self.info.uuid == placeholder_uuid(self.info.index)
+    }
 }
 
 /// The NVML backend.
 pub struct NvmlBackend {
     nvml: &'static Nvml,
     driver: DriverInfo,
-    gpus: Vec<Gpu>,
+    /// Locked only to look up or replace an entry, never across an NVML call.
+    gpus: Mutex<Vec<Gpu>>,
     /// Used by the event thread only; `None` when events cannot be delivered.
     events: Mutex<Option<EventSet<'static>>>,
     /// Why events are not (fully) available.
@@ -131,7 +144,10 @@ impl std::fmt::Debug for NvmlBackend {
             .field("driver", &self.driver)
             .field(
                 "gpus",
-                &self.gpus.iter().map(|gpu| &gpu.info).collect::<Vec<_>>(),
+                &lock(&self.gpus)
+                    .iter()
+                    .map(|gpu| gpu.info.clone())
+                    .collect::<Vec<_>>(),
             )
             .field("event_problem", &self.event_problem)
             .finish_non_exhaustive()
@@ -163,19 +179,50 @@ impl NvmlBackend {
         Ok(Self {
             nvml,
             driver,
-            gpus,
+            gpus: Mutex::new(gpus),
             events: Mutex::new(events),
             event_problem,
         })
     }
 
-    fn gpu(&self, uuid: &str) -> Result<&Device<'static>, Error> {
-        let gpu = self
-            .gpus
-            .iter()
-            .find(|gpu| gpu.info.uuid == uuid)
-            .ok_or_else(|| Error::UnknownGpu(uuid.to_owned()))?;
-        gpu.device.as_ref().map_err(Clone::clone)
+    /// The GPUs as listed now.
+    fn gpus(&self) -> Vec<Gpu> {
+        lock(&self.gpus).clone()
+    }
+
+    /// The handle of the GPU listed as `uuid` (its real UUID, or the placeholder it was
+    /// first listed under). A GPU whose handle or UUID failed at load is looked up
+    /// again, once per call: a transient failure at start-up must not leave it without
+    /// data for the life of the process. Once found, the GPU is listed under its real
+    /// UUID. (Its events stay unregistered: the event status says so.)
+    fn device(&self, uuid: &str) -> Result<Arc<Device<'static>>, Error> {
+        let (index, known) = {
+            let gpus = lock(&self.gpus);
+            let gpu = gpus
+                .iter()
+                .find(|gpu| gpu.info.uuid == uuid || gpu.listed_as == uuid)
+                .ok_or_else(|| Error::UnknownGpu(uuid.to_owned()))?;
+            if !gpu.incomplete() {
+                return gpu.device.clone();
+            }
+            (gpu.info.index, gpu.device.clone())
+        };
+        // No lock is held while NVML runs.
+        let again = enumerate(self.nvml, index);
+        if again.device.is_err() {
+            // A handle without its UUID still samples; without one, the new failure
+            // says why.
+            return known.or(again.device);
+        }
+        let mut gpus = lock(&self.gpus);
+        if let Some(gpu) = gpus.iter_mut().find(|gpu| gpu.info.index == index) {
+            if gpu.device.is_err() {
+                tracing::info!(index, uuid = %again.info.uuid, "GPU handle obtained");
+            }
+            gpu.info = again.info;
+            gpu.device = again.device.clone();
+        }
+        again.device
     }
 
     /// The UUID of the GPU an event came from; by index if the GPU no longer answers.
@@ -186,8 +233,13 @@ impl NvmlBackend {
         device
             .index()
             .ok()
-            .and_then(|index| self.gpus.iter().find(|gpu| gpu.info.index == index))
-            .map_or_else(|| "unknown".to_owned(), |gpu| gpu.info.uuid.clone())
+            .and_then(|index| {
+                lock(&self.gpus)
+                    .iter()
+                    .find(|gpu| gpu.info.index == index)
+                    .map(|gpu| gpu.info.uuid.clone())
+            })
+            .unwrap_or_else(|| "unknown".to_owned())
     }
 }
 
@@ -205,11 +257,13 @@ fn enumerate(nvml: &'static Nvml, index: u32) -> Gpu {
                 mig_devices: mig_devices(&device),
             };
             Gpu {
+                listed_as: info.uuid.clone(),
                 info,
-                device: Ok(device),
+                device: Ok(Arc::new(device)),
             }
         }
         Err(error) => Gpu {
+            listed_as: placeholder_uuid(index),
             info: DeviceInfo {
                 uuid: placeholder_uuid(index),
                 index,
@@ -266,8 +320,12 @@ fn register_events(
     let mut registered: Vec<(&Device<'static>, EventTypes)> = Vec::new();
     let mut problems = Vec::new();
     for gpu in gpus {
-        let Ok(device) = &gpu.device else {
-            continue;
+        let device = match &gpu.device {
+            Ok(device) => device.as_ref(),
+            Err(error) => {
+                problems.push(format!("{}: no NVML handle: {error}", gpu.info.uuid));
+                continue;
+            }
         };
         let wanted = match device.supported_event_types() {
             Ok(supported) => supported & wanted_events(),
@@ -337,11 +395,14 @@ impl Backend for NvmlBackend {
     }
 
     fn devices(&self) -> Result<Vec<DeviceInfo>, Error> {
-        Ok(self.gpus.iter().map(|gpu| gpu.info.clone()).collect())
+        Ok(lock(&self.gpus)
+            .iter()
+            .map(|gpu| gpu.info.clone())
+            .collect())
     }
 
     fn sample(&self, uuid: &str) -> Result<Sample, Error> {
-        read_sample(self.gpu(uuid)?)
+        read_sample(self.device(uuid)?.as_ref())
     }
 
     fn next_event(&self, timeout: Duration) -> Result<Option<Event>, Error> {

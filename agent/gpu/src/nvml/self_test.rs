@@ -213,15 +213,16 @@ fn run_checks(report: &mut SelfTestReport, backend: &NvmlBackend) {
     report.driver_version = Some(backend.driver.driver_version.clone());
     report.nvml_version = Some(backend.driver.nvml_version.clone());
     report.field_id_scheme = Some(format!("{:?}", backend.nvml.field_id_scheme()));
-    report.device_count = Some(backend.gpus.len());
-    let (status, detail) = if backend.gpus.is_empty() {
+    let gpus = backend.gpus();
+    report.device_count = Some(gpus.len());
+    let (status, detail) = if gpus.is_empty() {
         (CheckStatus::Fail, "NVML sees no GPU".to_owned())
     } else {
-        (CheckStatus::Pass, format!("{} GPU(s)", backend.gpus.len()))
+        (CheckStatus::Pass, format!("{} GPU(s)", gpus.len()))
     };
     report.check("device_count", None, status, detail);
 
-    for gpu in &backend.gpus {
+    for gpu in &gpus {
         let uuid = gpu.info.uuid.as_str();
         let device = match &gpu.device {
             Ok(device) => device,
@@ -588,7 +589,7 @@ fn check_event_waits(report: &mut SelfTestReport, backend: &NvmlBackend) {
 
 fn measure_cost(report: &mut SelfTestReport, backend: &NvmlBackend) {
     let uuids: Vec<String> = backend
-        .gpus
+        .gpus()
         .iter()
         .filter(|gpu| gpu.device.is_ok())
         .map(|gpu| gpu.info.uuid.clone())
