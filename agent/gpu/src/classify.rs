@@ -40,7 +40,8 @@ const NVLINK_CRC_BURST_PER_SECOND: f64 = 100.0;
 /// and counts as a failed sample for staleness.
 const CORE_SIGNALS: [&str; 3] = ["temperature", "memory", "power"];
 /// XID 154 only announces that the recovery-action field changed; the next sample
-/// reads that field and judges it.
+/// reads that field and judges it (the reference: "severity from that value"). Where
+/// the field cannot be read, 154 counts as any other XID.
 const XID_RECOVERY_ACTION_CHANGED: u64 = 154;
 
 /// Why a GPU is not healthy. A bounded set, so it can label a metric.
@@ -279,6 +280,8 @@ struct Track {
     xid_history: VecDeque<XidRecord>,
     xid_counts: BTreeMap<String, u64>,
     uncorrected_ecc_events: u64,
+    /// An XID 154 arrived: the next sample must be able to read the recovery action.
+    recovery_action_changed: bool,
 }
 
 impl Track {
@@ -296,6 +299,7 @@ impl Track {
             xid_history: VecDeque::new(),
             xid_counts: BTreeMap::new(),
             uncorrected_ecc_events: 0,
+            recovery_action_changed: false,
         }
     }
 
@@ -465,9 +469,10 @@ impl Classifier {
                         Some(xid) if self.policy.fatal_xids.contains(xid) => {
                             track.latch(now, ReasonCode::XidFatal, describe_xid(*xid));
                         }
-                        Some(xid)
-                            if self.policy.ignored_xids.contains(xid)
-                                || *xid == XID_RECOVERY_ACTION_CHANGED => {}
+                        Some(xid) if self.policy.ignored_xids.contains(xid) => {}
+                        Some(XID_RECOVERY_ACTION_CHANGED) => {
+                            track.recovery_action_changed = true;
+                        }
                         Some(xid) => track.mark_bad(now, ReasonCode::Xid, describe_xid(*xid), 1),
                         None => track.mark_bad(
                             now,
@@ -655,6 +660,15 @@ fn apply_sample(policy: &Policy, track: &mut Track, now: Moment, sample: Sample)
 fn findings(track: &mut Track, now: Moment, sample: &Sample) -> Vec<Finding> {
     let mut found = Vec::new();
 
+    if std::mem::take(&mut track.recovery_action_changed) && sample.recovery_action.is_none() {
+        found.push(Finding::degraded(
+            ReasonCode::Xid,
+            format!(
+                "{}, but the recovery action cannot be read",
+                describe_xid(XID_RECOVERY_ACTION_CHANGED)
+            ),
+        ));
+    }
     if let Some(action) = sample.recovery_action.filter(|&action| action != 0) {
         found.push(Finding::unhealthy(
             ReasonCode::RecoveryAction,

@@ -807,3 +807,47 @@ fn samples_with_every_core_reading_failed_go_stale() {
     assert!(!back.reason_codes().contains(&ReasonCode::StaleSample));
     assert_ne!(back.state, GpuState::Unhealthy);
 }
+
+#[test]
+fn xid_154_is_judged_by_the_recovery_action_it_announces() {
+    // Readable and zero: nothing to do.
+    let mut run = Run::new();
+    run.sample(healthy_sample());
+    assert_eq!(run.xid(Some(154)).state, GpuState::Healthy);
+    assert_eq!(run.sample(healthy_sample()).state, GpuState::Healthy);
+
+    // Readable and non-zero: the recovery-action rule decides.
+    let mut run = Run::new();
+    run.sample(healthy_sample());
+    run.xid(Some(154));
+    let asks = run.sample(Sample {
+        recovery_action: Some(1),
+        ..healthy_sample()
+    });
+    assert_eq!(asks.reason_codes(), vec![ReasonCode::RecoveryAction]);
+
+    // Unreadable: degraded, as any other XID, and cleared the same way.
+    let no_field = || Sample {
+        recovery_action: None,
+        ..healthy_sample()
+    };
+    let mut run = Run::new();
+    run.sample(no_field());
+    assert_eq!(
+        run.xid(Some(154)).state,
+        GpuState::Healthy,
+        "judged by the next sample"
+    );
+    let health = run.sample(no_field());
+    assert_eq!(health.state, GpuState::Degraded);
+    assert_eq!(health.reason_codes(), vec![ReasonCode::Xid]);
+    assert!(
+        health.reasons[0].detail.contains("XID 154"),
+        "{:?}",
+        health.reasons
+    );
+    assert_eq!(
+        run.healthy_for(Duration::from_secs(300)).state,
+        GpuState::Healthy
+    );
+}
