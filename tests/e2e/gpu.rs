@@ -88,3 +88,42 @@ async fn a_gpu_that_falls_off_the_bus_makes_the_sidecar_unready() {
     assert!(metrics.contains("hw_status{"), "{metrics}");
     assert!(metrics.contains("hw_state=\"failed\""), "{metrics}");
 }
+
+#[test]
+fn outrigger_gpu_applies_the_gpu_section_of_its_config() {
+    let lib = stub();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(outrigger_bin())
+            .arg("gpu")
+            .args(args)
+            .env("OUTRIGGER_NVML_STUB_SCENARIO", "healthy")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        (out.status.code(), stdout)
+    };
+    let lib_arg = lib.display().to_string();
+
+    // The stub's two healthy GPUs, with the defaults.
+    let (code, text) = run(&["--nvml-library", &lib_arg]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(!text.contains("gpu_missing"), "{text}");
+
+    // The config names the library and expects three GPUs: one is missing.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("outrigger.toml");
+    std::fs::write(
+        &config,
+        format!("[gpu]\nlibrary = {lib_arg:?}\nexpected_count = 3\n"),
+    )
+    .unwrap();
+    let (code, text) = run(&["--config", &config.display().to_string()]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("gpu_missing"), "{text}");
+    assert!(text.contains("2 GPU(s) visible, 3 expected"), "{text}");
+
+    // A config with a problem is refused, as `serve` would refuse it.
+    std::fs::write(&config, "[gpu]\nsample_interval = \"0s\"\n").unwrap();
+    let (code, _) = run(&["--config", &config.display().to_string()]);
+    assert_eq!(code, Some(2));
+}

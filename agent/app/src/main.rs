@@ -129,7 +129,7 @@ fn main() -> ExitCode {
         }
         Command::Journal { command } => audit::run(command),
         Command::Policy { command } => tools_cli::policy(command),
-        Command::Gpu(args) => tools_cli::gpu(args),
+        Command::Gpu(args) => tools_cli::gpu(args, &env),
         Command::Drill(args) => drill::run(args),
         Command::CompilePolicyChild { args } => {
             let code = outrigger_policy::compile_child(&args);
