@@ -319,7 +319,8 @@ pub enum Told {
     /// Definitely not executed (the sidecar refused before sending, or the tool
     /// refused without effect).
     NotDone,
-    /// Unknown: the call may or may not have taken effect.
+    /// Unknown: the call may or may not have taken effect, or is still running
+    /// (`409 request-in-progress`: another request with the key has not finished).
     Unknown,
 }
 
@@ -327,15 +328,19 @@ impl ToolSeen {
     pub fn told(&self) -> Told {
         match (self.status, self.problem.as_deref()) {
             (Some(s), _) if (200..300).contains(&s) => Told::Done,
+            // Refusals the sidecar answers before anything is sent (the slugs of
+            // `outrigger_proxy::error`). Not `request-in-progress`: that call is
+            // running, and its effect may already have happened.
             (
                 Some(_),
                 Some(
                     "journal-unavailable"
+                    | "journal-error"
                     | "key-reused"
                     | "invalid-request"
+                    | "malformed-json"
                     | "bad-header"
-                    | "missing-key"
-                    | "request-in-progress",
+                    | "missing-idempotency-key",
                 ),
             ) => Told::NotDone,
             _ => Told::Unknown,
@@ -702,5 +707,14 @@ mod tests {
         );
         assert_eq!(seen(None, None).told(), Told::Unknown);
         assert_eq!(seen(Some(500), None).told(), Told::Unknown);
+        assert_eq!(
+            seen(Some(400), Some("missing-idempotency-key")).told(),
+            Told::NotDone
+        );
+        // The call with the key is still running: it may take effect yet.
+        assert_eq!(
+            seen(Some(409), Some("request-in-progress")).told(),
+            Told::Unknown
+        );
     }
 }
