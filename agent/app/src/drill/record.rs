@@ -275,6 +275,14 @@ impl Record {
         });
     }
 
+    /// The exactly-once books of the scenario; their duplicates are also the
+    /// in-flight outcomes' `duplicated_effects`.
+    pub fn set_consistency(&mut self, consistency: Consistency) {
+        self.inflight_outcomes.duplicated_effects =
+            u32::try_from(consistency.duplicated).unwrap_or(u32::MAX);
+        self.consistency = consistency;
+    }
+
     pub fn skip(&mut self, why: impl Into<String>) {
         self.verdict = Verdict::Skipped;
         self.skipped_reason = Some(why.into());
@@ -720,6 +728,21 @@ mod tests {
         r.signal("outrigger_faults_active = 1", true, None, true);
         r.conclude();
         assert_eq!(r.verdict, Verdict::Fail);
+    }
+
+    #[test]
+    fn duplicated_effects_come_from_the_ledger_and_fail_the_record() {
+        let mut r = clean();
+        r.set_consistency(Consistency {
+            duplicated: 2,
+            ..Consistency::default()
+        });
+        assert_eq!(r.inflight_outcomes.duplicated_effects, 2);
+        r.conclude();
+        assert_eq!(r.verdict, Verdict::Fail);
+        assert!(r.markdown().contains("2 duplicated effect(s)"));
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["inflight_outcomes"]["duplicated_effects"], 2);
     }
 
     #[test]

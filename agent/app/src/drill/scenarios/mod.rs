@@ -634,7 +634,7 @@ impl<'d> Run<'d> {
             tokens_provider: usage.values().sum(),
             incomplete_requests: incomplete,
         };
-        self.record.consistency = consistency;
+        self.record.set_consistency(consistency);
         self.record.traffic = by_bucket;
         let sent: u64 = self.record.traffic.values().sum();
         self.record.traffic.insert("sent".to_owned(), sent);
