@@ -525,47 +525,15 @@ impl<'d> Run<'d> {
                         + report["tokens_out"].as_u64().unwrap_or(0);
                     let base = self.task_token_base.get(task).copied().unwrap_or(0);
                     tokens_tasks += tokens.saturating_sub(base);
-                    let faults = report["faults"]
-                        .as_object()
-                        .map(|m| m.values().filter_map(Value::as_u64).sum::<u64>())
-                        .unwrap_or(0);
                     let (streams, unknown) = faults_seen
                         .get(task)
                         .map(|(s, keys)| (*s, keys.len() as u64))
                         .unwrap_or((0, 0));
-                    for (kind, charged, seen, what) in [
-                        (
-                            "stream_interrupted",
-                            &report["faults"]["stream_interrupted"],
-                            streams,
-                            "stream(s) ended by the typed interruption event",
-                        ),
-                        (
-                            "tool_in_doubt",
-                            &report["faults"]["tool_in_doubt"],
-                            unknown,
-                            "tool-call key(s) answered with an unknown outcome",
-                        ),
-                    ] {
-                        let charged = charged.as_u64().unwrap_or(0);
-                        if charged != seen && !self.metrics_restarted {
-                            self.record.warnings.push(format!(
-                                "task {task}: the tracker charged {charged} {kind} fault(s) for \
-                                 {seen} {what}"
-                            ));
-                        }
-                    }
-                    let recovery = &report["recovery"];
-                    if faults > 0 {
-                        verdicts.push(json!({"task": task, "faults": report["faults"],
-                            "recovered": recovery["succeeded"], "reason": recovery["reason"]}));
-                        if recovery["succeeded"] != true {
-                            self.record.violations.push(format!(
-                                "task {task} had {faults} fault(s) and did not recover: {}",
-                                recovery["reason"].as_str().unwrap_or("no verdict")
-                            ));
-                        }
-                    }
+                    let judged =
+                        judge_task_end(task, &report, streams, unknown, self.metrics_restarted);
+                    self.record.violations.extend(judged.violations);
+                    self.record.warnings.extend(judged.warnings);
+                    verdicts.extend(judged.verdict);
                 }
                 Err(e) if self.metrics_restarted && e.contains("unknown-task") => {
                     self.record.warnings.push(format!(
@@ -673,6 +641,72 @@ impl<'d> Run<'d> {
     }
 }
 
+/// What a task's end report says against what the agent saw of the task.
+#[derive(Debug, Default)]
+struct TaskJudged {
+    violations: Vec<String>,
+    warnings: Vec<String>,
+    /// The task's recovery verdict, when it had faults to recover from.
+    verdict: Option<Value>,
+}
+
+/// Judges `POST /v1/tasks/{task}/end`'s `report`: the tracker must charge at least
+/// the faults the agent saw (`streams` typed interruptions, `unknown` tool-call keys
+/// answered with an unknown outcome; a restart loses the dead process's counts, so
+/// then the comparison is not made), and a task with faults must have recovered.
+fn judge_task_end(
+    task: &str,
+    report: &Value,
+    streams: u64,
+    unknown: u64,
+    restarted: bool,
+) -> TaskJudged {
+    let mut out = TaskJudged::default();
+    let faults = report["faults"]
+        .as_object()
+        .map(|m| m.values().filter_map(Value::as_u64).sum::<u64>())
+        .unwrap_or(0);
+    for (kind, seen, what) in [
+        (
+            "stream_interrupted",
+            streams,
+            "stream(s) ended by the typed interruption event",
+        ),
+        (
+            "tool_in_doubt",
+            unknown,
+            "tool-call key(s) answered with an unknown outcome",
+        ),
+    ] {
+        if restarted {
+            continue;
+        }
+        let charged = report["faults"][kind].as_u64().unwrap_or(0);
+        let text =
+            format!("task {task}: the tracker charged {charged} {kind} fault(s) for {seen} {what}");
+        // More charges than keys is possible (a key answered "unknown" twice is two
+        // calls in doubt); fewer means faults the agent met went uncounted.
+        if charged < seen {
+            out.violations.push(text);
+        } else if charged > seen {
+            out.warnings.push(text);
+        }
+    }
+    if faults > 0 || streams + unknown > 0 {
+        let recovery = &report["recovery"];
+        out.verdict = Some(json!({"task": task, "faults": report["faults"],
+            "recovered": recovery["succeeded"], "reason": recovery["reason"]}));
+        if recovery["succeeded"] != true {
+            out.violations.push(format!(
+                "task {task} had {} fault(s) and did not recover: {}",
+                faults.max(streams + unknown),
+                recovery["reason"].as_str().unwrap_or("no verdict")
+            ));
+        }
+    }
+    out
+}
+
 fn add(into: &mut SloCounts, other: &SloCounts) {
     into.good += other.good;
     if into.target == 0.0 {
@@ -737,6 +771,36 @@ mod tests {
         assert!((jain(&[1.0, 0.0, 0.0, 0.0]) - 0.25).abs() < 1e-9);
         assert!((jain(&[0.0, 1.0, 1.0, 1.0]) - 0.75).abs() < 1e-9);
         assert_eq!(jain(&[0.0, 0.0]), 1.0);
+    }
+
+    #[test]
+    fn a_task_end_is_held_to_the_faults_the_agent_saw() {
+        let report = |interrupted: u64, in_doubt: u64, recovered: bool| {
+            json!({"faults": {"stream_interrupted": interrupted, "tool_in_doubt": in_doubt,
+                              "sidecar_restarts": 0, "agent_replays": 0},
+                   "recovery": {"succeeded": recovered, "reason": "why"}})
+        };
+        // Charged what the agent saw, and recovered: clean.
+        let j = judge_task_end("t", &report(2, 1, true), 2, 1, false);
+        assert!(j.violations.is_empty() && j.warnings.is_empty(), "{j:?}");
+        assert!(j.verdict.is_some());
+        // Charged fewer than seen: the tracker lost faults, and with none charged the
+        // recovery verdict is still required.
+        let j = judge_task_end("t", &report(0, 0, false), 1, 0, false);
+        assert_eq!(j.violations.len(), 2, "{j:?}");
+        assert!(j.violations[0].contains("charged 0 stream_interrupted fault(s) for 1"));
+        assert!(j.violations[1].contains("did not recover"));
+        // Charged more than seen: a warning.
+        let j = judge_task_end("t", &report(0, 3, true), 0, 2, false);
+        assert!(j.violations.is_empty(), "{j:?}");
+        assert_eq!(j.warnings.len(), 1);
+        // Across a restart the counts are not comparable; the verdict still is.
+        let j = judge_task_end("t", &report(0, 0, false), 2, 0, true);
+        assert_eq!(j.violations.len(), 1, "{j:?}");
+        assert!(j.violations[0].contains("did not recover"));
+        // No fault at all: nothing to judge.
+        let j = judge_task_end("t", &report(0, 0, false), 0, 0, false);
+        assert!(j.violations.is_empty() && j.verdict.is_none(), "{j:?}");
     }
 
     #[test]
