@@ -319,3 +319,56 @@ async fn a_keyed_tool_that_ignores_the_key_fails_the_tool_reset_drill() {
     let summary = std::fs::read_to_string(out.join("summary.md")).expect("summary");
     assert!(summary.contains("fail"), "{summary}");
 }
+
+/// A tool whose status endpoint cannot say whether a key took effect: the drill
+/// still judges it from the journal, and says in the record which checks it could
+/// not make rather than passing silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_that_cannot_report_its_effects_is_a_stated_skip() {
+    let model = MockProvider::start(Behaviour::default())
+        .await
+        .expect("provider");
+    let payments = MockTool::start(ToolBehaviour::default())
+        .await
+        .expect("payments tool");
+    let ledger = MockTool::start(ToolBehaviour {
+        dedupe: true,
+        ..ToolBehaviour::default()
+    })
+    .await
+    .expect("ledger tool");
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config_path = dir.path().join("outrigger.toml");
+    let text = config(&model.openai_base(), &payments.url(), &ledger.url()).replace(
+        "class = \"keyed\"",
+        "class = \"keyed\"\nprobe_path = \"/no-status-here/{key}\"",
+    );
+    std::fs::write(&config_path, text).expect("write config");
+    let out = dir.path().join("records");
+    let run = drill(vec![
+        "--scenario".into(),
+        "tool_reset_after_effect".into(),
+        "--config".into(),
+        config_path.display().to_string(),
+        "--out".into(),
+        out.display().to_string(),
+    ])
+    .await;
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(0), "{stderr}");
+    let record = read_json(&out.join("tool_reset_after_effect.json"));
+    assert_eq!(record["verdict"], "pass", "{record:#}");
+    let skipped = record["skipped_checks"].to_string();
+    assert!(
+        skipped.contains("tool ledger") && skipped.contains("/no-status-here/{key}"),
+        "{record:#}"
+    );
+    assert!(
+        !skipped.contains("tool payments"),
+        "payments reports its effects: {skipped}"
+    );
+    let md = std::fs::read_to_string(out.join("tool_reset_after_effect.md")).expect("markdown");
+    assert!(md.contains("## Checks not made"), "{md}");
+    let summary = std::fs::read_to_string(out.join("summary.md")).expect("summary");
+    assert!(summary.contains("check(s) not made"), "{summary}");
+}

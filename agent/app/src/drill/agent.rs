@@ -576,8 +576,12 @@ impl Agent {
     }
 
     /// Asks the tool itself (not through the sidecar) whether `key`'s effect
-    /// happened: `Some(body)` yes, `None` no; `Err` when it cannot say.
-    pub async fn tool_status(&self, tool: &ToolPlan, key: &str) -> Result<Option<Value>, String> {
+    /// happened: `Some(body)` yes, `None` no; `Err` when it did not say.
+    pub async fn tool_status(
+        &self,
+        tool: &ToolPlan,
+        key: &str,
+    ) -> Result<Option<Value>, StatusError> {
         let url = format!(
             "{}{}",
             tool.base_url,
@@ -585,16 +589,41 @@ impl Agent {
         );
         let mut call = Call::new(Method::GET, url.clone());
         call.timeout = Duration::from_secs(5);
-        let reply = self
-            .http
-            .send(call)
-            .await
-            .map_err(|e| format!("GET {url}: {e}"))?;
+        let reply = self.http.send(call).await.map_err(|e| StatusError {
+            status: None,
+            detail: format!("GET {url}: {e}"),
+        })?;
         match reply.status.as_u16() {
             200..=299 => Ok(Some(reply.json())),
             404 => Ok(None),
-            other => Err(format!("GET {url} answered {other}")),
+            other => Err(StatusError {
+                status: Some(other),
+                detail: format!("GET {url} answered {other}"),
+            }),
         }
+    }
+}
+
+/// A tool's status endpoint that did not answer yes (2xx) or no (404).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusError {
+    /// `None`: no answer (connection refused, timeout).
+    pub status: Option<u16>,
+    pub detail: String,
+}
+
+impl StatusError {
+    /// The tool has no such endpoint (another 4xx, or 501): it cannot say, which is
+    /// not a failure to ask it. Anything else (no answer, a 5xx) is.
+    pub fn unsupported(&self) -> bool {
+        self.status
+            .is_some_and(|s| (400..500).contains(&s) || s == 501)
+    }
+}
+
+impl std::fmt::Display for StatusError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.detail)
     }
 }
 

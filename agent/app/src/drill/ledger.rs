@@ -16,7 +16,7 @@ use outrigger_types::ToolClass;
 use serde_json::Value;
 
 use super::agent::{Agent, Told, ToolSeen};
-use super::http::Admin;
+use super::http::{Admin, Failed, Reply};
 use super::record::{ClassTally, Consistency};
 use super::setup::ToolPlan;
 
@@ -128,6 +128,19 @@ fn disagreement(answer: &Value, status: &Value) -> Option<String> {
         .map(|(k, _)| k.clone())
 }
 
+/// The journal's answer to `GET /v1/journal/{tool}/{key}` (`path`): the record,
+/// `None` when the journal holds none for the key (404 `unknown-key`); `Err` when
+/// the journal could not be asked (no answer, any other status).
+pub fn journal_record(path: &str, reply: Result<Reply, Failed>) -> Result<Option<Value>, String> {
+    let reply = reply.map_err(|e| format!("GET {path}: {e}"))?;
+    let body = reply.json();
+    match reply.status.as_u16() {
+        200..=299 if body.is_object() => Ok(Some(body)),
+        404 if body["type"] == "urn:outrigger:problem:unknown-key" => Ok(None),
+        status => Err(format!("GET {path} answered {status} {}", reply.text())),
+    }
+}
+
 /// Checks every key of `calls` (the agent's tool calls, in order).
 pub async fn check(
     agent: &Agent,
@@ -148,13 +161,28 @@ pub async fn check(
     let mut any_status = false;
     for ((tool_name, key), answers) in keys {
         let plan = tools.iter().find(|t| t.name == tool_name);
-        let record = admin
-            .get_json(&format!("/v1/journal/{tool_name}/{key}"))
-            .await
-            .ok();
+        let path = format!("/v1/journal/{tool_name}/{key}");
+        let record = match journal_record(&path, admin.get(&path).await) {
+            Ok(record) => record,
+            Err(e) => {
+                details.push(format!(
+                    "{tool_name}/{key}: the journal could not be asked what the key ended as: {e}"
+                ));
+                continue;
+            }
+        };
         let status = match plan {
             Some(p) if status_supported.get(&p.name).copied().unwrap_or(false) => {
-                agent.tool_status(p, &key).await.ok()
+                match agent.tool_status(p, &key).await {
+                    Ok(status) => Some(status),
+                    Err(e) => {
+                        details.push(format!(
+                            "{tool_name}/{key}: the tool could not be asked whether the key \
+                             took effect: {e}"
+                        ));
+                        continue;
+                    }
+                }
             }
             _ => None,
         };
@@ -308,6 +336,44 @@ mod tests {
         for (facts, want) in cases {
             assert_eq!(judge(&facts), want, "{:?}", facts.answers);
         }
+    }
+
+    #[test]
+    fn a_journal_that_cannot_answer_is_not_a_key_without_a_record() {
+        let reply = |status: u16, body: Value| {
+            Ok(Reply {
+                status: http::StatusCode::from_u16(status).unwrap(),
+                headers: http::HeaderMap::new(),
+                body: body.to_string().into(),
+                elapsed: std::time::Duration::ZERO,
+                body_error: None,
+            })
+        };
+        let path = "/v1/journal/t/k";
+        assert_eq!(
+            journal_record(path, reply(200, json!({"state": "completed"}))),
+            Ok(Some(json!({"state": "completed"})))
+        );
+        assert_eq!(
+            journal_record(
+                path,
+                reply(404, json!({"type": "urn:outrigger:problem:unknown-key"}))
+            ),
+            Ok(None)
+        );
+        let unavailable = journal_record(
+            path,
+            reply(503, json!({"type": "urn:outrigger:problem:journal-error"})),
+        );
+        assert!(unavailable.unwrap_err().contains("503"));
+        let timeout = journal_record(
+            path,
+            Err(Failed {
+                detail: "no response head within 10s".into(),
+                after: std::time::Duration::from_secs(10),
+            }),
+        );
+        assert!(timeout.unwrap_err().contains("no response head"));
     }
 
     #[test]

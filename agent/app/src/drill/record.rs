@@ -212,6 +212,9 @@ pub struct Record {
     pub violations: Vec<String>,
     /// Contract gaps seen that are not pass criteria of this scenario.
     pub warnings: Vec<String>,
+    /// Checks the drill could not make against this configuration, and why (a tool
+    /// that cannot report its effects by key): the verdict does not rest on them.
+    pub skipped_checks: Vec<String>,
     pub duration_s: f64,
 }
 
@@ -247,6 +250,7 @@ impl Record {
             skipped_reason: None,
             violations: Vec::new(),
             warnings: Vec::new(),
+            skipped_checks: Vec::new(),
             duration_s: 0.0,
         }
     }
@@ -463,6 +467,13 @@ impl Record {
             }
             let _ = writeln!(s);
         }
+        if !self.skipped_checks.is_empty() {
+            let _ = writeln!(s, "## Checks not made\n");
+            for c in &self.skipped_checks {
+                let _ = writeln!(s, "- {c}");
+            }
+            let _ = writeln!(s);
+        }
         let _ = writeln!(s, "## Timeline (from t0)\n\n| event | at |\n| --- | --- |");
         for (name, at) in [
             ("fault injected", self.t_fault_injected_ms),
@@ -616,6 +627,12 @@ pub fn summary(records: &[Record]) -> String {
                 format!("{v} (+{} more)", r.violations.len() - 1)
             }
             (None, Some(v)) => v.clone(),
+            (None, None) if !r.skipped_checks.is_empty() => {
+                format!(
+                    "{} check(s) not made (see the record)",
+                    r.skipped_checks.len()
+                )
+            }
             (None, None) => String::new(),
         };
         let _ = writeln!(
@@ -746,6 +763,17 @@ mod tests {
     }
 
     #[test]
+    fn checks_not_made_are_stated_in_the_record_and_the_summary() {
+        let mut r = clean();
+        r.skipped_checks
+            .push("tool t: GET /status/{key} does not report effects by key".into());
+        r.conclude();
+        assert_eq!(r.verdict, Verdict::Pass);
+        assert!(r.markdown().contains("## Checks not made"));
+        assert!(summary(&[r]).contains("1 check(s) not made"));
+    }
+
+    #[test]
     fn a_skipped_record_stays_skipped_and_renders() {
         let mut r = clean();
         r.skip("needs --nvml-stub");
@@ -783,6 +811,7 @@ mod tests {
             "negative_checks",
             "verdict",
             "violations",
+            "skipped_checks",
         ] {
             assert!(v.get(field).is_some(), "{field} missing");
         }

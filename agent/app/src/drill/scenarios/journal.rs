@@ -91,13 +91,18 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
                 .copied()
                 .unwrap_or(false)
             {
-                let status = run.agent.tool_status(tool, &key).await;
-                run.record.check(matches!(status, Ok(None)), || {
-                    format!(
+                match run.agent.tool_status(tool, &key).await {
+                    Ok(None) => {}
+                    Ok(Some(_)) => run.record.violations.push(format!(
                         "{}/{key}: the tool reports an effect for a call the journal refused",
                         tool.name
-                    )
-                });
+                    )),
+                    Err(e) => run.record.violations.push(format!(
+                        "{}/{key}: the tool could not be asked whether a refused call took \
+                         effect: {e}",
+                        tool.name
+                    )),
+                }
             }
             refused.push((tool.clone(), key, task.clone()));
         }

@@ -18,7 +18,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use super::Error;
-use super::agent::{Agent, Told, ToolSeen};
+use super::agent::{Agent, StatusError, Told, ToolSeen};
 use super::child::{Launch, Sidecar};
 use super::http::{Admin, Http};
 use super::observe::{self, Exposition, Look, SloCounts, Watcher};
@@ -315,25 +315,31 @@ impl<'d> Run<'d> {
     }
 
     /// Learns whether `tool`'s status endpoint reports effects by key, from a key the
-    /// agent was told is done and one never used.
+    /// agent was told is done and one never used. A tool that cannot say is a stated
+    /// skip of the tool-side checks; one that could not be asked is a violation.
     pub async fn calibrate(&mut self, tool: &ToolPlan, done_key: &str) {
         if self.status_supported.contains_key(&tool.name) {
             return;
         }
         let present = self.agent.tool_status(tool, done_key).await;
         let absent = self.agent.tool_status(tool, &self.key("never-used")).await;
-        let supported = matches!((&present, &absent), (Ok(Some(_)), Ok(None)));
-        if !supported {
-            self.record.warnings.push(format!(
-                "tool {}: GET {} does not report effects by key (done key: {}, unused key: {}); \
-                 its effects are judged from the journal only",
-                tool.name,
-                tool.status_path,
-                describe_status(&present),
-                describe_status(&absent)
-            ));
+        let support = status_support(&present, &absent);
+        match &support {
+            StatusSupport::Supported => {}
+            StatusSupport::Unsupported(why) => self.record.skipped_checks.push(format!(
+                "tool {}: GET {} does not report effects by key ({why}): lost, duplicated and \
+                 unexpected effects of its calls are judged from the journal and the agent's \
+                 answers only, not from the tool",
+                tool.name, tool.status_path
+            )),
+            StatusSupport::Failed(why) => self.record.violations.push(format!(
+                "tool {}: its status endpoint could not be asked whether effects happened \
+                 ({why}), so its effects were not checked",
+                tool.name
+            )),
         }
-        self.status_supported.insert(tool.name.clone(), supported);
+        self.status_supported
+            .insert(tool.name.clone(), support == StatusSupport::Supported);
     }
 
     /// A tool call that must be done (a baseline); calibrates the tool's status.
@@ -416,7 +422,14 @@ impl<'d> Run<'d> {
                 json!({"action": "retry", "actor": "outrigger-drill",
                        "reason": "the tool's status endpoint reports no effect for this key"}),
             ),
-            Err(_) => return None,
+            Err(e) => {
+                self.record.violations.push(format!(
+                    "{}/{key}: the tool could not be asked whether the call took effect, so \
+                     the operator could not resolve it: {e}",
+                    tool.name
+                ));
+                return None;
+            }
         };
         match self
             .admin
@@ -541,21 +554,31 @@ impl<'d> Run<'d> {
                          10 s before the kill, and open tasks are persisted only every 10 s"
                     ))
                 }
+                // Its recovery verdict and fault counts could not be checked.
                 Err(e) => self
                     .record
-                    .warnings
+                    .violations
                     .push(format!("task {task} could not be ended: {e}")),
             }
             // Every page of the task's records (a page holds at most `MAX_PAGE`).
             let mut after = String::new();
-            while let Ok(j) = self
-                .admin
-                .get_json(&format!(
-                    "/v1/journal?task={task}&limit={}{after}",
-                    crate::admin::MAX_PAGE
-                ))
-                .await
-            {
+            loop {
+                let page = self
+                    .admin
+                    .get_json(&format!(
+                        "/v1/journal?task={task}&limit={}{after}",
+                        crate::admin::MAX_PAGE
+                    ))
+                    .await;
+                let j = match page {
+                    Ok(j) => j,
+                    Err(e) => {
+                        self.record.violations.push(format!(
+                            "the journal records of task {task} could not be counted: {e}"
+                        ));
+                        break;
+                    }
+                };
                 journal_entries += j["count"].as_u64().unwrap_or(0);
                 match j["next"].as_str() {
                     // A slot number: nothing to escape.
@@ -578,7 +601,17 @@ impl<'d> Run<'d> {
         .await;
         self.record.violations.extend(details);
         consistency.journal_entries = journal_entries;
-        let after = observe::scrape(&self.admin).await.ok();
+        let after = match observe::scrape(&self.admin).await {
+            Ok(after) => Some(after),
+            Err(e) => {
+                if !self.metrics_restarted {
+                    self.record.violations.push(format!(
+                        "metering against /metrics could not be checked: {e}"
+                    ));
+                }
+                None
+            }
+        };
         let token_sum = |e: &Exposition| {
             e.sum(
                 &format!(
@@ -727,11 +760,34 @@ fn sub(from: &mut SloCounts, other: &SloCounts) {
     from.bad_by_cause.retain(|_, n| *n > 0);
 }
 
-fn describe_status(s: &Result<Option<Value>, String>) -> String {
-    match s {
+/// What a tool's status endpoint said of a done key and of an unused one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum StatusSupport {
+    /// Yes for the done key, no for the unused one.
+    Supported,
+    /// It cannot say (no such endpoint, or the same answer for both).
+    Unsupported(String),
+    /// It could not be asked (no answer, a server error).
+    Failed(String),
+}
+
+fn status_support(
+    present: &Result<Option<Value>, StatusError>,
+    absent: &Result<Option<Value>, StatusError>,
+) -> StatusSupport {
+    let describe = |s: &Result<Option<Value>, StatusError>| match s {
         Ok(Some(_)) => "2xx".to_owned(),
         Ok(None) => "404".to_owned(),
-        Err(e) => e.clone(),
+        Err(e) => e.detail.clone(),
+    };
+    match (present, absent) {
+        (Ok(Some(_)), Ok(None)) => StatusSupport::Supported,
+        (Err(e), _) | (_, Err(e)) if !e.unsupported() => StatusSupport::Failed(e.detail.clone()),
+        _ => StatusSupport::Unsupported(format!(
+            "done key: {}, unused key: {}",
+            describe(present),
+            describe(absent)
+        )),
     }
 }
 
@@ -801,6 +857,36 @@ mod tests {
         // No fault at all: nothing to judge.
         let j = judge_task_end("t", &report(0, 0, false), 0, 0, false);
         assert!(j.violations.is_empty() && j.verdict.is_none(), "{j:?}");
+    }
+
+    #[test]
+    fn a_status_endpoint_supports_says_it_cannot_or_fails() {
+        let err = |status: Option<u16>| {
+            Err(StatusError {
+                status,
+                detail: format!("answered {status:?}"),
+            })
+        };
+        let yes = Ok(Some(json!({"effect": 1})));
+        assert_eq!(status_support(&yes, &Ok(None)), StatusSupport::Supported);
+        // No status endpoint: a stated skip.
+        assert!(matches!(
+            status_support(&Ok(None), &Ok(None)),
+            StatusSupport::Unsupported(_)
+        ));
+        assert!(matches!(
+            status_support(&err(Some(405)), &err(Some(405))),
+            StatusSupport::Unsupported(_)
+        ));
+        // Not answered, or a server error: the check could not be made.
+        assert!(matches!(
+            status_support(&err(Some(503)), &Ok(None)),
+            StatusSupport::Failed(_)
+        ));
+        assert!(matches!(
+            status_support(&yes, &err(None)),
+            StatusSupport::Failed(_)
+        ));
     }
 
     #[test]
