@@ -130,8 +130,10 @@ async fn every_scenario_passes_against_mocks_and_leaves_a_record() {
         Some(0),
         "drill failed:\n{stderr}\n{summary}"
     );
+    // About 8 s on an idle 2-core machine; the bound catches a drill that hangs,
+    // with room for a machine loaded by the rest of the suite.
     assert!(
-        took < Duration::from_secs(60),
+        took < Duration::from_secs(120),
         "the whole drill took {took:?}"
     );
 

@@ -25,6 +25,11 @@ use crate::drill::agent::{ModelAsk, Told};
 use crate::drill::observe::ms;
 
 const STREAMS: usize = 2;
+/// The streams in flight at the kill: far longer than the drill takes to reach the
+/// kill on a loaded machine (the kill ends them anyway). Their retries after the
+/// restart ask for a short answer (`RETRY_MOCK`): same body, same task, same key.
+const LONG_MOCK: &str = "chunks=3000,delay_ms=10";
+const RETRY_MOCK: &str = "chunks=40,delay_ms=2";
 /// The task tracker saves a changed task at once and then at most once per 100 ms
 /// (`serve`'s books); a change older than that, with a margin, survives a kill.
 const SAVE_WINDOW_WITH_MARGIN: Duration = Duration::from_millis(300);
@@ -86,12 +91,15 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
             stream: true,
             task: Some(task.clone()),
             prompt: run.prompt(&format!("long stream {i}")),
-            mock: Some("chunks=120,delay_ms=10".into()),
+            mock: Some(LONG_MOCK.into()),
             frames: Some(frames),
+            timeout: Some(Duration::from_secs(60)),
             ..ModelAsk::default()
         };
         stream_asks.push(ModelAsk {
             frames: None,
+            mock: Some(RETRY_MOCK.into()),
+            timeout: None,
             ..ask.clone()
         });
         let agent = run.agent.clone();
