@@ -189,6 +189,24 @@ async fn every_scenario_passes_against_mocks_and_leaves_a_record() {
         .map(|k| outcomes[k].as_u64().expect("count"))
         .sum();
         assert_eq!(at_fault, accounted, "{name}: {outcomes}");
+        // What each scenario must hold in flight when its fault strikes.
+        let inflight = &record["inflight_at_fault"];
+        match name {
+            "sidecar_restart" => {
+                assert_eq!(inflight["llm_streams"], 2, "{name}: {inflight}");
+                assert_eq!(inflight["tool_calls"], 2, "{name}: {inflight}");
+            }
+            "journal_write_failure" => {
+                assert!(
+                    inflight["llm_streams"].as_u64() > Some(0),
+                    "{name}: {inflight}"
+                )
+            }
+            "stream_cut_text" | "stream_cut_tool_call" => {
+                assert_eq!(inflight["llm_streams"], 4, "{name}: {inflight}")
+            }
+            _ => {}
+        }
         assert_eq!(outcomes["duplicated_effects"], 0, "{name}");
         for check in record["negative_checks"].as_array().expect("checks") {
             if check["required"] == true {

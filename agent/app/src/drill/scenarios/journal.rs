@@ -45,7 +45,7 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
             stream: true,
             task: Some(stream_task.clone()),
             prompt: run.prompt(&format!("in flight {i}")),
-            mock: Some("chunks=40,delay_ms=10".into()),
+            mock: Some("chunks=100,delay_ms=10".into()),
             frames: Some(frames),
             ..ModelAsk::default()
         };
@@ -63,7 +63,23 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
     run.faults(fault).await?;
     let injected = run.now_ms();
     run.record.t_fault_injected_ms = Some(injected);
-    run.record.inflight_at_fault.llm_streams = STREAMS as u32;
+    // In flight at the fault: the streams that had not ended when it was in.
+    let running: Vec<bool> = streams.iter().map(|s| !s.is_finished()).collect();
+    run.record.figure(
+        "stream_frames_at_fault",
+        progress
+            .iter()
+            .map(|p| p.load(Ordering::Relaxed))
+            .collect::<Vec<_>>(),
+    );
+    let in_flight = running.iter().filter(|r| **r).count();
+    run.record.inflight_at_fault.llm_streams = in_flight as u32;
+    run.record.check(in_flight > 0, || {
+        format!(
+            "none of the {STREAMS} streams was still running when the journal failed: the \
+             drill could not check streams in flight"
+        )
+    });
 
     let mut refused = Vec::new();
     for tool in &tools {
@@ -152,18 +168,30 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
 
     let mut completed = 0u32;
     let mut broken = 0u32;
-    for s in streams {
-        match s.await {
-            Ok(seen) if seen.completed() => completed += 1,
+    for (s, running) in streams.into_iter().zip(running) {
+        let ok = match s.await {
+            Ok(seen) if seen.completed() => true,
             Ok(seen) => {
-                broken += 1;
                 run.record.violations.push(format!(
-                    "a stream in flight when the journal failed did not complete ({:?}, {:?}, \
-                     interrupted {})",
-                    seen.status, seen.error, seen.stream.interrupted
+                    "a stream {} did not complete ({:?}, {:?}, interrupted {})",
+                    if running {
+                        "in flight when the journal failed"
+                    } else {
+                        "that ended before the journal failed"
+                    },
+                    seen.status,
+                    seen.error,
+                    seen.stream.interrupted
                 ));
+                false
             }
-            Err(_) => broken += 1,
+            Err(_) => false,
+        };
+        // Only the streams in flight at the fault are its outcomes.
+        match (running, ok) {
+            (true, true) => completed += 1,
+            (true, false) => broken += 1,
+            (false, _) => {}
         }
     }
     run.record.inflight_outcomes.completed = completed;

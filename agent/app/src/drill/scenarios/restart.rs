@@ -12,7 +12,7 @@
 //! tracker's 100 ms save window), must survive the kill too.
 
 use std::sync::Arc;
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use outrigger_types::ToolClass;
@@ -134,13 +134,28 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
     run.record.check(journaled, || {
         "the in-flight tool calls were not journaled as dispatched within 5 s".into()
     });
-    run.record.inflight_at_fault.llm_streams = STREAMS as u32;
-    run.record.inflight_at_fault.tool_calls = pending.len() as u32;
+    // In flight at the kill: what has not ended by now (the kill follows at once).
+    let streams_running: Vec<bool> = streams.iter().map(|s| !s.is_finished()).collect();
+    let calls_running: Vec<bool> = calls.iter().map(|c| !c.is_finished()).collect();
+    let frames_at_kill: Vec<usize> = progress.iter().map(|p| p.load(Ordering::Relaxed)).collect();
+    let n_streams = streams_running.iter().filter(|r| **r).count();
+    let n_calls = calls_running.iter().filter(|r| **r).count();
+    run.record
+        .check(n_streams == STREAMS && n_calls == pending.len(), || {
+            format!(
+                "the drill could not hold its work in flight until the kill: {n_streams} of \
+             {STREAMS} stream(s) and {n_calls} of {} tool call(s) were still running",
+                pending.len()
+            )
+        });
+    run.record.inflight_at_fault.llm_streams = n_streams as u32;
+    run.record.inflight_at_fault.tool_calls = n_calls as u32;
+    run.record.figure("stream_frames_at_kill", &frames_at_kill);
     run.record.fault = crate::drill::record::Fault {
         kind: "sidecar_sigkill".into(),
         injector: "drill: SIGKILL to the sidecar process, then a restart on the same journal"
             .into(),
-        params: json!({"streams_in_flight": STREAMS, "tool_calls_in_flight": pending.len(),
+        params: json!({"streams_in_flight": n_streams, "tool_calls_in_flight": n_calls,
             "tool_calls_held_by": "a sidecar delay fault (5 s) between the journal and the tool"}),
     };
 
@@ -150,8 +165,10 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
     run.record
         .figure("downtime_ms", ready.saturating_sub(killed));
     let mut broke_at = Vec::new();
-    for s in streams {
-        if let Ok((at, seen)) = s.await {
+    for (s, running) in streams.into_iter().zip(&streams_running) {
+        if let Ok((at, seen)) = s.await
+            && *running
+        {
             run.record.check(!seen.completed(), || {
                 "a stream in flight completed although the sidecar was killed under it".into()
             });
@@ -200,13 +217,20 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
     // The streams are retried side by side while the tool calls settle.
     let stream_retries: Vec<_> = stream_asks
         .iter()
-        .map(|ask| {
+        .zip(&streams_running)
+        .filter(|(_, running)| **running)
+        .map(|(ask, _)| {
             let (agent, ask) = (run.agent.clone(), ask.clone());
             tokio::spawn(async move { agent.model(&ask).await })
         })
         .collect();
     let mut resolutions = Vec::new();
-    for (tool, key) in &pending {
+    let interrupted = pending
+        .iter()
+        .zip(&calls_running)
+        .filter(|(_, running)| **running)
+        .map(|(p, _)| p);
+    for (tool, key) in interrupted {
         let payload = run.payload(key);
         let mut seen = run.agent.tool(tool, key, &task, &payload, Some(5)).await;
         if seen.told() != Told::Done && tool.class == ToolClass::Unsafe {

@@ -84,8 +84,6 @@ pub async fn run(run: &mut Run<'_>, tool_call: bool) -> Result<(), Error> {
     run.faults(json!({"faults": [fault]})).await?;
     let injected = run.now_ms();
     run.record.t_fault_injected_ms = Some(injected);
-    // The cut strikes every stream sent under it: those are the fault's in-flight work.
-    run.record.inflight_at_fault.llm_streams = STREAMS as u32;
 
     let asks: Vec<ModelAsk> = (0..STREAMS)
         .map(|i| ask(run, run.task(&format!("s{i}")), &format!("stream {i}")))
@@ -100,20 +98,23 @@ pub async fn run(run: &mut Run<'_>, tool_call: bool) -> Result<(), Error> {
             (ms(sent.duration_since(t0) + seen.elapsed), seen)
         }));
     }
+    // The cut strikes every stream sent under it: those are the fault's in-flight
+    // work, and each is accounted for by what became of it.
+    run.record.inflight_at_fault.llm_streams = calls.len() as u32;
     let mut cut = Vec::new();
-    for c in calls {
-        if let Ok(x) = c.await {
-            cut.push(x);
+    for (i, c) in calls.into_iter().enumerate() {
+        if let Ok((at, seen)) = c.await {
+            cut.push((i, at, seen));
         }
     }
     run.record.t_detected_ms = cut
         .iter()
-        .filter(|(_, s)| s.stream.interrupted)
-        .map(|(at, _)| *at)
+        .filter(|(_, _, s)| s.stream.interrupted)
+        .map(|(_, at, _)| *at)
         .min();
     run.record.detection_source =
         Some("the sidecar's typed stream_interrupted event reached the agent".into());
-    for (i, (_, s)) in cut.iter().enumerate() {
+    for (i, _, s) in &cut {
         run.record.check(!s.completed(), || {
             format!("stream {i} was not cut: the fault did not strike it")
         });
@@ -144,10 +145,16 @@ pub async fn run(run: &mut Run<'_>, tool_call: bool) -> Result<(), Error> {
 
     run.faults(json!({"faults": []})).await?;
     run.record.t_fault_removed_ms = Some(run.now_ms());
+    let mut completed = 0u32;
     let mut retried = 0u32;
     let mut failed = 0u32;
-    for (i, a) in asks.iter().enumerate() {
-        let again = run.agent.model(a).await;
+    for (i, _, s) in &cut {
+        // Not cut (a violation above): nothing to retry.
+        if s.completed() {
+            completed += 1;
+            continue;
+        }
+        let again = run.agent.model(&asks[*i]).await;
         let whole = again.completed() && (!tool_call || again.stream.complete_tool_calls > 0);
         if whole {
             retried += 1;
@@ -162,12 +169,15 @@ pub async fn run(run: &mut Run<'_>, tool_call: bool) -> Result<(), Error> {
     if failed == 0 {
         run.record.t_recovered_ms = Some(run.now_ms());
     }
+    run.record.inflight_outcomes.completed = completed;
     run.record.inflight_outcomes.retried_safely = retried;
     run.record.inflight_outcomes.failed_to_client = failed;
     run.record.figure("after_events", after_events);
     run.record.figure(
         "events_before_cut",
-        cut.iter().map(|(_, s)| s.stream.events).collect::<Vec<_>>(),
+        cut.iter()
+            .map(|(_, _, s)| s.stream.events)
+            .collect::<Vec<_>>(),
     );
     Ok(())
 }
