@@ -791,15 +791,13 @@ fn status_support(
     }
 }
 
-/// Jain's fairness index over `xs`: 1 when all are equal, 1/n when one has all.
-pub fn jain(xs: &[f64]) -> f64 {
+/// Jain's fairness index over `xs`: 1 when all are equal, 1/n when one has all;
+/// `None` when there is nothing to share out (no values, or all zero: every task
+/// starved alike is not fairness).
+pub fn jain(xs: &[f64]) -> Option<f64> {
     let sum: f64 = xs.iter().sum();
     let squares: f64 = xs.iter().map(|x| x * x).sum();
-    if xs.is_empty() || squares == 0.0 {
-        1.0
-    } else {
-        sum * sum / (xs.len() as f64 * squares)
-    }
+    (squares > 0.0).then(|| sum * sum / (xs.len() as f64 * squares))
 }
 
 #[cfg(test)]
@@ -823,10 +821,12 @@ mod tests {
 
     #[test]
     fn jain_index_bounds() {
-        assert_eq!(jain(&[0.5, 0.5, 0.5, 0.5]), 1.0);
-        assert!((jain(&[1.0, 0.0, 0.0, 0.0]) - 0.25).abs() < 1e-9);
-        assert!((jain(&[0.0, 1.0, 1.0, 1.0]) - 0.75).abs() < 1e-9);
-        assert_eq!(jain(&[0.0, 0.0]), 1.0);
+        assert_eq!(jain(&[0.5, 0.5, 0.5, 0.5]), Some(1.0));
+        assert!((jain(&[1.0, 0.0, 0.0, 0.0]).unwrap() - 0.25).abs() < 1e-9);
+        assert!((jain(&[0.0, 1.0, 1.0, 1.0]).unwrap() - 0.75).abs() < 1e-9);
+        // Nobody served at all is not fair service.
+        assert_eq!(jain(&[0.0, 0.0]), None);
+        assert_eq!(jain(&[]), None);
     }
 
     #[test]
