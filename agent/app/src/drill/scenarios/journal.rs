@@ -2,8 +2,8 @@
 //! disk) while streams are in flight. Holds: side-effecting tool calls are refused
 //! (503, fail closed) and the tool shows nothing was executed; model calls keep
 //! working; the alert metric rises; and once the fault is removed the refused calls,
-//! retried with their keys, run exactly once. Readiness turns false while writes
-//! fail and returns by itself after.
+//! retried with their keys, run exactly once. Readiness turns false, naming the
+//! journal, while writes fail and returns by itself after.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,6 +14,7 @@ use serde_json::json;
 use super::Run;
 use crate::drill::Error;
 use crate::drill::agent::{ModelAsk, Told};
+use crate::drill::observe::Look;
 
 const KEYS_PER_TOOL: usize = 2;
 const STREAMS: usize = 2;
@@ -214,10 +215,10 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
     );
     let unready = run
         .watcher
-        .wait_for(injected, Duration::from_secs(3), |l| l.ready == Some(false))
+        .wait_for(injected, Duration::from_secs(3), journal_not_ready)
         .await;
     run.record.signal(
-        "/readyz flipped to not ready (journal not writable)",
+        "/readyz flipped to 503 naming the journal",
         true,
         unready,
         true,
@@ -255,6 +256,11 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
     Ok(())
 }
 
+/// `/readyz` not ready, and saying it is the journal (`journal: …`), not any reason.
+fn journal_not_ready(l: &Look) -> bool {
+    l.ready == Some(false) && l.reasons.iter().any(|r| r.starts_with("journal"))
+}
+
 /// Waits (bounded) until every stream has delivered `n` body frames.
 pub async fn wait_frames(progress: &[Arc<AtomicUsize>], n: usize) {
     for _ in 0..500 {
@@ -262,5 +268,31 @@ pub async fn wait_frames(progress: &[Arc<AtomicUsize>], n: usize) {
             return;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_must_name_the_journal() {
+        let look = |ready: Option<bool>, reasons: &[&str]| Look {
+            at_ms: 0,
+            ready,
+            reasons: reasons.iter().map(|r| r.to_string()).collect(),
+            metrics: None,
+        };
+        assert!(journal_not_ready(&look(
+            Some(false),
+            &["journal: writes are failing; side-effecting tool calls are refused"]
+        )));
+        assert!(!journal_not_ready(&look(
+            Some(false),
+            &["gpu: GPU 0 unhealthy"]
+        )));
+        assert!(!journal_not_ready(&look(Some(false), &[])));
+        assert!(!journal_not_ready(&look(None, &[])));
+        assert!(!journal_not_ready(&look(Some(true), &[])));
     }
 }
