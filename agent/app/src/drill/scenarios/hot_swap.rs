@@ -1,11 +1,12 @@
 //! `policy_hot_swap`: a new version of the retry component replaces the file in the
 //! policy directory while calls flow (5 % of attempts answered 503, so the retry
-//! hook decides throughout), and the operator asks for a reload. Holds: no call
-//! fails; the version changes and the old one is kept as `previous_version`; the
-//! swap is counted; and how long the swap took.
+//! hook decides throughout), and the operator asks for a reload. Holds: calls are in
+//! flight across the swap and the new version decides retries; no call fails; the
+//! version changes and the old one is kept as `previous_version`; the swap is
+//! counted; and how long the swap took.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -17,6 +18,9 @@ use crate::drill::agent::{ModelAsk, ModelSeen};
 use crate::drill::setup::tagged_component;
 
 const WORKERS: usize = 4;
+/// How long traffic may go on after the swap waiting for the new version's first
+/// retry decision (5 % of attempts fail, so one comes within a few dozen calls).
+const RETRY_WAIT: Duration = Duration::from_secs(5);
 
 fn retry_binding(doc: &Value) -> Option<&Value> {
     doc["bindings"]
@@ -46,10 +50,16 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
     run.record.figure("background_fault", &background);
 
     let stop = Arc::new(AtomicBool::new(false));
+    // Set once the new version is seen active; calls sent after it that were retried
+    // had their retry decided by the new version.
+    let swapped = Arc::new(AtomicBool::new(false));
+    let retried_after_swap = Arc::new(AtomicUsize::new(0));
     let mut workers = Vec::new();
     for w in 0..WORKERS {
         let agent = run.agent.clone();
         let stop = stop.clone();
+        let swapped = swapped.clone();
+        let retried_after_swap = retried_after_swap.clone();
         let task = run.task(&format!("w{w}"));
         let prompts: Vec<String> = (0..400)
             .map(|i| run.prompt(&format!("worker {w} call {i}")))
@@ -61,6 +71,7 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
                     break;
                 }
                 let sent = Instant::now();
+                let after_swap = swapped.load(Ordering::Relaxed);
                 let s = agent
                     .model(&ModelAsk {
                         stream: i % 2 == 0,
@@ -70,6 +81,9 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
                         ..ModelAsk::default()
                     })
                     .await;
+                if after_swap && s.attempts.unwrap_or(1) > 1 {
+                    retried_after_swap.fetch_add(1, Ordering::Relaxed);
+                }
                 seen.push((sent, s));
             }
             seen
@@ -130,8 +144,17 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
     }
     run.record.detection_source = Some("GET /v1/policies shows the new retry version".into());
     run.record.t_recovered_ms = run.record.t_detected_ms;
-    // Keep traffic on the new version for a while, then stop.
+    swapped.store(true, Ordering::Relaxed);
+    // Keep traffic on the new version for a while, and until it has decided a retry
+    // (bounded), then stop.
     tokio::time::sleep(Duration::from_millis(300)).await;
+    let deadline = Instant::now() + RETRY_WAIT;
+    while new.is_some()
+        && retried_after_swap.load(Ordering::Relaxed) == 0
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     stop.store(true, Ordering::Relaxed);
     let mut seen = Vec::new();
     for w in workers {
@@ -164,6 +187,16 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
         .map(|(_, s)| s)
         .collect();
     let across_done = across.iter().filter(|s| s.completed()).count() as u32;
+    run.record.check(!across.is_empty(), || {
+        "no call was in flight across the swap: the drill did not exercise it".into()
+    });
+    let retried_new = retried_after_swap.load(Ordering::Relaxed);
+    run.record.check(retried_new > 0 || new.is_none(), || {
+        format!(
+            "no call sent after the swap was retried within {RETRY_WAIT:?}: the new \
+             version's retry decisions were not exercised"
+        )
+    });
     run.record.inflight_at_fault.llm_calls = across.len() as u32;
     run.record.inflight_outcomes.completed = across_done;
     run.record.inflight_outcomes.failed_to_client = across.len() as u32 - across_done;
@@ -188,5 +221,7 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
             .filter(|(_, s)| s.attempts.unwrap_or(1) > 1)
             .count(),
     );
+    run.record.figure("retried_calls_after_swap", retried_new);
+    run.record.figure("calls_across_swap", across.len());
     Ok(())
 }
