@@ -14,7 +14,7 @@
 //! cores, so the proxy's CPU time per request (read from /proc) and its ratio to
 //! nginx are the figures to trust; throughput is reported too. Each measurement is
 //! repeated (`--rounds`, default 3; the targets of a scenario take turns, round by
-//! round) and the median round is reported.
+//! round) and each figure's median over the rounds is reported.
 
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, TcpListener};
@@ -60,7 +60,12 @@ fn parse(args: &[String]) -> anyhow::Result<Options> {
         };
         match a.as_str() {
             "--duration" => o.duration = Duration::from_secs(val()?.parse()?),
-            "--rounds" => o.rounds = val()?.parse()?,
+            "--rounds" => {
+                o.rounds = val()?.parse()?;
+                if o.rounds == 0 {
+                    bail!("--rounds must be at least 1 (each figure is the median of the rounds)");
+                }
+            }
             "--suite" => o.suites = val()?.split(',').map(str::to_string).collect(),
             "--out" => o.out = Some(PathBuf::from(val()?)),
             "--compare" => o.compare = Some(PathBuf::from(val()?)),
@@ -255,7 +260,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             }
         }
         let mut rows = BTreeMap::new();
-        for ((t, mut rounds), before) in sc.targets.iter().zip(rounds).zip(before) {
+        for ((t, rounds), before) in sc.targets.iter().zip(rounds).zip(before) {
             if let (Some(before), Some(after)) = (before, stats(t)) {
                 let records = after.0.saturating_sub(before.0).max(1);
                 let flushes = after.1.saturating_sub(before.1);
@@ -272,8 +277,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
                     flushes as f64 / calls as f64
                 );
             }
-            rounds.sort_by(|a, b| a.throughput.total_cmp(&b.throughput));
-            let median = rounds.swap_remove(rounds.len() / 2);
+            let median = Row::median(&rounds);
             println!(
                 "  {:8} {:>9.0} {}/s  p50 {:>8.2} ms  p99 {:>8.2} ms  cpu {:>8.1} µs/{}  rss {:>6.1} MiB",
                 t.name,
@@ -631,6 +635,23 @@ struct Row {
 }
 
 impl Row {
+    /// Each figure's median over the rounds, taken figure by figure (the p99 of the
+    /// round with the median throughput is not the median p99); requests and errors
+    /// are totals.
+    fn median(rounds: &[Row]) -> Row {
+        let of = |f: fn(&Row) -> f64| median(&rounds.iter().map(f).collect::<Vec<_>>());
+        Row {
+            throughput: of(|r| r.throughput),
+            p50_ms: of(|r| r.p50_ms),
+            p99_ms: of(|r| r.p99_ms),
+            cpu_us_per_unit: of(|r| r.cpu_us_per_unit),
+            rss_mib: of(|r| r.rss_mib),
+            requests: rounds.iter().map(|r| r.requests).sum(),
+            warmup_requests: rounds.iter().map(|r| r.warmup_requests).sum(),
+            errors: rounds.iter().map(|r| r.errors).sum(),
+        }
+    }
+
     fn to_json(&self) -> serde_json::Value {
         json!({"throughput": self.throughput, "p50_ms": self.p50_ms, "p99_ms": self.p99_ms,
                "cpu_us_per_unit": self.cpu_us_per_unit, "rss_mib": self.rss_mib,
@@ -675,6 +696,18 @@ async fn measure(
         warmup_requests: warmup.len() as u64,
         errors,
     })
+}
+
+/// The median of `xs`: the middle value, or the mean of the two middle values of an
+/// even count (0 for none).
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// Runs `sc.concurrency` loops for `duration`; returns latencies (µs) and errors.
@@ -946,4 +979,48 @@ fn start_nginx(
         addr,
         pids,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_median_of_an_even_count_is_the_mean_of_the_middle_two() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[10.0, 1.0]), 5.5);
+        assert_eq!(median(&[4.0, 1.0, 3.0, 2.0]), 2.5);
+        assert_eq!(median(&[7.0]), 7.0);
+        assert_eq!(median(&[]), 0.0);
+    }
+
+    #[test]
+    fn each_figure_is_its_own_median() {
+        let row = |throughput: f64, p99_ms: f64| Row {
+            throughput,
+            p50_ms: 1.0,
+            p99_ms,
+            cpu_us_per_unit: throughput / 10.0,
+            rss_mib: 20.0,
+            requests: 100,
+            warmup_requests: 5,
+            errors: 1,
+        };
+        // The best round by throughput had the worst p99: neither is reported alone.
+        let m = Row::median(&[row(100.0, 2.0), row(300.0, 9.0)]);
+        assert_eq!(m.throughput, 200.0);
+        assert_eq!(m.p99_ms, 5.5);
+        assert_eq!(m.cpu_us_per_unit, 20.0);
+        assert_eq!((m.requests, m.errors), (200, 2));
+        let m = Row::median(&[row(100.0, 2.0), row(300.0, 9.0), row(200.0, 1.0)]);
+        assert_eq!((m.throughput, m.p99_ms), (200.0, 2.0));
+    }
+
+    #[test]
+    fn zero_rounds_are_refused() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let e = parse(&args(&["--rounds", "0"])).err().expect("refused");
+        assert!(e.to_string().contains("at least 1"), "{e}");
+        assert_eq!(parse(&args(&["--rounds", "2"])).unwrap().rounds, 2);
+    }
 }
