@@ -77,16 +77,75 @@ pub async fn stream(
 
 /// Polls `url` until it answers 200 or `timeout` passes.
 pub async fn wait_ready(client: &HttpClient, url: &str, timeout: Duration) -> anyhow::Result<()> {
+    wait_for(client, url, timeout, |status| status == 200, "200").await
+}
+
+/// Polls `url` until it answers at all (any status: the server is up) or `timeout`
+/// passes.
+pub async fn wait_answering(
+    client: &HttpClient,
+    url: &str,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    wait_for(client, url, timeout, |_| true, "at all").await
+}
+
+async fn wait_for(
+    client: &HttpClient,
+    url: &str,
+    timeout: Duration,
+    accept: impl Fn(u16) -> bool,
+    what: &str,
+) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         if let Ok(r) = send(client, Method::GET, url, &[], Bytes::new()).await
-            && r.status == 200
+            && accept(r.status)
         {
             return Ok(());
         }
         if Instant::now() > deadline {
-            anyhow::bail!("{url} did not answer 200 within {timeout:?}");
+            anyhow::bail!("{url} did not answer {what} within {timeout:?}");
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    /// A server that answers every request 404, as the mock tool's status route does
+    /// for a key it never saw.
+    async fn not_found_server() -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let mut buf = [0u8; 1024];
+                let _ = conn.read(&mut buf).await;
+                let _ = conn
+                    .write_all(
+                        b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+                    )
+                    .await;
+            }
+        });
+        format!("http://{addr}/status/none-ready")
+    }
+
+    #[tokio::test]
+    async fn a_404_is_an_answer_but_not_ready() {
+        let url = not_found_server().await;
+        let c = client();
+        wait_answering(&c, &url, Duration::from_secs(5))
+            .await
+            .expect("a 404 is an answer");
+        let e = wait_ready(&c, &url, Duration::from_millis(200))
+            .await
+            .expect_err("a 404 is not 200");
+        assert!(e.to_string().contains("did not answer 200"), "{e}");
     }
 }
