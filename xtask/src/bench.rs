@@ -87,6 +87,8 @@ struct Measured {
     pids: Vec<u32>,
     /// Send a fresh `Idempotency-Key` with every request (journaled tool calls).
     unique_key: bool,
+    /// Every answer is served from the journal (`Outrigger-Replayed: true`).
+    replayed: bool,
     /// The admin plane of the sidecar behind it (journal statistics).
     admin: Option<String>,
 }
@@ -209,6 +211,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         url,
         pids,
         unique_key: false,
+        replayed: false,
         admin: None,
     };
     let targets = Targets {
@@ -257,14 +260,39 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         let mut rounds: Vec<Vec<Row>> = sc.targets.iter().map(|_| Vec::new()).collect();
         for _ in 0..opts.rounds {
             for (t, r) in sc.targets.iter().zip(&mut rounds) {
-                r.push(rt.block_on(measure(&client, t, sc, opts.duration))?);
+                let journaled = t.admin.is_some() && t.unique_key;
+                let before = stats(t);
+                if journaled && before.is_none() {
+                    bail!("{}: the journal's statistics could not be read", t.name);
+                }
+                let row = rt.block_on(measure(&client, t, sc, opts.duration))?;
+                if let Some(before) = before {
+                    let after = stats(t).with_context(|| {
+                        format!("{}: the journal's statistics could not be read", t.name)
+                    })?;
+                    check_journaled(
+                        sc.journals,
+                        sc.events,
+                        row.requests + row.warmup_requests,
+                        before,
+                        after,
+                    )
+                    .map_err(|e| anyhow::anyhow!("{} in {}: {e}", t.name, sc.name))?;
+                }
+                if t.replayed {
+                    rt.block_on(probe_replayed(&client, t, sc))?;
+                }
+                r.push(row);
             }
         }
         let mut rows = BTreeMap::new();
         for ((t, rounds), before) in sc.targets.iter().zip(rounds).zip(before) {
             if let (Some(before), Some(after)) = (before, stats(t)) {
-                let records = after.0.saturating_sub(before.0).max(1);
-                let flushes = after.1.saturating_sub(before.1);
+                let records = after
+                    .records_written
+                    .saturating_sub(before.records_written)
+                    .max(1);
+                let flushes = after.flushes.saturating_sub(before.flushes);
                 // The statistics span the warm-ups too: count their calls.
                 let calls = rounds
                     .iter()
@@ -397,6 +425,17 @@ struct Scenario {
     events: u64,
     /// Latency is time to the first body byte rather than to the last.
     ttfb: bool,
+    /// What a journaled target of this scenario writes to the journal per call.
+    journals: Journals,
+}
+
+/// What one journaled call leaves in the journal, checked after every round.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Journals {
+    /// A record that ends `completed` (a tool call).
+    Record,
+    /// Its stream's events, at least `Scenario::events` of them.
+    StreamEvents,
 }
 
 fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
@@ -414,6 +453,7 @@ fn scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenario>> {
                     pids: base.pids.clone(),
                     admin: base.admin.clone(),
                     unique_key: m.unique_key,
+                    replayed: m.replayed,
                 })
                 .collect();
             sc.targets.extend(twins);
@@ -449,6 +489,7 @@ fn suite_scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenari
                         headers: vec![],
                         events: 1,
                         ttfb: false,
+                        journals: Journals::StreamEvents,
                     });
                 }
             }
@@ -471,6 +512,7 @@ fn suite_scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenari
                         headers: vec![("x-mock", format!("chunks=197,delay_ms={delay}"))],
                         events: 200,
                         ttfb: false,
+                        journals: Journals::StreamEvents,
                     });
                 }
             }
@@ -490,6 +532,7 @@ fn suite_scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenari
                     headers: vec![("x-mock", "chunks=20".into())],
                     events: 1,
                     ttfb: true,
+                    journals: Journals::StreamEvents,
                 });
             }
             "resume" => {
@@ -500,6 +543,7 @@ fn suite_scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenari
                 out.push(Scenario {
                     targets: vec![Measured {
                         name: "replayed".into(),
+                        replayed: true,
                         ..t.sidecar.clone()
                     }],
                     name: "replay of a journaled 1,000-event stream, concurrency 1".into(),
@@ -516,6 +560,7 @@ fn suite_scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenari
                     ],
                     events: 1000,
                     ttfb: false,
+                    journals: Journals::StreamEvents,
                 });
             }
             "tools" => {
@@ -548,6 +593,7 @@ fn suite_scenarios(suites: &[String], t: &Targets) -> anyhow::Result<Vec<Scenari
                         headers: vec![],
                         events: 1,
                         ttfb: false,
+                        journals: Journals::Record,
                     });
                 }
             }
@@ -677,6 +723,15 @@ async fn measure(
     if requests == 0 {
         bail!("{}: no request succeeded in {}", t.name, sc.name);
     }
+    if too_many_errors(requests, errors) {
+        bail!(
+            "{}: {errors} of {} requests failed in {} (more than 0.1 %): the figures would \
+             not measure the work asked for",
+            t.name,
+            requests + errors,
+            sc.name
+        );
+    }
     let mut sorted = latencies;
     sorted.sort_unstable();
     let pct =
@@ -783,15 +838,47 @@ async fn load(
     Ok((all, errors))
 }
 
+/// One request of `sc` to a target that serves every answer from the journal: it
+/// must come back 200 and marked `Outrigger-Replayed: true`.
+async fn probe_replayed(client: &HttpClient, t: &Measured, sc: &Scenario) -> anyhow::Result<()> {
+    let url = format!("{}{}", t.url, sc.path);
+    let mut h: Vec<(&str, &str)> = vec![("content-type", "application/json")];
+    h.extend(sc.headers.iter().map(|(k, v)| (*k, v.as_str())));
+    let r = client::send(client, Method::POST, &url, &h, sc.body.clone()).await?;
+    let replayed = r
+        .headers
+        .get("outrigger-replayed")
+        .and_then(|v| v.to_str().ok());
+    if r.status != 200 || replayed != Some("true") {
+        bail!(
+            "{} in {}: a probe request was answered {} with Outrigger-Replayed {replayed:?}, \
+             not replayed from the journal",
+            t.name,
+            sc.name,
+            r.status
+        );
+    }
+    Ok(())
+}
+
 /// Makes keys unique across rounds and warm-ups.
 static KEY_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// (records written, flushes) from the sidecar's journal statistics.
+/// The sidecar's journal statistics (`GET /v1/journal?view=stats`) the harness uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct JournalStats {
+    records_written: u64,
+    flushes: u64,
+    /// Records now in state `completed`.
+    completed: u64,
+    stream_events: u64,
+}
+
 fn journal_stats(
     rt: &tokio::runtime::Runtime,
     client: &HttpClient,
     admin: &str,
-) -> Option<(u64, u64)> {
+) -> Option<JournalStats> {
     let r = rt
         .block_on(client::send(
             client,
@@ -802,7 +889,47 @@ fn journal_stats(
         ))
         .ok()?;
     let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
-    Some((v["records_written"].as_u64()?, v["flushes"].as_u64()?))
+    Some(JournalStats {
+        records_written: v["records_written"].as_u64()?,
+        flushes: v["flushes"].as_u64()?,
+        completed: v["states"]["completed"].as_u64()?,
+        stream_events: v["stream_events"].as_u64()?,
+    })
+}
+
+/// Whether a journaled round's calls (`ok` answered, warm-up included) all reached
+/// the journal, from its statistics before and after: an error when they did not.
+fn check_journaled(
+    journals: Journals,
+    events: u64,
+    ok: u64,
+    before: JournalStats,
+    after: JournalStats,
+) -> Result<(), String> {
+    let (what, wrote, needed) = match journals {
+        Journals::Record => (
+            "completed records",
+            after.completed.saturating_sub(before.completed),
+            ok,
+        ),
+        Journals::StreamEvents => (
+            "stream events",
+            after.stream_events.saturating_sub(before.stream_events),
+            ok * events,
+        ),
+    };
+    if wrote < needed {
+        return Err(format!(
+            "{ok} journaled call(s) answered, but the journal gained {wrote} {what} (at least \
+             {needed} expected): calls were answered without being journaled"
+        ));
+    }
+    Ok(())
+}
+
+/// Whether too many requests failed: more than 0.1 % of those sent.
+fn too_many_errors(ok: u64, errors: u64) -> bool {
+    errors * 1000 > ok + errors
 }
 
 /// What the figures were measured on: they depend on it as much as on the code. A
@@ -1015,6 +1142,37 @@ mod tests {
         assert_eq!((m.requests, m.errors), (200, 2));
         let m = Row::median(&[row(100.0, 2.0), row(300.0, 9.0), row(200.0, 1.0)]);
         assert_eq!((m.throughput, m.p99_ms), (200.0, 2.0));
+    }
+
+    #[test]
+    fn a_round_with_errors_above_a_thousandth_fails() {
+        assert!(!too_many_errors(10_000, 0));
+        assert!(!too_many_errors(9_990, 10));
+        assert!(too_many_errors(9_989, 11));
+        assert!(too_many_errors(1, 1));
+    }
+
+    #[test]
+    fn journaled_rounds_must_reach_the_journal() {
+        let stats = |completed, stream_events| JournalStats {
+            completed,
+            stream_events,
+            ..JournalStats::default()
+        };
+        let (before, after) = (stats(10, 1_000), stats(110, 1_000));
+        assert_eq!(
+            check_journaled(Journals::Record, 1, 100, before, after),
+            Ok(())
+        );
+        let e = check_journaled(Journals::Record, 1, 101, before, after).unwrap_err();
+        assert!(e.contains("gained 100 completed records"), "{e}");
+        // Streams: every event of every answered stream.
+        let (before, after) = (stats(0, 0), stats(0, 2_000));
+        assert_eq!(
+            check_journaled(Journals::StreamEvents, 200, 10, before, after),
+            Ok(())
+        );
+        assert!(check_journaled(Journals::StreamEvents, 200, 11, before, after).is_err());
     }
 
     #[test]
