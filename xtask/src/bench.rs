@@ -308,7 +308,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             }
             let median = Row::median(&rounds);
             println!(
-                "  {:8} {:>9.0} {}/s  p50 {:>8.2} ms  p99 {:>8.2} ms  cpu {:>8.1} µs/{}  rss {:>6.1} MiB",
+                "  {:8} {:>9.0} {}/s  p50 {:>8.2} ms  p99 {:>8.2} ms  cpu {:>8.1} µs/{}  rss {:>6.1} MiB{}",
                 t.name,
                 median.throughput,
                 sc.unit,
@@ -316,7 +316,12 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
                 median.p99_ms,
                 median.cpu_us_per_unit,
                 sc.unit,
-                median.rss_mib
+                median.rss_mib,
+                if median.rss_of_round {
+                    ""
+                } else {
+                    " (peak since start)"
+                }
             );
             rows.insert(t.name.as_str(), median);
         }
@@ -675,6 +680,9 @@ struct Row {
     p99_ms: f64,
     cpu_us_per_unit: f64,
     rss_mib: f64,
+    /// `rss_mib` is the peak of the measured load (the kernel reset the peak before
+    /// it); otherwise the peak of the process's life so far.
+    rss_of_round: bool,
     requests: u64,
     /// Requests of the warm-up before the measured run.
     warmup_requests: u64,
@@ -693,6 +701,7 @@ impl Row {
             p99_ms: of(|r| r.p99_ms),
             cpu_us_per_unit: of(|r| r.cpu_us_per_unit),
             rss_mib: of(|r| r.rss_mib),
+            rss_of_round: rounds.iter().all(|r| r.rss_of_round),
             requests: rounds.iter().map(|r| r.requests).sum(),
             warmup_requests: rounds.iter().map(|r| r.warmup_requests).sum(),
             errors: rounds.iter().map(|r| r.errors).sum(),
@@ -702,6 +711,7 @@ impl Row {
     fn to_json(&self) -> serde_json::Value {
         json!({"throughput": self.throughput, "p50_ms": self.p50_ms, "p99_ms": self.p99_ms,
                "cpu_us_per_unit": self.cpu_us_per_unit, "rss_mib": self.rss_mib,
+               "rss_peak_of": if self.rss_of_round { "round" } else { "process lifetime" },
                "requests": self.requests, "errors": self.errors})
     }
 }
@@ -714,6 +724,9 @@ async fn measure(
 ) -> anyhow::Result<Row> {
     // Warm up connections and caches.
     let (warmup, _) = load(client, t, sc, Duration::from_millis(500)).await?;
+    // The peak RSS of this round's load, not of the process's life so far (which
+    // would carry an earlier scenario's peak into this one's figure).
+    let rss_of_round = t.pids.iter().all(|p| reset_peak_rss(*p));
     let cpu_before = cpu_ticks(&t.pids);
     let started = Instant::now();
     let (latencies, errors) = load(client, t, sc, duration).await?;
@@ -748,6 +761,7 @@ async fn measure(
             cpu_s * 1e6 / units as f64
         },
         rss_mib: t.pids.iter().map(|p| peak_rss_kib(*p)).sum::<u64>() as f64 / 1024.0,
+        rss_of_round,
         requests,
         warmup_requests: warmup.len() as u64,
         errors,
@@ -985,6 +999,14 @@ fn clk_tck() -> f64 {
         .unwrap_or(100.0)
 }
 
+/// Resets the process's peak RSS (`VmHWM`) to its current RSS: `5` written to
+/// `/proc/<pid>/clear_refs` (Linux 4.0 and later, for a process we may trace).
+fn reset_peak_rss(pid: u32) -> bool {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5").is_ok()
+}
+
+/// The process's peak RSS (`VmHWM`) in KiB: since its start, or since the last
+/// [`reset_peak_rss`].
 fn peak_rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
@@ -1130,6 +1152,7 @@ mod tests {
             p99_ms,
             cpu_us_per_unit: throughput / 10.0,
             rss_mib: 20.0,
+            rss_of_round: true,
             requests: 100,
             warmup_requests: 5,
             errors: 1,
@@ -1173,6 +1196,23 @@ mod tests {
             Ok(())
         );
         assert!(check_journaled(Journals::StreamEvents, 200, 11, before, after).is_err());
+    }
+
+    #[test]
+    fn the_peak_rss_is_reset_to_the_current_rss() {
+        let me = std::process::id();
+        // Touch 64 MiB, give it back, and the peak stays until it is reset.
+        let big = vec![1u8; 64 << 20];
+        std::hint::black_box(&big);
+        drop(big);
+        let peak = peak_rss_kib(me);
+        assert!(peak >= 64 << 10, "peak {peak} KiB");
+        assert!(reset_peak_rss(me), "clear_refs refused");
+        let after = peak_rss_kib(me);
+        assert!(
+            after < peak - (32 << 10),
+            "peak {peak} KiB, after the reset {after} KiB"
+        );
     }
 
     #[test]
