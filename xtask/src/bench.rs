@@ -1019,6 +1019,33 @@ fn peak_rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// The processes whose parent is `pid`, from `/proc/*/stat` (no `pgrep`, which a
+/// minimal system lacks).
+fn children_of(pid: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut children: Vec<u32> = dir
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|child| {
+            std::fs::read_to_string(format!("/proc/{child}/stat"))
+                .ok()
+                .and_then(|stat| parent_of(&stat))
+                == Some(pid)
+        })
+        .collect();
+    children.sort_unstable();
+    children
+}
+
+/// The parent pid in a `/proc/<pid>/stat` line: the second field after the `)` that
+/// closes the command name (which may itself hold spaces and parentheses).
+fn parent_of(stat: &str) -> Option<u32> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().nth(1)?.parse().ok()
+}
+
 fn free_port() -> anyhow::Result<SocketAddr> {
     let l = TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?)
@@ -1113,17 +1140,23 @@ fn start_nginx(
     }
     let master = proc.pid();
     // The workers are the master's children; their CPU counts too.
-    let mut pids = vec![master];
-    if let Ok(out) = Command::new("pgrep")
-        .args(["-P", &master.to_string()])
-        .output()
-    {
-        pids.extend(
-            String::from_utf8_lossy(&out.stdout)
-                .split_whitespace()
-                .filter_map(|p| p.parse::<u32>().ok()),
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let workers = loop {
+        let workers = children_of(master);
+        if !workers.is_empty() || Instant::now() > deadline {
+            break workers;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    if workers.is_empty() {
+        bail!(
+            "nginx (pid {master}) started no worker process within 5 s, so its CPU time \
+             cannot be measured; see {}",
+            work.join("nginx-error.log").display()
         );
     }
+    let mut pids = vec![master];
+    pids.extend(workers);
     Ok(Some(Nginx {
         _proc: proc,
         addr,
@@ -1213,6 +1246,20 @@ mod tests {
             after < peak - (32 << 10),
             "peak {peak} KiB, after the reset {after} KiB"
         );
+    }
+
+    #[test]
+    fn children_are_found_in_proc() {
+        assert_eq!(
+            parent_of("4242 (nginx: worker (a) b) S 4241 4241 4241 0 -1 4194560"),
+            Some(4241)
+        );
+        assert_eq!(parent_of("garbage"), None);
+        let mut child = Command::new("sleep").arg("30").spawn().expect("sleep");
+        let found = children_of(std::process::id());
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(found.contains(&child.id()), "{found:?}");
     }
 
     #[test]
