@@ -655,7 +655,7 @@ fn journaled(sidecar: &Measured) -> Measured {
 /// The per-language policy table: builds the example policies and runs the policy
 /// host's benchmark on them and on the built-ins.
 fn policies() -> anyhow::Result<()> {
-    let out = procs::target_dir().join("example-policies");
+    let out = procs::target_dir()?.join("example-policies");
     crate::prereq::ensure()?.build_policies(&out)?;
     procs::run(
         procs::cargo()

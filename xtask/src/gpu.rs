@@ -168,9 +168,12 @@ pub fn gpu_check(args: &[String]) -> Result<()> {
     let started = Instant::now();
     let root = workspace_root()?;
     let binary = if args.skip_build {
-        args.binary
-            .clone()
-            .unwrap_or_else(|| target_dir(&root).join("release").join("outrigger"))
+        match args.binary.clone() {
+            Some(binary) => binary,
+            None => crate::procs::target_dir()?
+                .join("release")
+                .join("outrigger"),
+        }
     } else {
         build(&root)?
     };
@@ -183,10 +186,10 @@ pub fn gpu_check(args: &[String]) -> Result<()> {
         "{} does not exist; build it first (cargo xtask gpu-check --prepare-only)",
         binary.display()
     );
-    let out = args
-        .out
-        .clone()
-        .unwrap_or_else(|| target_dir(&root).join("gpu-check"));
+    let out = match args.out.clone() {
+        Some(out) => out,
+        None => crate::procs::target_dir()?.join("gpu-check"),
+    };
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     println!(
         "GPU check of {} (artefacts in {})",
@@ -244,10 +247,6 @@ fn workspace_root() -> Result<PathBuf> {
         .parent()
         .map(Path::to_path_buf)
         .context("xtask lives inside the workspace")
-}
-
-fn target_dir(root: &Path) -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
 }
 
 /// `cargo build --release -p outrigger`; returns the executable cargo reports.

@@ -80,7 +80,7 @@ fn python(apt: &mut Option<Apt>) -> anyhow::Result<()> {
 
 /// Returns the directory of a Node.js fetched from npm when the system's will not do.
 fn node(apt: &mut Option<Apt>) -> anyhow::Result<Option<PathBuf>> {
-    let cache = node_cache();
+    let cache = node_cache()?;
     let cached = cache.join("node_modules/.bin");
     if version_of(&cached.join("node")).is_some_and(node_supported) {
         return Ok(Some(cached));
@@ -188,11 +188,11 @@ fn node_from_npm(cache: &Path) -> anyhow::Result<PathBuf> {
 }
 
 /// `$HOME/.cache/outrigger/node`, beside the target directory `.ci/run` keeps there.
-fn node_cache() -> PathBuf {
-    match std::env::var_os("HOME") {
+fn node_cache() -> anyhow::Result<PathBuf> {
+    Ok(match std::env::var_os("HOME") {
         Some(home) if !home.is_empty() => PathBuf::from(home).join(".cache/outrigger/node"),
-        _ => procs::target_dir().join("node"),
-    }
+        _ => procs::target_dir()?.join("node"),
+    })
 }
 
 /// The major and minor version `node --version` prints.

@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -75,11 +76,35 @@ pub fn describe(cmd: &Command) -> String {
     s
 }
 
-/// The cargo target directory (honours CARGO_TARGET_DIR).
-pub fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
+/// The cargo target directory as cargo resolves it (`CARGO_TARGET_DIR`, a
+/// `build.target-dir` in a `.cargo/config.toml`, or `target/`): what
+/// `cargo metadata` reports, asked once.
+pub fn target_dir() -> anyhow::Result<PathBuf> {
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let mut cmd = cargo();
+        cmd.args(["metadata", "--no-deps", "--format-version", "1"]);
+        let out = cmd
+            .stderr(Stdio::inherit())
+            .output()
+            .map_err(|e| format!("cannot start {}: {e}", describe(&cmd)))?;
+        if !out.status.success() {
+            return Err(format!("{} failed ({})", describe(&cmd), out.status));
+        }
+        target_directory(&out.stdout).map_err(|e| format!("{}: {e}", describe(&cmd)))
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
+}
+
+/// `target_directory` of `cargo metadata`'s JSON.
+fn target_directory(metadata: &[u8]) -> Result<PathBuf, String> {
+    let doc: serde_json::Value =
+        serde_json::from_slice(metadata).map_err(|e| format!("its output is not JSON: {e}"))?;
+    doc["target_directory"]
+        .as_str()
         .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("target"))
+        .ok_or_else(|| "its output names no target_directory".to_owned())
 }
 
 /// Builds the given binaries in `profile` ("debug" or "release") and returns the
@@ -94,7 +119,7 @@ pub fn build_bins(profile: &str, packages: &[&str]) -> anyhow::Result<PathBuf> {
         cmd.args(["-p", p]);
     }
     run(&mut cmd)?;
-    Ok(target_dir().join(profile))
+    Ok(target_dir()?.join(profile))
 }
 
 /// A child process killed (SIGTERM, then SIGKILL) when dropped.
@@ -139,5 +164,21 @@ impl Drop for Proc {
         if let Ok(None) = self.child.try_wait() {
             self.terminate(Duration::from_secs(5));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_target_directory_is_the_one_cargo_metadata_names() {
+        let json = br#"{"packages": [], "target_directory": "/srv/build/target", "version": 1}"#;
+        assert_eq!(
+            target_directory(json),
+            Ok(PathBuf::from("/srv/build/target"))
+        );
+        assert!(target_directory(br#"{"version": 1}"#).is_err());
+        assert!(target_directory(b"warning: not json").is_err());
     }
 }

@@ -32,7 +32,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     step("the example agent's Python environment (examples/agent/setup.sh)");
     exec(Command::new("bash").arg(procs::root().join("examples/agent/setup.sh")))?;
     step("the example policies in Python, JavaScript and Rust (examples/policies/build-all.sh)");
-    let examples = procs::target_dir().join("example-policies");
+    let examples = procs::target_dir()?.join("example-policies");
     env.build_policies(&examples)?;
 
     step("building the binaries the end-to-end tests run");
