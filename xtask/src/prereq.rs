@@ -91,21 +91,12 @@ fn node(apt: &mut Option<Apt>) -> anyhow::Result<Option<PathBuf>> {
         return Ok(None);
     }
     if let Some(apt) = apt {
-        // apt's nodejs only when it is new enough, or when there is no node at all:
-        // npm needs one to run, and then fetches a newer one.
-        let mut packages = Vec::new();
-        if !system_ok() {
-            let candidate = apt.candidate("nodejs")?;
-            if candidate.is_some_and(node_supported) || version_of(Path::new("node")).is_none() {
-                packages.push("nodejs");
-            }
-        }
-        if !npm_ok() {
-            packages.push("npm");
-        }
-        if !packages.is_empty() {
-            apt.install(&packages)?;
-        }
+        apt_node(
+            apt,
+            system_ok,
+            || version_of(Path::new("node")).is_none(),
+            npm_ok,
+        )?;
         if system_ok() && npm_ok() {
             return Ok(None);
         }
@@ -135,6 +126,29 @@ fn node(apt: &mut Option<Apt>) -> anyhow::Result<Option<PathBuf>> {
         bin.join("node").display()
     );
     Ok(Some(bin))
+}
+
+/// Node.js and npm from the package manager. apt's nodejs only when it is new
+/// enough, or when there is no node at all (npm needs one to run, and then fetches
+/// a newer one). nodejs goes in first and npm only if still missing after it:
+/// NodeSource's nodejs bundles npm and conflicts with the distribution's npm
+/// package, so asking for both in one `apt-get install` fails there.
+fn apt_node(
+    apt: &mut impl Packages,
+    node_ok: impl Fn() -> bool,
+    no_node: impl Fn() -> bool,
+    npm_ok: impl Fn() -> bool,
+) -> anyhow::Result<()> {
+    if !node_ok() {
+        let candidate = apt.candidate("nodejs")?;
+        if candidate.is_some_and(node_supported) || no_node() {
+            apt.install(&["nodejs"])?;
+        }
+    }
+    if !npm_ok() {
+        apt.install(&["npm"])?;
+    }
+    Ok(())
 }
 
 /// rolldown and oxc-minify, which componentize-js 0.23.0 (examples/policies/js) pulls
@@ -235,6 +249,23 @@ struct Apt {
     updated: bool,
 }
 
+/// What the prerequisites ask of a package manager.
+trait Packages {
+    /// The version `install` would install, if the package is known.
+    fn candidate(&mut self, package: &str) -> anyhow::Result<Option<(u32, u32)>>;
+    fn install(&mut self, packages: &[&str]) -> anyhow::Result<()>;
+}
+
+impl Packages for Apt {
+    fn candidate(&mut self, package: &str) -> anyhow::Result<Option<(u32, u32)>> {
+        Apt::candidate(self, package)
+    }
+
+    fn install(&mut self, packages: &[&str]) -> anyhow::Result<()> {
+        Apt::install(self, packages)
+    }
+}
+
 impl Apt {
     fn detect() -> Option<Apt> {
         let root = works("sh", &["-c", "[ \"$(id -u)\" = 0 ]"]);
@@ -293,7 +324,81 @@ impl Apt {
 
 #[cfg(test)]
 mod tests {
+    use std::cell::RefCell;
+
     use super::*;
+
+    /// A package manager whose nodejs may bring npm along (NodeSource's does).
+    struct FakeApt {
+        nodejs: (u32, u32),
+        nodejs_brings_npm: bool,
+        /// What is installed: (node's version, npm present).
+        system: RefCell<(Option<(u32, u32)>, bool)>,
+        installs: RefCell<Vec<Vec<String>>>,
+    }
+
+    impl Packages for &FakeApt {
+        fn candidate(&mut self, package: &str) -> anyhow::Result<Option<(u32, u32)>> {
+            Ok((package == "nodejs").then_some(self.nodejs))
+        }
+
+        fn install(&mut self, packages: &[&str]) -> anyhow::Result<()> {
+            let mut system = self.system.borrow_mut();
+            if packages.contains(&"nodejs") && packages.contains(&"npm") && self.nodejs_brings_npm {
+                anyhow::bail!("nodejs : Conflicts: npm");
+            }
+            for p in packages {
+                match *p {
+                    "nodejs" => {
+                        system.0 = Some(self.nodejs);
+                        system.1 |= self.nodejs_brings_npm;
+                    }
+                    "npm" => system.1 = true,
+                    _ => {}
+                }
+            }
+            self.installs
+                .borrow_mut()
+                .push(packages.iter().map(|p| p.to_string()).collect());
+            Ok(())
+        }
+    }
+
+    fn installs(
+        nodejs: (u32, u32),
+        brings_npm: bool,
+        node: Option<(u32, u32)>,
+    ) -> Vec<Vec<String>> {
+        let apt = FakeApt {
+            nodejs,
+            nodejs_brings_npm: brings_npm,
+            system: RefCell::new((node, false)),
+            installs: RefCell::new(Vec::new()),
+        };
+        apt_node(
+            &mut &apt,
+            || apt.system.borrow().0.is_some_and(node_supported),
+            || apt.system.borrow().0.is_none(),
+            || apt.system.borrow().1,
+        )
+        .expect("installs");
+        assert!(apt.system.borrow().1, "npm is there in the end");
+        apt.installs.into_inner()
+    }
+
+    #[test]
+    fn nodejs_goes_in_before_npm_and_npm_only_when_still_missing() {
+        let one = |p: &str| vec![p.to_string()];
+        // NodeSource's nodejs 20 brings npm: npm is not asked for (it would conflict).
+        assert_eq!(installs((20, 20), true, None), vec![one("nodejs")]);
+        // Debian's nodejs without npm: npm after it.
+        assert_eq!(
+            installs((20, 19), false, None),
+            vec![one("nodejs"), one("npm")]
+        );
+        // An old node already there and an old candidate: only npm (to fetch a newer node).
+        assert_eq!(installs((18, 19), false, Some((18, 19))), vec![one("npm")]);
+    }
 
     #[test]
     fn versions_parse_from_node_and_apt() {
