@@ -129,8 +129,13 @@ pub struct Proc {
 }
 
 impl Proc {
+    /// Starts `cmd`. On Linux the child is sent SIGTERM when the thread that started
+    /// it ends (xtask killed, or panicking out of it), so nothing it started outlives
+    /// it holding the ports the next run needs.
     pub fn spawn(name: &str, cmd: &mut Command) -> anyhow::Result<Proc> {
         cmd.stdin(Stdio::null());
+        #[cfg(target_os = "linux")]
+        die_with_parent(cmd);
         let child = cmd
             .spawn()
             .with_context(|| format!("cannot start {name}"))?;
@@ -159,6 +164,33 @@ impl Proc {
     }
 }
 
+/// `PR_SET_PDEATHSIG` (SIGTERM) in the child before it runs the program; a parent
+/// that died before that is caught by the child's parent no longer being it.
+#[cfg(target_os = "linux")]
+#[expect(
+    unsafe_code,
+    reason = "pre_exec is unsafe: the hook runs between fork and exec, where only \
+              async-signal-safe calls are allowed (these two are plain system calls)"
+)]
+fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+
+    use rustix::process::{getpid, getppid, set_parent_process_death_signal};
+
+    let parent = getpid();
+    // SAFETY: the hook only makes two system calls (prctl, getppid) and allocates
+    // nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            set_parent_process_death_signal(Some(Signal::TERM))?;
+            if getppid() != Some(parent) {
+                return Err(std::io::Error::other("the parent exited"));
+            }
+            Ok(())
+        });
+    }
+}
+
 impl Drop for Proc {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
@@ -170,6 +202,29 @@ impl Drop for Proc {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The parent-death signal follows the thread that started the child: when that
+    /// thread ends, the child is sent SIGTERM, as it is when xtask dies.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_child_dies_with_the_thread_that_started_it() {
+        use std::os::unix::process::ExitStatusExt;
+
+        let mut proc = std::thread::spawn(|| {
+            Proc::spawn("sleep", Command::new("sleep").arg("30")).expect("sleep")
+        })
+        .join()
+        .expect("the starting thread");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = proc.child.try_wait().expect("try_wait") {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "the child outlived its parent");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert_eq!(status.signal(), Some(15), "{status:?}");
+    }
 
     #[test]
     fn the_target_directory_is_the_one_cargo_metadata_names() {
