@@ -70,16 +70,27 @@ downgrade_models = ["cheap-model"]
 [[providers]]
 name = "mock"
 kind = "openai"
-base_url = "{}"
-models = ["gpt-mock", "cheap-model"]
+base_url = "{base}"
+models = ["gpt-mock"]
+price_in = 10.0
+price_out = 30.0
+
+# A downgrade goes to a model that costs less than the one asked for.
+[[providers]]
+name = "mock-cheap"
+kind = "openai"
+base_url = "{base}"
+models = ["cheap-model"]
+price_in = 1.0
+price_out = 3.0
 
 [[policies.bindings]]
 hook = "budget"
 policy = {:?}
 "#,
         cache(&policy),
-        mock.openai_base(),
-        policy.display().to_string()
+        policy.display().to_string(),
+        base = mock.openai_base(),
     );
     let sidecar = Sidecar::start_within(&config, &[], COLD_START).await;
     let bound = binding(&sidecar, "budget").await;

@@ -156,12 +156,21 @@ downgrade_models = ["cheap-model"]
 [[providers]]
 name = "mock"
 kind = "openai"
-base_url = "{}"
-models = ["gpt-mock", "cheap-model"]
+base_url = "{base}"
+models = ["gpt-mock"]
 price_in = 10.0
 price_out = 30.0
+
+# A downgrade goes to a model that costs less than the one asked for.
+[[providers]]
+name = "mock-cheap"
+kind = "openai"
+base_url = "{base}"
+models = ["cheap-model"]
+price_in = 1.0
+price_out = 3.0
 "#,
-        mock.openai_base()
+        base = mock.openai_base()
     );
     let sidecar = Sidecar::start(&config, &[]).await;
     let task = [("outrigger-task-id", "budget-task")];

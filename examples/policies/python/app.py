@@ -5,7 +5,8 @@ go ahead. This policy projects the task's usage with the call added (tokens, cos
 one more call) and compares every limit the task has:
 
 * past ``downgrade_at`` of any limit (default 0.8), the call is moved to the
-  cheapest model the sidecar offers as a downgrade;
+  cheapest model the sidecar offers as a downgrade, if one is cheaper than the call
+  as asked;
 * past ``reject_at`` of a limit (default 1.0), the call is refused and the reason
   names the limit, unless moving it to the cheapest model keeps every limit within
   ``reject_at`` (a cost limit usually: a cheaper model costs less, the same tokens);
@@ -13,7 +14,10 @@ one more call) and compares every limit the task has:
 
 "Past" is strict: exactly 80 % of a limit is admitted, exactly 100 % is not
 refused. A limit of 0 is passed by any use at all. Without a cheaper model on offer, a call
-between the two thresholds is admitted and the policy logs a warning.
+between the two thresholds is admitted and the policy logs a warning. "Cheaper" is
+the call's own estimate on the offered model against its estimate as asked: the
+sidecar offers the same models for every call, so some may cost more than the one
+asked for (a free local model, say), and a call asked at no cost has nothing cheaper.
 
 Parameters (strings in the sidecar's config, ``params`` of the binding):
 ``downgrade_at`` (0.8) and ``reject_at`` (1.0), shares of a limit.
@@ -87,11 +91,19 @@ def first_past(projection: List[Check], threshold: float) -> Optional[Check]:
 
 
 def cheapest(request: types.BudgetRequest) -> Optional[types.DowngradeOption]:
-    """The offered model with the lowest price (input plus output); the first on a tie."""
-    offered = [o for o in request.downgrades if o.model != request.model]
+    """The offered model on which the call costs least, if that is less than it costs as
+    asked; a tie goes to the lower price (input plus output), then to the first listed."""
+    offered = [
+        o
+        for o in request.downgrades
+        if o.model != request.model and cost_on(request, o) < request.estimated_cost_micros
+    ]
     if not offered:
         return None
-    return min(offered, key=lambda o: o.cost_per_mtok_in + o.cost_per_mtok_out)
+    return min(
+        offered,
+        key=lambda o: (cost_on(request, o), o.cost_per_mtok_in + o.cost_per_mtok_out),
+    )
 
 
 def cost_on(request: types.BudgetRequest, option: types.DowngradeOption) -> int:
