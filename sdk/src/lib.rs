@@ -258,6 +258,24 @@ impl CallContext {
                 .is_some_and(|class| !class.resend_in_doubt())
     }
 
+    /// The 1-based number of the failed attempt on its own target: `attempt` less
+    /// the attempts that went elsewhere before the call came to `target` (the
+    /// history up to its trailing run on `target`). `attempt` counts every attempt
+    /// of the call, so after a fall-back it is past the first attempt on the new
+    /// target; bound retries and grow backoff with this number instead, so that a
+    /// target fallen back to gets its own retries.
+    pub fn attempt_on_target(&self) -> u32 {
+        let on_target = self
+            .history
+            .iter()
+            .rev()
+            .take_while(|a| a.target == self.target)
+            .count();
+        let elsewhere = self.history.len() - on_target;
+        self.attempt
+            .saturating_sub(u32::try_from(elsewhere).unwrap_or(u32::MAX))
+    }
+
     /// The first configured fallback target not tried yet by this call (neither the
     /// current target nor one in the history).
     pub fn next_fallback(&self) -> Option<&str> {
@@ -414,6 +432,39 @@ mod tests {
             ..ctx()
         };
         assert!(!keyed.resend_forbidden(&Failure::ServerError(503)));
+    }
+
+    #[test]
+    fn attempts_on_target_start_over_after_a_fall_back() {
+        let failed = |target: &str| Attempt {
+            target: target.into(),
+            failure: Failure::RateLimited(None),
+            elapsed_ms: 1,
+        };
+        let on = |target: &str, earlier: &[&str], attempt: u32| CallContext {
+            target: target.into(),
+            attempt,
+            history: earlier.iter().map(|t| failed(t)).collect(),
+            ..ctx()
+        };
+        let primary4 = ["primary"; 4];
+        let cases = [
+            ("first attempt", on("primary", &[], 1), 1),
+            ("third on the primary", on("primary", &["primary"; 2], 3), 3),
+            ("first on the backup", on("backup", &primary4, 5), 1),
+            (
+                "second on the backup",
+                on("backup", &["primary", "primary", "backup"], 4),
+                2,
+            ),
+            // An attempt number without the history to match (a hand-made context).
+            ("no history", on("primary", &[], 4), 4),
+            ("fewer attempts than history", on("backup", &primary4, 2), 0),
+            ("saturated", on("primary", &[], u32::MAX), u32::MAX),
+        ];
+        for (name, c, want) in cases {
+            assert_eq!(c.attempt_on_target(), want, "{name}");
+        }
     }
 
     #[test]

@@ -243,14 +243,33 @@ fn builtin_retry_decisions() {
         r.retry(&ctx("r4", 1), &Failure::ContextOverflow).value,
         RetryDecision::FallBack("anthropic".into())
     );
-    let mut tried = ctx("r5", 4);
-    tried.history.push(AttemptRecord {
-        target: "anthropic".into(),
-        failure: Failure::Timeout,
-        elapsed: Duration::from_millis(1),
-    });
+    // A fourth attempt on openai, after one on anthropic: attempts on openai are
+    // spent and the only other fallback was tried.
+    let mut tried = ctx("r5", 5);
+    for target in ["anthropic", "openai", "openai", "openai"] {
+        tried.history.push(AttemptRecord {
+            target: target.into(),
+            failure: Failure::Timeout,
+            elapsed: Duration::from_millis(1),
+        });
+    }
     assert!(give_up(
         &r.retry(&tried, &Failure::ServerError { status: 503 }).value
+    ));
+    // The target fallen back to gets its own attempts: four on openai, then the
+    // first on anthropic is retried.
+    let mut fell_back = ctx("r5b", 5);
+    fell_back.target = "anthropic".into();
+    for _ in 0..4 {
+        fell_back.history.push(AttemptRecord {
+            target: "openai".into(),
+            failure: Failure::Timeout,
+            elapsed: Duration::from_millis(1),
+        });
+    }
+    assert!(matches!(
+        r.retry(&fell_back, &Failure::RateLimited { retry_after: None }).value,
+        RetryDecision::RetryAfter(d) if d <= Duration::from_millis(200)
     ));
 
     let unsafe_tool = CallContext {

@@ -17,8 +17,10 @@
 //
 // Whatever the failure, it never re-sends a tool call of class `unsafe` or `probe`
 // that may already have reached the tool, never retries once the host's retry
-// budget is spent, and stops after `max_attempts` attempts (falling back when a
-// fallback is left). The jitter comes from the host's `random`, which the sidecar
+// budget is spent, and stops after `max_attempts` attempts on one target (falling
+// back when a fallback is left). Attempts, backoff and parse retries count per
+// target: a target fallen back to gets its own, where `ctx.attempt` counts the
+// whole call. The jitter comes from the host's `random`, which the sidecar
 // seeds in tests, so one input always gets one decision.
 //
 // Parameters (strings in the sidecar's config, `params` of the binding):
@@ -94,6 +96,14 @@ function tried(ctx, target) {
   return target === ctx.target || ctx.history.some((attempt) => attempt.target === target);
 }
 
+// The failed attempt's number on its own target: `ctx.attempt` less the attempts
+// that went elsewhere before the call came to this target.
+function attemptOnTarget(ctx) {
+  let elsewhere = ctx.history.length;
+  while (elsewhere > 0 && ctx.history[elsewhere - 1].target === ctx.target) elsewhere -= 1;
+  return Math.max(ctx.attempt - elsewhere, 0);
+}
+
 // The first configured fallback this call has not tried yet.
 function nextFallback(ctx) {
   return ctx.fallbacks.find((target) => !tried(ctx, target));
@@ -144,15 +154,16 @@ function decide(ctx, failure) {
   if (failure.tag === 'context-overflow') {
     return onContextOverflow(p, ctx);
   }
-  if (ctx.attempt >= p.maxAttempts) {
-    return fallBackOrGiveUp(ctx, `${failure.tag} after ${ctx.attempt} attempts`);
+  const attempt = attemptOnTarget(ctx);
+  if (attempt >= p.maxAttempts) {
+    return fallBackOrGiveUp(ctx, `${failure.tag} after ${attempt} attempts on ${ctx.target}`);
   }
   if (!ctx.retryBudget.available) {
     return fallBackOrGiveUp(ctx, 'retry budget exhausted');
   }
   switch (failure.tag) {
     case 'rate-limited':
-      if (failure.val === undefined) return retryAfter(backoff(p, ctx.attempt));
+      if (failure.val === undefined) return retryAfter(backoff(p, attempt));
       if (failure.val > p.maxRetryAfterMs) {
         return fallBackOrGiveUp(
           ctx,
@@ -162,13 +173,13 @@ function decide(ctx, failure) {
       return retryAfter(failure.val);
     case 'tool-parse-error':
       // A new sample is as likely to parse as the first one was: no need to wait.
-      if (ctx.attempt <= p.parseRetries) return retryAfter(0n);
-      return fallBackOrGiveUp(ctx, `unparsable tool call after ${ctx.attempt} attempts`);
+      if (attempt <= p.parseRetries) return retryAfter(0n);
+      return fallBackOrGiveUp(ctx, `unparsable tool call after ${attempt} attempts on ${ctx.target}`);
     case 'server-error':
     case 'timeout':
     case 'connect-error':
     case 'stream-interrupted':
-      return retryAfter(backoff(p, ctx.attempt));
+      return retryAfter(backoff(p, attempt));
     default:
       // A failure kind newer than this policy: stop rather than guess.
       return giveUp(`unknown failure ${failure.tag}`);

@@ -1,6 +1,12 @@
-//! The built-in retry policy: exponential backoff with full jitter, bounded attempts,
-//! `Retry-After` honoured up to a maximum, and no re-send of a tool call whose side
-//! effect cannot be deduplicated.
+//! The built-in retry policy: exponential backoff with full jitter, bounded attempts
+//! per target, `Retry-After` honoured up to a maximum, and no re-send of a tool call
+//! whose side effect cannot be deduplicated.
+//!
+//! Attempts are counted on the target that failed ([`CallContext::attempt_on_target`]),
+//! not over the whole call: "retry up to `max_attempts` times, then fall back" gives
+//! the target fallen back to its own retries and backoff from the start, where a
+//! count over the call would give up on the first failure there. The host still
+//! bounds the call as a whole (`[resilience] max_attempts`).
 //!
 //! Invariants: it never retries while the host's retry budget is unavailable; it never
 //! re-sends a tool call of class `unsafe` or `probe` that may have been dispatched; a
@@ -29,7 +35,8 @@ pub struct Params {
     pub base_ms: u64,
     /// Backoff ceiling in milliseconds.
     pub cap_ms: u64,
-    /// Attempts (the first included) after which the call falls back or gives up.
+    /// Attempts on one target (the first included) after which the call falls back
+    /// or gives up.
     pub max_attempts: u32,
     /// The longest `Retry-After` honoured; beyond it, fall back or give up.
     pub max_retry_after_ms: u64,
@@ -78,8 +85,9 @@ impl RetryPolicy for BuiltinRetry {
 
 outrigger_policy_sdk::export_retry!(BuiltinRetry);
 
-/// Decides what to do after `failure` ended attempt `ctx.attempt`. `random` is called
-/// at most once, only when a jittered delay is needed.
+/// Decides what to do after `failure` ended attempt `ctx.attempt` (attempt
+/// `ctx.attempt_on_target()` on its target). `random` is called at most once, only
+/// when a jittered delay is needed.
 pub fn decide(
     params: &Params,
     ctx: &CallContext,
@@ -118,10 +126,15 @@ pub fn decide(
         }
         _ => {}
     }
-    if ctx.attempt >= params.max_attempts {
+    let attempt = ctx.attempt_on_target();
+    if attempt >= params.max_attempts {
         return fall_back_or_give_up(
             ctx,
-            &format!("{} after {} attempts", failure.reason(), ctx.attempt),
+            &format!(
+                "{} after {attempt} attempts on {}",
+                failure.reason(),
+                ctx.target
+            ),
         );
     }
     if !ctx.retry_budget.available {
@@ -129,7 +142,7 @@ pub fn decide(
     }
     match failure {
         Failure::RateLimited(Some(retry_after_ms)) => RetryDecision::RetryAfter(*retry_after_ms),
-        _ => RetryDecision::RetryAfter(full_jitter(params, ctx.attempt, random)),
+        _ => RetryDecision::RetryAfter(full_jitter(params, attempt, random)),
     }
 }
 
@@ -177,6 +190,23 @@ mod tests {
 
     fn with_fallbacks(mut c: CallContext, names: &[&str]) -> CallContext {
         c.fallbacks = names.iter().map(|n| (*n).to_string()).collect();
+        c
+    }
+
+    /// Attempt `history.len() + 1` of a call, on `target`, after failures on
+    /// `history` (oldest first), as the host reports it.
+    fn after(history: &[&str], target: &str, fallbacks: &[&str]) -> CallContext {
+        let mut c = with_fallbacks(ctx(0), fallbacks);
+        c.target = target.into();
+        c.history = history
+            .iter()
+            .map(|t| Attempt {
+                target: (*t).into(),
+                failure: Failure::RateLimited(None),
+                elapsed_ms: 5,
+            })
+            .collect();
+        c.attempt = u32::try_from(history.len()).unwrap_or(u32::MAX) + 1;
         c
     }
 
@@ -244,6 +274,34 @@ mod tests {
                 "attempts exhausted fall back",
                 with_fallbacks(ctx(4), &["local"]),
                 Failure::Timeout,
+                RetryDecision::FallBack("local".into()),
+            ),
+            // Attempts count per target: the backup fallen back to after four
+            // attempts on the primary gets its own retries, from the first backoff.
+            (
+                "429 on the backup after 4 on the primary",
+                after(&["primary"; 4], "backup", &["backup", "local"]),
+                Failure::RateLimited(None),
+                RetryDecision::RetryAfter(200),
+            ),
+            (
+                "third attempt on the backup",
+                after(
+                    &["primary", "primary", "backup", "backup"],
+                    "backup",
+                    &["backup", "local"],
+                ),
+                Failure::ServerError(503),
+                RetryDecision::RetryAfter(800),
+            ),
+            (
+                "fourth attempt on the backup falls back",
+                after(
+                    &["primary", "backup", "backup", "backup"],
+                    "backup",
+                    &["backup", "local"],
+                ),
+                Failure::ServerError(503),
                 RetryDecision::FallBack("local".into()),
             ),
         ];
@@ -326,12 +384,12 @@ mod tests {
 
     #[test]
     fn fallback_skips_targets_already_tried() {
-        let mut c = with_fallbacks(ctx(4), &["openai", "anthropic", "local"]);
-        c.history.push(Attempt {
-            target: "anthropic".into(),
-            failure: Failure::Timeout,
-            elapsed_ms: 5,
-        });
+        // Four attempts on openai, after one on anthropic.
+        let c = after(
+            &["anthropic", "openai", "openai", "openai"],
+            "openai",
+            &["openai", "anthropic", "local"],
+        );
         assert_eq!(
             decide(&Params::default(), &c, &Failure::Timeout, || 0),
             RetryDecision::FallBack("local".into())

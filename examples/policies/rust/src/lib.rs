@@ -9,7 +9,9 @@
 //!
 //! Backoff is "equal jitter" (half fixed, half random) from `base_ms`, doubling per
 //! attempt up to `cap_ms`; a `Retry-After` from the upstream is used as sent, when it
-//! fits. Content the provider filtered is never sent again; a context overflow or an
+//! fits. Attempts are counted per target (`ctx.attempt_on_target()`): a target fallen
+//! back to gets its own `max_attempts` and starts its backoff over, while the
+//! deadline keeps counting from the call's first attempt. Content the provider filtered is never sent again; a context overflow or an
 //! unparsable tool call moves to a fallback (another model may fit or parse it). Like
 //! every policy it never re-sends an `unsafe` or `probe` tool call that may have been
 //! dispatched, and never retries once the host's retry budget is spent.
@@ -44,7 +46,8 @@ pub struct Params {
     pub base_ms: u64,
     /// Backoff ceiling of any retry.
     pub cap_ms: u64,
-    /// Attempts (the first included) after which the call falls back or gives up.
+    /// Attempts on one target (the first included) after which the call falls back
+    /// or gives up.
     pub max_attempts: u32,
 }
 
@@ -123,10 +126,15 @@ pub fn decide(
         }
         _ => {}
     }
-    if ctx.attempt >= params.max_attempts {
+    let attempt = ctx.attempt_on_target();
+    if attempt >= params.max_attempts {
         return fall_back_or_give_up(
             ctx,
-            &format!("{} after {} attempts", failure.reason(), ctx.attempt),
+            &format!(
+                "{} after {attempt} attempts on {}",
+                failure.reason(),
+                ctx.target
+            ),
         );
     }
     if !ctx.retry_budget.available {
@@ -134,7 +142,7 @@ pub fn decide(
     }
     let delay_ms = match failure.retry_after() {
         Some(retry_after) => u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX),
-        None => backoff(params, ctx.attempt, random),
+        None => backoff(params, attempt, random),
     };
     if delay_ms.saturating_add(params.min_attempt_ms) > left_ms {
         return fall_back_or_give_up(
@@ -166,7 +174,7 @@ fn fall_back_or_give_up(ctx: &CallContext, why: &str) -> RetryDecision {
 
 #[cfg(test)]
 mod tests {
-    use outrigger_policy_sdk::{CallKind, RetryBudget, ToolClass};
+    use outrigger_policy_sdk::{Attempt, CallKind, RetryBudget, ToolClass};
 
     use super::*;
 
@@ -187,6 +195,23 @@ mod tests {
             },
             fallbacks: fallbacks.iter().map(|f| (*f).to_string()).collect(),
         }
+    }
+
+    /// The next attempt of a call that failed on `history` (oldest first), now on
+    /// `target`, as the host reports it.
+    fn after(history: &[&str], target: &str, elapsed_ms: u64, fallbacks: &[&str]) -> CallContext {
+        let mut c = ctx(0, elapsed_ms, fallbacks);
+        c.target = target.into();
+        c.history = history
+            .iter()
+            .map(|t| Attempt {
+                target: (*t).into(),
+                failure: Failure::ServerError(503),
+                elapsed_ms,
+            })
+            .collect();
+        c.attempt = u32::try_from(history.len()).unwrap_or(u32::MAX) + 1;
+        c
     }
 
     fn no_draw() -> u64 {
@@ -233,6 +258,22 @@ mod tests {
                 ctx(1, 0, &["primary", "long"]),
                 Failure::ContextOverflow,
                 RetryDecision::FallBack("long".into()),
+            ),
+            // Attempts count per target: the backup, fallen back to after six
+            // attempts on the primary, is retried from the first backoff.
+            (
+                "503 on the backup after 6 on the primary",
+                after(&["primary"; 6], "backup", 3_000, &["backup"]),
+                Failure::ServerError(503),
+                RetryDecision::RetryAfter(100),
+            ),
+            (
+                "sixth attempt on the backup: nothing left to fall back to",
+                after(&["backup"; 5], "backup", 3_000, &["backup"]),
+                Failure::ServerError(503),
+                RetryDecision::GiveUp(
+                    "server_error after 6 attempts on backup; no fallback left".into(),
+                ),
             ),
         ];
         for (name, c, failure, want) in cases {
