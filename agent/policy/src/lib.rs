@@ -31,8 +31,8 @@ use std::path::PathBuf;
 
 pub use compiler::{Compiler, compile_child};
 pub use registry::{
-    Binding, BindingReload, BindingStatus, BuiltinComponent, OnError, Options, Registry,
-    ReloadOutcome, ReloadReport, Source,
+    Binding, BindingReload, BindingStatus, BuiltinComponent, MAX_RETRY_DELAY_PARAM, OnError,
+    Options, Registry, ReloadOutcome, ReloadReport, Source,
 };
 pub use runtime::{Fault, Hook, Loaded, MAX_LOG_LINES_PER_CALL, Runtime, RuntimeOptions, TICK};
 

@@ -26,6 +26,13 @@ use sha2::{Digest, Sha256};
 use crate::runtime::hex;
 use crate::{Compiler, Error, Fault, Hook, Loaded, Runtime, RuntimeOptions, validate};
 
+/// The parameter through which the retry built-in learns the host's longest retry
+/// delay ([`Options::max_retry_delay`], in whole milliseconds). The host sets it
+/// whenever it loads that built-in, over any value a binding gives, so the
+/// built-in treats a longer `Retry-After` as too long to wait for (and falls back)
+/// instead of answering a delay the host refuses. Other policies do not get it.
+pub const MAX_RETRY_DELAY_PARAM: &str = "max_retry_delay_ms";
+
 /// A built-in component the binary embeds (see the `outrigger-builtins` crate).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BuiltinComponent {
@@ -417,7 +424,8 @@ impl Registry {
             else {
                 continue;
             };
-            match self.load_version(slot.hook, builtin.bytes, &BTreeMap::new()) {
+            let params = self.params_for(Some(builtin.name), &BTreeMap::new());
+            match self.load_version(slot.hook, builtin.bytes, &params) {
                 Ok(version) => slot.builtin.store(Some(Arc::new(version))),
                 Err(error) => {
                     tracing::error!(hook = %slot.hook, %error, "the built-in policy failed to load");
@@ -468,10 +476,14 @@ impl Registry {
     fn publish(&self, slot: &Slot, binding: &Binding) -> Result<ReloadOutcome, Error> {
         let bytes = self.read(&binding.source)?;
         let hash = hex(&Sha256::digest(&bytes));
+        let params = match &binding.source {
+            Source::Builtin(name) => self.params_for(Some(name), &binding.params),
+            Source::Named(_) | Source::Path(_) => self.params_for(None, &binding.params),
+        };
         let active = slot.active.load_full();
         if let Some(active) = &active
             && active.current.loaded.content_hash() == hash
-            && active.current.loaded.params() == &binding.params
+            && active.current.loaded.params() == &params
         {
             if active.on_error != binding.on_error {
                 slot.active.store(Some(Arc::new(Active {
@@ -489,7 +501,7 @@ impl Registry {
         let builtin = slot
             .builtin
             .load_full()
-            .filter(|b| b.loaded.content_hash() == hash && b.loaded.params() == &binding.params);
+            .filter(|b| b.loaded.content_hash() == hash && b.loaded.params() == &params);
         let (version, outcome) = match builtin {
             Some(version) => {
                 let outcome = ReloadOutcome::Loaded {
@@ -500,7 +512,7 @@ impl Registry {
                 (version, outcome)
             }
             None => {
-                let version = self.load_version(binding.hook, &bytes, &binding.params)?;
+                let version = self.load_version(binding.hook, &bytes, &params)?;
                 let outcome = ReloadOutcome::Loaded {
                     version: version.version.clone(),
                     from_cache: version.loaded.from_cache(),
@@ -525,6 +537,24 @@ impl Registry {
         })));
         tracing::info!(hook = %binding.hook, source = %binding.source, ?outcome, "policy published");
         Ok(outcome)
+    }
+
+    /// The parameters a component is loaded with: the binding's, and for the retry
+    /// built-in (`builtin` names the built-in, if it is one) the host's longest
+    /// retry delay as well ([`MAX_RETRY_DELAY_PARAM`]).
+    fn params_for(
+        &self,
+        builtin: Option<&str>,
+        configured: &BTreeMap<String, String>,
+    ) -> BTreeMap<String, String> {
+        let mut params = configured.clone();
+        if builtin == Some(Hook::Retry.as_str()) {
+            params.insert(
+                MAX_RETRY_DELAY_PARAM.to_string(),
+                self.inner.max_retry_delay.as_millis().to_string(),
+            );
+        }
+        params
     }
 
     /// Loads, checks the hook and smoke-tests one component.

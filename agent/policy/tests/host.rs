@@ -15,8 +15,8 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use outrigger_policy::{
-    Binding, BuiltinComponent, Compiler, Hook, OnError, Options, Registry, ReloadOutcome, Runtime,
-    RuntimeOptions, Source,
+    Binding, BuiltinComponent, Compiler, Hook, MAX_RETRY_DELAY_PARAM, OnError, Options, Registry,
+    ReloadOutcome, Runtime, RuntimeOptions, Source,
 };
 use outrigger_types::{
     AttemptRecord, BudgetDecision, BudgetRequest, CallContext, CallKind, Candidate, CircuitState,
@@ -310,6 +310,39 @@ fn builtin_retry_decisions() {
             }
             other => panic!("attempt {attempt}: {other:?}"),
         }
+    }
+}
+
+/// The operator's `max_retry_delay` reaches the retry built-in: a `Retry-After`
+/// beyond it is one the built-in does not wait for, so the call falls back on the
+/// built-in's own decision instead of the host refusing it and giving up.
+#[test]
+fn the_retry_builtin_keeps_within_the_hosts_longest_delay() {
+    let rate_limited = |secs| Failure::RateLimited {
+        retry_after: Some(Duration::from_secs(secs)),
+    };
+    let explicit = Binding {
+        hook: Hook::Retry,
+        source: Source::Builtin("retry".into()),
+        params: BTreeMap::from([(MAX_RETRY_DELAY_PARAM.to_string(), "60000".to_string())]),
+        on_error: OnError::FailOpen,
+    };
+    // Unbound (the built-in decides) and bound explicitly, even with a parameter
+    // that claims a longer maximum.
+    for bindings in [Vec::new(), vec![explicit]] {
+        let f = Fixture::new(bindings, |o| o.max_retry_delay = Duration::from_secs(10));
+        let d = f.registry.retry(&ctx("long", 1), &rate_limited(15));
+        assert_eq!(d.value, RetryDecision::FallBack("anthropic".into()));
+        assert_eq!(d.source, DecisionSource::Policy);
+        assert_eq!(d.version, builtin_version(Hook::Retry));
+        let d = f.registry.retry(&ctx("fits", 1), &rate_limited(10));
+        assert_eq!(d.value, RetryDecision::RetryAfter(Duration::from_secs(10)));
+        let status = f.registry.binding_status(Hook::Retry).expect("status");
+        assert_eq!(
+            status.params.get(MAX_RETRY_DELAY_PARAM).map(String::as_str),
+            Some("10000")
+        );
+        assert_eq!(status.invalid_decisions, 0);
     }
 }
 

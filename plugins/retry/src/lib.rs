@@ -10,13 +10,17 @@
 //!
 //! Invariants: it never retries while the host's retry budget is unavailable; it never
 //! re-sends a tool call of class `unsafe` or `probe` that may have been dispatched; a
-//! delay never exceeds `max(cap_ms, max_retry_after_ms)`; a fall-back target is always
-//! one of `ctx.fallbacks` not tried yet. The decision is a pure function of the
+//! delay never exceeds `max(cap_ms, max_retry_after_ms)`, nor the host's longest retry
+//! delay (`max_retry_delay_ms`, which the host sets from `[policies] max_retry_delay`:
+//! a `Retry-After` beyond it is treated like one beyond `max_retry_after_ms`, and the
+//! backoff is capped by it), so the host never refuses one of its decisions; a
+//! fall-back target is always one of `ctx.fallbacks` not tried yet. The decision is a pure function of the
 //! parameters, the inputs and one random draw ([`decide`]) so it is unit-tested
 //! natively; the component shell only reads parameters and the random import.
 //!
 //! Parameters (strings in config): `base_ms` (200), `cap_ms` (20000), `max_attempts`
-//! (4), `max_retry_after_ms` (30000).
+//! (4), `max_retry_after_ms` (30000); and `max_retry_delay_ms`, set by the host (none
+//! outside the sidecar, as in the test kit: no bound beyond the other two).
 
 use std::sync::OnceLock;
 
@@ -40,6 +44,8 @@ pub struct Params {
     pub max_attempts: u32,
     /// The longest `Retry-After` honoured; beyond it, fall back or give up.
     pub max_retry_after_ms: u64,
+    /// The longest delay the host accepts (its `max_retry_delay`); no delay exceeds it.
+    pub host_max_delay_ms: u64,
 }
 
 impl Default for Params {
@@ -49,6 +55,7 @@ impl Default for Params {
             cap_ms: 20_000,
             max_attempts: 4,
             max_retry_after_ms: 30_000,
+            host_max_delay_ms: u64::MAX,
         }
     }
 }
@@ -62,7 +69,16 @@ impl Params {
             cap_ms: host::param_or("cap_ms", default.cap_ms),
             max_attempts: host::param_or("max_attempts", default.max_attempts),
             max_retry_after_ms: host::param_or("max_retry_after_ms", default.max_retry_after_ms),
+            host_max_delay_ms: host::param_or("max_retry_delay_ms", default.host_max_delay_ms),
         }
+    }
+}
+
+impl Params {
+    /// The longest `Retry-After` waited for: this policy's maximum, or the host's
+    /// when that is shorter.
+    pub fn longest_retry_after(&self) -> u64 {
+        self.max_retry_after_ms.min(self.host_max_delay_ms)
     }
 }
 
@@ -114,13 +130,13 @@ pub fn decide(
             return fall_back_or_give_up(ctx, "context overflow");
         }
         Failure::RateLimited(Some(retry_after_ms))
-            if *retry_after_ms > params.max_retry_after_ms =>
+            if *retry_after_ms > params.longest_retry_after() =>
         {
             return fall_back_or_give_up(
                 ctx,
                 &format!(
                     "Retry-After {retry_after_ms} ms exceeds the {} ms maximum",
-                    params.max_retry_after_ms
+                    params.longest_retry_after()
                 ),
             );
         }
@@ -146,13 +162,14 @@ pub fn decide(
     }
 }
 
-/// "Full jitter" backoff: uniform in `0..=min(cap, base * 2^(attempt-1))`.
+/// "Full jitter" backoff: uniform in `0..=min(cap, host maximum, base * 2^(attempt-1))`.
 pub fn full_jitter(params: &Params, attempt: u32, random: impl FnOnce() -> u64) -> u64 {
     let doublings = attempt.saturating_sub(1).min(63);
     let ceiling = params
         .base_ms
         .saturating_mul(1u64 << doublings)
-        .min(params.cap_ms);
+        .min(params.cap_ms)
+        .min(params.host_max_delay_ms);
     outrigger_policy_sdk::uniform_up_to(random(), ceiling)
 }
 
@@ -393,6 +410,43 @@ mod tests {
         assert_eq!(
             decide(&Params::default(), &c, &Failure::Timeout, || 0),
             RetryDecision::FallBack("local".into())
+        );
+    }
+
+    /// With `[policies] max_retry_delay = "10s"`, a `Retry-After` of 15 s is too long
+    /// to wait for: the host would refuse the delay, so the call falls back.
+    #[test]
+    fn the_hosts_longest_delay_bounds_every_delay() {
+        let p = Params {
+            host_max_delay_ms: 10_000,
+            ..Params::default()
+        };
+        let c = with_fallbacks(ctx(1), &["openai", "backup"]);
+        assert_eq!(
+            decide(&p, &c, &Failure::RateLimited(Some(15_000)), || 0),
+            RetryDecision::FallBack("backup".into())
+        );
+        assert!(matches!(
+            decide(&p, &ctx(1), &Failure::RateLimited(Some(15_000)), || 0),
+            RetryDecision::GiveUp(reason) if reason.contains("exceeds the 10000 ms maximum")
+        ));
+        assert_eq!(
+            decide(&p, &c, &Failure::RateLimited(Some(10_000)), || 0),
+            RetryDecision::RetryAfter(10_000)
+        );
+        // The backoff is capped too: below the host's maximum it is untouched; by
+        // the ninth attempt 200 ms doubled is past the host's 10 s (and the 20 s cap).
+        assert_eq!(
+            decide(&p, &ctx(3), &Failure::ServerError(503), || u64::MAX),
+            RetryDecision::RetryAfter(800)
+        );
+        let long = Params {
+            max_attempts: 10,
+            ..p
+        };
+        assert_eq!(
+            decide(&long, &ctx(9), &Failure::Timeout, || u64::MAX),
+            RetryDecision::RetryAfter(10_000)
         );
     }
 
