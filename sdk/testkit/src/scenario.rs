@@ -34,24 +34,41 @@ pub struct Scenario {
 }
 
 impl Scenario {
-    /// Parses a scenario from TOML; errors name the offending key.
+    /// Parses a scenario from TOML; errors name the offending key. A step must have
+    /// exactly one hook, and its `expect` only keys (and a `decision`) that hook's
+    /// decisions can meet: a key that cannot apply would otherwise never be checked
+    /// and the step pass whatever the policy decides. Every such problem is reported.
     pub fn from_toml(text: &str) -> Result<Self, Error> {
         let scenario: Self = toml::from_str(text).map_err(|e| Error::Scenario(e.to_string()))?;
+        let mut problems = Vec::new();
         for (index, step) in scenario.steps.iter().enumerate() {
+            let which = format!("step {} ({:?})", index + 1, step.name);
             let hooks = [
-                step.retry.is_some(),
-                step.fallback.is_some(),
-                step.budget.is_some(),
+                (Hook::Retry, step.retry.is_some()),
+                (Hook::Fallback, step.fallback.is_some()),
+                (Hook::Budget, step.budget.is_some()),
             ];
-            if hooks.iter().filter(|set| **set).count() != 1 {
-                return Err(Error::Scenario(format!(
-                    "step {} ({:?}) must have exactly one of `retry`, `fallback`, `budget`",
-                    index + 1,
-                    step.name
-                )));
+            let mut set = hooks.iter().filter(|(_, set)| *set).map(|(hook, _)| *hook);
+            let (Some(hook), None) = (set.next(), set.next()) else {
+                problems.push(format!(
+                    "{which} must have exactly one of `retry`, `fallback`, `budget`"
+                ));
+                continue;
+            };
+            if let Some(expect) = &step.expect {
+                problems.extend(
+                    expect
+                        .inapplicable(hook)
+                        .into_iter()
+                        .map(|problem| format!("{which}: {problem}")),
+                );
             }
         }
-        Ok(scenario)
+        if problems.is_empty() {
+            Ok(scenario)
+        } else {
+            Err(Error::Scenario(problems.join("; ")))
+        }
     }
 }
 
@@ -245,11 +262,16 @@ impl From<ScenarioUsage> for Usage {
     }
 }
 
-/// What a step should decide; every field given is checked.
+/// What a step should decide; every field given is checked. Which fields a step
+/// may give depends on its hook ([`Expect::inapplicable`]): a retry step takes
+/// `decision` (`retry_after`, `fall_back`, `give_up`), `delay_ms`, `max_delay_ms`,
+/// `target` and `reason_contains`; a fallback step `order`; a budget step
+/// `decision` (`admit`, `reject`, `downgrade`), `model` and `reason_contains`.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Expect {
-    /// `retry_after`, `fall_back`, `give_up`, `admit`, `reject`, `downgrade` or `order`.
+    /// `retry_after`, `fall_back`, `give_up` (retry); `admit`, `reject`, `downgrade`
+    /// (budget).
     pub decision: Option<String>,
     pub delay_ms: Option<u64>,
     pub max_delay_ms: Option<u64>,
@@ -258,6 +280,59 @@ pub struct Expect {
     pub order: Option<Vec<String>>,
     /// A substring of a give-up or reject reason.
     pub reason_contains: Option<String>,
+}
+
+impl Expect {
+    /// What in this expectation a step of `hook` can never meet: keys that do not
+    /// apply to the hook's decisions, and a `decision` that is not one of them.
+    pub fn inapplicable(&self, hook: Hook) -> Vec<String> {
+        let (keys, decisions): (&[&str], &[&str]) = match hook {
+            Hook::Retry => (
+                &[
+                    "decision",
+                    "delay_ms",
+                    "max_delay_ms",
+                    "target",
+                    "reason_contains",
+                ],
+                &["retry_after", "fall_back", "give_up"],
+            ),
+            Hook::Fallback => (&["order"], &[]),
+            Hook::Budget => (
+                &["decision", "model", "reason_contains"],
+                &["admit", "reject", "downgrade"],
+            ),
+        };
+        let given = [
+            ("decision", self.decision.is_some()),
+            ("delay_ms", self.delay_ms.is_some()),
+            ("max_delay_ms", self.max_delay_ms.is_some()),
+            ("target", self.target.is_some()),
+            ("model", self.model.is_some()),
+            ("order", self.order.is_some()),
+            ("reason_contains", self.reason_contains.is_some()),
+        ];
+        let mut problems: Vec<String> = given
+            .into_iter()
+            .filter(|(key, set)| *set && !keys.contains(key))
+            .map(|(key, _)| {
+                format!(
+                    "`expect.{key}` does not apply to a {hook} step (its expect takes {})",
+                    keys.join(", ")
+                )
+            })
+            .collect();
+        if let Some(decision) = &self.decision
+            && keys.contains(&"decision")
+            && !decisions.contains(&decision.as_str())
+        {
+            problems.push(format!(
+                "`expect.decision = {decision:?}` is not a {hook} decision (one of {})",
+                decisions.join(", ")
+            ));
+        }
+        problems
+    }
 }
 
 /// The replay of a scenario.
@@ -569,4 +644,110 @@ fn yes() -> bool {
 
 fn closed() -> CircuitState {
     CircuitState::Closed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn error(text: &str) -> String {
+        match Scenario::from_toml(text) {
+            Ok(scenario) => panic!("parsed: {scenario:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    const RETRY: &str = "retry = { failure = { kind = \"timeout\" } }";
+    const FALLBACK: &str = "fallback = { candidates = [{ name = \"a\" }] }";
+    const BUDGET: &str = "budget = { model = \"big\" }";
+
+    #[test]
+    fn expectations_that_cannot_apply_are_refused_naming_key_and_step() {
+        let cases = [
+            (
+                BUDGET,
+                "target = \"x\"",
+                "`expect.target` does not apply to a budget step",
+            ),
+            (
+                BUDGET,
+                "order = [\"a\"]",
+                "`expect.order` does not apply to a budget step",
+            ),
+            (
+                BUDGET,
+                "delay_ms = 5",
+                "`expect.delay_ms` does not apply to a budget step",
+            ),
+            (
+                FALLBACK,
+                "reason_contains = \"x\"",
+                "`expect.reason_contains` does not apply to a fallback step",
+            ),
+            (
+                FALLBACK,
+                "decision = \"admit\"",
+                "`expect.decision` does not apply to a fallback step (its expect takes order)",
+            ),
+            (
+                RETRY,
+                "model = \"small\"",
+                "`expect.model` does not apply to a retry step",
+            ),
+            (
+                RETRY,
+                "order = []",
+                "`expect.order` does not apply to a retry step",
+            ),
+            (
+                RETRY,
+                "decision = \"admit\"",
+                "`expect.decision = \"admit\"` is not a retry decision (one of retry_after, fall_back, give_up)",
+            ),
+            (
+                BUDGET,
+                "decision = \"give_up\"",
+                "`expect.decision = \"give_up\"` is not a budget decision",
+            ),
+        ];
+        for (hook, expect, wanted) in cases {
+            let text = format!(
+                "[[step]]\nname = \"first\"\n{RETRY}\n\n[[step]]\nname = \"second\"\n{hook}\nexpect = {{ {expect} }}\n"
+            );
+            let err = error(&text);
+            assert!(
+                err.contains("step 2 (\"second\"): ") && err.contains(wanted),
+                "{expect}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_problem_is_reported_at_once() {
+        let text = format!(
+            "[[step]]\nname = \"a\"\n{BUDGET}\nexpect = {{ target = \"x\", order = [] }}\n\n\
+             [[step]]\nname = \"b\"\n\n\
+             [[step]]\nname = \"c\"\n{FALLBACK}\nexpect = {{ model = \"m\" }}\n"
+        );
+        let err = error(&text);
+        for wanted in [
+            "step 1 (\"a\"): `expect.target`",
+            "step 1 (\"a\"): `expect.order`",
+            "step 2 (\"b\") must have exactly one of",
+            "step 3 (\"c\"): `expect.model`",
+        ] {
+            assert!(err.contains(wanted), "{wanted}: {err}");
+        }
+    }
+
+    #[test]
+    fn expectations_that_apply_are_accepted() {
+        let text = format!(
+            "[[step]]\n{RETRY}\nexpect = {{ decision = \"fall_back\", delay_ms = 1, max_delay_ms = 2, target = \"b\", reason_contains = \"r\" }}\n\n\
+             [[step]]\n{FALLBACK}\nexpect = {{ order = [\"a\"] }}\n\n\
+             [[step]]\n{BUDGET}\nexpect = {{ decision = \"downgrade\", model = \"small\", reason_contains = \"r\" }}\n"
+        );
+        let scenario = Scenario::from_toml(&text).expect("parses");
+        assert_eq!(scenario.steps.len(), 3);
+    }
 }
