@@ -276,8 +276,9 @@ impl CallContext {
             .saturating_sub(u32::try_from(elsewhere).unwrap_or(u32::MAX))
     }
 
-    /// The first configured fallback target not tried yet by this call (neither the
-    /// current target nor one in the history).
+    /// The first of `fallbacks` not tried yet by this call (neither the current
+    /// target nor one in the history). The host passes only targets not tried yet;
+    /// the check keeps hand-made contexts (tests, scenarios) honest too.
     pub fn next_fallback(&self) -> Option<&str> {
         self.fallbacks
             .iter()

@@ -57,6 +57,8 @@ pub struct CallContext {
     pub dispatched: bool,
     pub history: Vec<AttemptRecord>,
     pub retry_budget: RetryBudget,
+    /// The targets the call may still fall back to, in the fallback hook's order:
+    /// those not tried yet, never `target` itself.
     pub fallbacks: Vec<String>,
 }
 
