@@ -123,7 +123,11 @@ async fn agent_credentials_are_dropped_and_the_provider_key_is_injected() {
     let auth = format!("Bearer {AGENT_KEY}");
     let reply = post_json(
         &sidecar.url("/v1/chat/completions"),
-        &[("authorization", &auth), ("x-custom", "kept")],
+        &[
+            ("authorization", &auth),
+            ("x-custom", "kept"),
+            ("accept-encoding", "gzip, deflate, br"),
+        ],
         &chat("gpt-mock", false),
     )
     .await;
@@ -144,6 +148,9 @@ async fn agent_credentials_are_dropped_and_the_provider_key_is_injected() {
         Some(format!("Bearer {PROVIDER_KEY}").as_str())
     );
     assert_eq!(ex[0].header("x-custom"), Some("kept"));
+    // The sidecar reads (and journals) what the provider answers: never compressed.
+    assert_eq!(ex[0].header("accept-encoding"), Some("identity"));
+    assert_eq!(ex[1].header("accept-encoding"), Some("identity"));
     assert_eq!(ex[1].header("x-api-key"), Some(PROVIDER_KEY));
     assert_eq!(ex[1].header("authorization"), None);
     for e in &ex {

@@ -60,16 +60,24 @@ pub fn is_credential(name: &HeaderName) -> bool {
 }
 
 /// Copies the agent's request headers for a provider, without hop-by-hop headers,
-/// the sidecar's own, and the agent's credentials.
+/// the sidecar's own, and the agent's credentials. The answer is asked for
+/// uncompressed (`Accept-Encoding: identity`, whatever the agent accepts): the
+/// sidecar reads it (usage, tool calls, SSE framing, key scrubbing) and journals it.
 pub fn forwardable(from: &HeaderMap) -> HeaderMap {
     let hop = nominated(from);
-    let mut out = HeaderMap::with_capacity(from.len());
+    let mut out = HeaderMap::with_capacity(from.len() + 1);
     for (k, v) in from {
         if !is_hop_by_hop(k, &hop) && !is_owned(k) && !is_credential(k) {
             out.append(k.clone(), v.clone());
         }
     }
+    ask_identity(&mut out);
     out
+}
+
+/// Asks for an uncompressed answer: one the sidecar reads as it passes.
+pub fn ask_identity(headers: &mut HeaderMap) {
+    headers.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
 }
 
 /// Copies the agent's request headers for a tool: everything end to end (the
@@ -142,12 +150,16 @@ mod tests {
             ("outrigger-task-id", "t1"),
             ("content-type", "application/json"),
             ("x-custom", "1"),
+            ("accept-encoding", "gzip, deflate, br"),
         ] {
             h.insert(HeaderName::from_static(k), HeaderValue::from_static(v));
         }
         let out = forwardable(&h);
         let names: Vec<&str> = out.keys().map(|k| k.as_str()).collect();
-        assert_eq!(names, vec!["content-type", "x-custom"]);
+        assert_eq!(names, vec!["content-type", "x-custom", "accept-encoding"]);
+        // A provider's answer is read and journaled: it is asked for uncompressed.
+        assert_eq!(out[header::ACCEPT_ENCODING], "identity");
+        assert_eq!(forwardable(&HeaderMap::new())[header::ACCEPT_ENCODING], "identity");
     }
 
     fn map(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
@@ -181,7 +193,7 @@ mod tests {
         );
         assert_eq!(
             names(&forwardable(&agent)),
-            ["idempotency-key", "content-type"]
+            ["idempotency-key", "content-type", "accept-encoding"]
         );
 
         let mut answer = map(&[

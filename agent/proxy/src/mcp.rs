@@ -308,6 +308,8 @@ impl Protocol for McpCall<'_> {
     fn build(&self, downstream: &str) -> Result<Request<Full<Bytes>>, Error> {
         let message = forwarded(self.bytes, downstream)?;
         let mut req = build(self.server, Method::POST, self.agent, message);
+        // The answer is searched for the call's response and journaled.
+        headers::ask_identity(req.headers_mut());
         if let Ok(v) = HeaderValue::from_str(downstream) {
             req.headers_mut().insert(headers::IDEMPOTENCY_KEY, v);
         }

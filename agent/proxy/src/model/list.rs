@@ -44,8 +44,12 @@ pub async fn list(shared: &Shared, agent_headers: &http::HeaderMap) -> Response<
             .await
         {
             Ok(resp) if resp.status().is_success() => {
-                let bytes = body::read_limited(resp.into_body(), 4 << 20)
+                // A provider that stalls after its head does not hold the listing.
+                let read = body::read_limited(resp.into_body(), 4 << 20);
+                let bytes = tokio::time::timeout(shared.options.limits.connect_timeout, read)
                     .await
+                    .ok()
+                    .and_then(Result::ok)
                     .unwrap_or_default();
                 let listed: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
                 for m in listed["data"].as_array().into_iter().flatten() {
