@@ -524,3 +524,57 @@ async fn the_cli_checks_and_tests_components() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("FAIL"));
 }
+
+/// A journaled plain answer that cannot be read whole (it is over `max_body_bytes`)
+/// was still answered, and billed, by the provider: the task is charged the call's
+/// estimate, so with `[budget] calls = 1` its next call is refused.
+#[tokio::test]
+async fn a_journaled_answer_that_cannot_be_read_still_costs_its_task() {
+    let mock = MockProvider::start(Behaviour {
+        chunks: 400,
+        ..Behaviour::default()
+    })
+    .await
+    .expect("mock");
+    let config = format!(
+        r#"
+[limits]
+max_body_bytes = 2048
+
+[budget]
+calls = 1
+
+[[providers]]
+name = "mock"
+kind = "openai"
+base_url = "{}"
+models = ["gpt-mock"]
+"#,
+        mock.openai_base()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let turn = |n: u32| json!({"model": "gpt-mock", "messages": [{"role": "user", "content": format!("turn {n}")}]});
+    let headers = |key: &'static str| {
+        [
+            ("outrigger-task-id", "unread-answer"),
+            ("idempotency-key", key),
+        ]
+    };
+    let r = post_json(
+        &sidecar.url("/v1/chat/completions"),
+        &headers("k1"),
+        &turn(1),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.text());
+    assert_eq!(mock.exchanges().len(), 1);
+    let r = post_json(
+        &sidecar.url("/v1/chat/completions"),
+        &headers("k2"),
+        &turn(2),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{}", r.text());
+    assert!(r.text().contains("budget"), "{}", r.text());
+    assert_eq!(mock.exchanges().len(), 1, "the refused call was not sent");
+}

@@ -16,6 +16,13 @@ use outrigger_types::{Modalities, ToolClass};
 
 pub mod raw;
 
+/// The smallest `limits.max_event_bytes` accepted.
+const MIN_EVENT_BYTES: usize = 4 << 10;
+/// The smallest `streams.max_stream_bytes` accepted.
+const MIN_STREAM_BYTES: usize = 64 << 10;
+/// The shortest `resilience.retry_budget_window` accepted.
+const MIN_RETRY_BUDGET_WINDOW: Duration = Duration::from_millis(100);
+
 /// The sections whose scalar keys `OUTRIGGER_<SECTION>_<KEY>` may override.
 const ENV_SECTIONS: &[&str] = &[
     "listen",
@@ -318,6 +325,14 @@ pub fn unread_env(env: &[(String, String)]) -> Vec<&str> {
         .collect()
 }
 
+/// `OUTRIGGER_<SECTION>_<KEY>` variables that are set but empty, and so ignored.
+pub fn empty_env(env: &[(String, String)]) -> Vec<&str> {
+    env.iter()
+        .filter(|(name, value)| value.is_empty() && env_override(name).is_some())
+        .map(|(name, _)| name.as_str())
+        .collect()
+}
+
 /// The config section and key an `OUTRIGGER_<SECTION>_<KEY>` variable overrides.
 fn env_override(name: &str) -> Option<(&'static str, String)> {
     let rest = name.strip_prefix("OUTRIGGER_")?.to_ascii_lowercase();
@@ -327,11 +342,17 @@ fn env_override(name: &str) -> Option<(&'static str, String)> {
     Some((section, rest[section.len() + 1..].to_owned()))
 }
 
+/// Applies `OUTRIGGER_<SECTION>_<KEY>` variables over the file. An empty variable
+/// is ignored, as if unset: an empty `OUTRIGGER_ADMIN_TOKEN` (a secret not mounted)
+/// must not turn off the file's token.
 fn apply_env_overrides(table: &mut toml::Table, env: &[(String, String)], problems: &mut Problems) {
     for (name, value) in env {
         let Some((section, key)) = env_override(name) else {
             continue;
         };
+        if value.is_empty() {
+            continue;
+        }
         let key = key.as_str();
         let parsed = env_value(section, key, value);
         match table
@@ -541,6 +562,16 @@ fn validate(
     if limits.max_body_bytes == 0 {
         p.add("limits.max_body_bytes", "must be greater than 0");
     }
+    if limits.max_event_bytes < MIN_EVENT_BYTES {
+        p.add(
+            "limits.max_event_bytes",
+            format!(
+                "must be at least {MIN_EVENT_BYTES} (4 KiB): a provider's single event (a tool-call \
+                 chunk, a usage report) is often hundreds of bytes, and a stream fails at its \
+                 first longer one"
+            ),
+        );
+    }
 
     let providers = providers(&raw, env, p);
     let tools = tools(&raw, p);
@@ -565,6 +596,16 @@ fn validate(
             .cancel_on_disconnect
             .unwrap_or(sd.cancel_on_disconnect),
     };
+
+    if streams.max_stream_bytes < MIN_STREAM_BYTES {
+        p.add(
+            "streams.max_stream_bytes",
+            format!(
+                "must be at least {MIN_STREAM_BYTES} (64 KiB): a journaled stream larger than \
+                 this is abandoned"
+            ),
+        );
+    }
 
     let drain_deadline = positive_duration(
         p,
@@ -1100,13 +1141,23 @@ fn resilience(raw: &raw::Resilience, p: &mut Problems) -> popts::Resilience {
         retry_budget: retry_budget::Options {
             ratio,
             min_retries: raw.retry_budget_min.unwrap_or(rb.min_retries),
-            window: positive_duration(
-                p,
-                "resilience.retry_budget_window",
-                &raw.retry_budget_window,
-                rb.window,
-                "the window would never slide, so a spent retry budget would never refill",
-            ),
+            window: {
+                let window = positive_duration(
+                    p,
+                    "resilience.retry_budget_window",
+                    &raw.retry_budget_window,
+                    rb.window,
+                    "the window would never slide, so a spent retry budget would never refill",
+                );
+                if !window.is_zero() && window < MIN_RETRY_BUDGET_WINDOW {
+                    p.add(
+                        "resilience.retry_budget_window",
+                        "must be at least 100ms: the window slides in tenths, and a shorter one \
+                         never slides, so a spent retry budget would never refill",
+                    );
+                }
+                window
+            },
         },
         breaker: breaker::Options {
             consecutive_failures: raw

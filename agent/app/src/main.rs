@@ -102,6 +102,12 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             };
+            for name in config::empty_env(&env) {
+                tracing::warn!(
+                    variable = name,
+                    "ignored: it is empty (the config file's value, or the default, applies)"
+                );
+            }
             for name in config::unread_env(&env) {
                 tracing::warn!(
                     variable = name,

@@ -77,7 +77,10 @@ pub fn forwardable(from: &HeaderMap) -> HeaderMap {
 
 /// Asks for an uncompressed answer: one the sidecar reads as it passes.
 pub fn ask_identity(headers: &mut HeaderMap) {
-    headers.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+    headers.insert(
+        header::ACCEPT_ENCODING,
+        HeaderValue::from_static("identity"),
+    );
 }
 
 /// Copies the agent's request headers for a tool: everything end to end (the
@@ -159,7 +162,10 @@ mod tests {
         assert_eq!(names, vec!["content-type", "x-custom", "accept-encoding"]);
         // A provider's answer is read and journaled: it is asked for uncompressed.
         assert_eq!(out[header::ACCEPT_ENCODING], "identity");
-        assert_eq!(forwardable(&HeaderMap::new())[header::ACCEPT_ENCODING], "identity");
+        assert_eq!(
+            forwardable(&HeaderMap::new())[header::ACCEPT_ENCODING],
+            "identity"
+        );
     }
 
     fn map(pairs: &[(&'static str, &'static str)]) -> HeaderMap {

@@ -578,3 +578,51 @@ fn every_section_with_scalar_keys_takes_overrides_of_any_scalar_type() {
     assert!(!c.gpu.enabled);
     assert_eq!(c.tasks.retention, Duration::from_secs(3600));
 }
+
+/// An empty override is as if unset: an empty `OUTRIGGER_ADMIN_TOKEN` (a secret that
+/// was not mounted) leaves the file's token in force, and is named for the log.
+#[test]
+fn an_empty_environment_override_is_ignored() {
+    let vars = env(&[
+        ("OUTRIGGER_ADMIN_TOKEN", ""),
+        ("OUTRIGGER_LIMITS_MAX_BODY_BYTES", ""),
+    ]);
+    let c = load_str("[admin]\ntoken = \"from-file\"\n", &vars).unwrap();
+    assert_eq!(
+        c.admin_token.as_ref().map(|t| t.expose()),
+        Some("from-file")
+    );
+    assert_eq!(c.proxy.limits.max_body_bytes, 8 << 20);
+    assert_eq!(
+        super::empty_env(&vars),
+        ["OUTRIGGER_ADMIN_TOKEN", "OUTRIGGER_LIMITS_MAX_BODY_BYTES"]
+    );
+}
+
+/// Limits that would make every stream fail, or a retry budget never refill, are
+/// refused with their key.
+#[test]
+fn limits_too_small_to_work_are_refused() {
+    let err = load_str(
+        "[limits]\nmax_event_bytes = 0\n[streams]\nmax_stream_bytes = 100\n\
+         [resilience]\nretry_budget_window = \"5ns\"\n",
+        &[],
+    )
+    .unwrap_err();
+    let mut got = paths(&err);
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        [
+            "limits.max_event_bytes",
+            "resilience.retry_budget_window",
+            "streams.max_stream_bytes"
+        ]
+    );
+    load_str(
+        "[limits]\nmax_event_bytes = 4096\n[streams]\nmax_stream_bytes = 65536\n\
+         [resilience]\nretry_budget_window = \"100ms\"\n",
+        &[],
+    )
+    .expect("the smallest accepted values");
+}

@@ -412,7 +412,9 @@ async fn generate(
         stream: request.stream,
         order,
         build: &build,
-        estimated_tokens: request.estimated_prompt_tokens + request.reserve_output_tokens(),
+        estimated_tokens: request
+            .estimated_prompt_tokens
+            .saturating_add(request.reserve_output_tokens()),
     };
     let mech = Mechanics {
         transport: &shared.upstream,
@@ -645,6 +647,10 @@ async fn produce(
                 };
                 // The key must not stay "in progress": the next request runs afresh.
                 starting.failed(&e.to_string()).await;
+                // The provider answered (and bills it); what it cost is unknown.
+                if let Some(r) = reservation {
+                    r.settle_estimate();
+                }
                 return Err(e);
             }
         };

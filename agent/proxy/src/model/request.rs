@@ -28,7 +28,8 @@ pub struct ModelRequest {
     pub stream: bool,
     pub has_tools: bool,
     pub modalities: Modalities,
-    /// A rough prompt-size estimate (bytes / 4), for budgets and context checks.
+    /// A rough prompt-size estimate, for budgets, the limiter and context checks:
+    /// see [`estimate_prompt_tokens`].
     pub estimated_prompt_tokens: u64,
     /// `max_tokens` / `max_completion_tokens` if given.
     pub max_output_tokens: Option<u64>,
@@ -54,7 +55,7 @@ impl ModelRequest {
                 stream: skim.stream.unwrap_or(false),
                 has_tools: skim.tools.is_some_and(|t| !t.is_empty()),
                 modalities,
-                estimated_prompt_tokens: (body.len() as u64 / 4).max(1),
+                estimated_prompt_tokens: estimate_prompt_tokens(&body),
                 max_output_tokens: skim.max_completion_tokens.or(skim.max_tokens),
                 body,
             });
@@ -98,7 +99,7 @@ impl ModelRequest {
             stream,
             has_tools,
             modalities,
-            estimated_prompt_tokens: (body.len() as u64 / 4).max(1),
+            estimated_prompt_tokens: estimate_prompt_tokens(&body),
             max_output_tokens,
             body,
         })
@@ -126,6 +127,79 @@ impl ModelRequest {
     pub fn reserve_output_tokens(&self) -> u64 {
         self.max_output_tokens.unwrap_or(1_024)
     }
+}
+
+/// A JSON string at least this long whose content is all base64 (after a `data:…;
+/// base64,` prefix, if any) is a binary payload: an image, audio or a document.
+const PAYLOAD_MIN_BYTES: usize = 1_024;
+/// What one image or audio payload is estimated at, whatever its size: about what
+/// the providers charge for one large image (Anthropic's ~1,600 for 1.15 megapixels;
+/// OpenAI's high detail stays below it).
+const PAYLOAD_TOKENS: u64 = 1_600;
+/// A PDF's decoded bytes per estimated token: about 3,000 tokens for a 100 KB page.
+const PDF_BYTES_PER_TOKEN: u64 = 32;
+
+/// A prompt's size in tokens, roughly: a token per 4 bytes of its JSON, except that
+/// base64 payloads count as [`PAYLOAD_TOKENS`] each (a PDF by its size): counted by
+/// their bytes, a 1.5 MB image came to ~390,000 tokens and no budget admitted it.
+pub fn estimate_prompt_tokens(body: &[u8]) -> u64 {
+    let mut text_bytes = body.len();
+    let mut payload_tokens = 0u64;
+    let mut at = 0;
+    // Walks the JSON strings; a backslash escapes the next byte.
+    while let Some(open) = memchr::memchr(b'"', &body[at..]) {
+        let start = at + open + 1;
+        let mut end = start;
+        while let Some(next) = body
+            .get(end..)
+            .and_then(|rest| memchr::memchr2(b'"', b'\\', rest))
+        {
+            end += next;
+            if body[end] == b'\\' {
+                end += 2;
+                continue;
+            }
+            break;
+        }
+        let end = end.min(body.len());
+        let string = &body[start..end];
+        if let Some(tokens) = payload(string) {
+            text_bytes -= string.len();
+            payload_tokens = payload_tokens.saturating_add(tokens);
+        }
+        at = end + 1;
+        if at >= body.len() {
+            break;
+        }
+    }
+    (text_bytes as u64 / 4)
+        .max(1)
+        .saturating_add(payload_tokens)
+}
+
+/// The tokens a JSON string's content is estimated at if it is a base64 payload.
+fn payload(string: &[u8]) -> Option<u64> {
+    if string.len() < PAYLOAD_MIN_BYTES {
+        return None;
+    }
+    let data = match string.strip_prefix(b"data:") {
+        Some(url) => {
+            let head = &url[..url.len().min(256)];
+            let comma = memchr::memmem::find(head, b";base64,")?;
+            &url[comma + b";base64,".len()..]
+        }
+        None => string,
+    };
+    let base64 = |b: &u8| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=');
+    if data.len() < PAYLOAD_MIN_BYTES || !data.iter().all(base64) {
+        return None;
+    }
+    // `%PDF` encodes as `JVBER`.
+    Some(if data.starts_with(b"JVBER") {
+        (data.len() as u64 * 3 / 4 / PDF_BYTES_PER_TOKEN).max(1)
+    } else {
+        PAYLOAD_TOKENS
+    })
 }
 
 fn no_model() -> Error {
@@ -207,6 +281,56 @@ impl<'de: 'a, 'a> Deserialize<'de> for Parts<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Text counts by its bytes; an image by what a provider charges for one,
+    /// whatever its size; a PDF by its size, far below its base64 length.
+    #[test]
+    fn base64_payloads_are_estimated_as_what_they_cost() {
+        let text = "the quick brown fox ".repeat(5_000);
+        let plain = format!(r#"{{"model":"m","messages":[{{"role":"user","content":"{text}"}}]}}"#);
+        assert_eq!(
+            estimate_prompt_tokens(plain.as_bytes()),
+            plain.len() as u64 / 4
+        );
+
+        let image = "iVBORw0KGgo".repeat(150_000);
+        let openai = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"text","text":"what is it?"}},{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{image}"}}}}]}}]}}"#
+        );
+        let estimate = estimate_prompt_tokens(openai.as_bytes());
+        assert!(openai.len() > 1_600_000);
+        assert!((1_600..1_700).contains(&estimate), "{estimate}");
+        let anthropic = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"image","source":{{"type":"base64","media_type":"image/png","data":"{image}"}}}},{{"type":"image","source":{{"type":"base64","media_type":"image/png","data":"{image}"}}}}]}}]}}"#
+        );
+        let estimate = estimate_prompt_tokens(anthropic.as_bytes());
+        assert!((3_200..3_300).contains(&estimate), "{estimate}");
+
+        let pdf = format!("JVBERi0x{}", "LjcKJeLjz9MK".repeat(10_000));
+        let document = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"document","source":{{"type":"base64","media_type":"application/pdf","data":"{pdf}"}}}}]}}]}}"#
+        );
+        let estimate = estimate_prompt_tokens(document.as_bytes());
+        let decoded = pdf.len() as u64 * 3 / 4;
+        assert!(
+            (decoded / 32..decoded / 32 + 100).contains(&estimate),
+            "{estimate}"
+        );
+        // Escapes, unfinished strings and long words that are not base64 are text.
+        for body in [
+            br#"{"a":"x\"y","b":"\\"}"#.as_slice(),
+            b"{\"a\":\"unfinished",
+            b"{\"a\":\"ends in a backslash\\",
+            b"\"",
+        ] {
+            assert_eq!(estimate_prompt_tokens(body), (body.len() as u64 / 4).max(1));
+        }
+        let word = format!(r#"{{"a":"{}"}}"#, "a-b".repeat(1_000));
+        assert_eq!(
+            estimate_prompt_tokens(word.as_bytes()),
+            word.len() as u64 / 4
+        );
+    }
 
     #[test]
     fn reads_what_routing_needs() {
