@@ -20,7 +20,6 @@ use crate::body::{self, BoxError};
 use crate::decider::{Decider, MAX_RETRY_DELAY};
 use crate::faults::Kind as FaultKind;
 use crate::options::Provider;
-use crate::resilience::breaker::Admission;
 use crate::resilience::{Breakers, Limiters, Permit, RetryBudgets};
 use crate::sse::Framer;
 use crate::upstream;
@@ -208,35 +207,10 @@ pub async fn run<'a, T: Transport>(
         };
         spans::finish_attempt(&span, status, error_type.as_deref());
         let (failure, ended) = match outcome {
-            Outcome::Ok(s) => {
-                let state = m.breakers.record(&target.name, true, jitter());
-                if let Some(metrics) = m.metrics {
-                    metrics.breaker_state(&target.name, state);
-                }
-                return Ok(s);
-            }
-            Outcome::Final(ended) => {
-                // A definitive answer from a healthy upstream.
-                let state = m.breakers.record(&target.name, true, jitter());
-                if let Some(metrics) = m.metrics {
-                    metrics.breaker_state(&target.name, state);
-                }
-                return Err(ended);
-            }
+            Outcome::Ok(s) => return Ok(s),
+            Outcome::Final(ended) => return Err(ended),
             Outcome::Failed(f, ended) => (f, ended),
         };
-        // A rate limit is the provider's capacity talking (the limiter paces it), and
-        // an overflow or a filter is about the request: none says the provider is
-        // broken, so none counts toward opening its circuit.
-        if !matches!(
-            failure,
-            Failure::ContextOverflow | Failure::ContentFiltered | Failure::RateLimited { .. }
-        ) {
-            let state = m.breakers.record(&target.name, false, jitter());
-            if let Some(metrics) = m.metrics {
-                metrics.breaker_state(&target.name, state);
-            }
-        }
         let ctx = CallContext {
             task_id: plan.task_id.map(str::to_owned),
             request_id: plan.request_id.to_string(),
@@ -321,24 +295,67 @@ fn jitter() -> f64 {
     rand::random::<f64>()
 }
 
+/// One attempt, through the target's breaker, which learns what the provider's
+/// answer (or its silence) says about it. The breaker's own refusal is no news of
+/// the provider and is not recorded; an attempt dropped mid-way (its caller went
+/// away) records nothing and gives back a probe.
 async fn attempt<'a, T: Transport>(
     m: &Mechanics<'_, T>,
     plan: &Plan<'a>,
     target: &'a Provider,
 ) -> Outcome<'a, UpstreamBody<T::Body>> {
-    if let Admission::Rejected { retry_after } = m.breakers.admit(&target.name) {
-        return Outcome::Failed(
-            Failure::Connect { sent: false },
-            Ended::Error {
-                provider: Some(target),
-                error: crate::Error::CircuitOpen {
-                    target: target.name.clone(),
-                    retry_after,
+    let pass = match m.breakers.pass(&target.name) {
+        Ok(pass) => pass,
+        Err(retry_after) => {
+            return Outcome::Failed(
+                Failure::Connect { sent: false },
+                Ended::Error {
+                    provider: Some(target),
+                    error: crate::Error::CircuitOpen {
+                        target: target.name.clone(),
+                        retry_after,
+                    },
+                    failure: Failure::Connect { sent: false },
                 },
-                failure: Failure::Connect { sent: false },
-            },
-        );
+            );
+        }
+    };
+    let outcome = exchange(m, plan, target).await;
+    let alive = match &outcome {
+        Outcome::Ok(_) | Outcome::Final(_) => true,
+        Outcome::Failed(f, _) => !broken(f),
+    };
+    let state = pass.record(alive, jitter());
+    if let Some(metrics) = m.metrics {
+        metrics.breaker_state(&target.name, state);
     }
+    outcome
+}
+
+/// Whether a failure says the provider is broken, and counts toward opening its
+/// circuit. A rate limit is the provider's capacity talking (the limiter paces it),
+/// and an overflow or a filter is about the request: each is an answer from a
+/// provider that is alive, a success as far as its breaker goes (a half-open
+/// circuit's probe that gets one closes it).
+fn broken(failure: &Failure) -> bool {
+    match failure {
+        Failure::ServerError { .. }
+        | Failure::Timeout
+        | Failure::Connect { .. }
+        | Failure::StreamInterrupted { .. } => true,
+        Failure::RateLimited { .. }
+        | Failure::ContextOverflow
+        | Failure::ContentFiltered
+        | Failure::ToolParseError => false,
+    }
+}
+
+/// Takes a slot of the target's limiter, sends, and classifies what came back.
+async fn exchange<'a, T: Transport>(
+    m: &Mechanics<'_, T>,
+    plan: &Plan<'a>,
+    target: &'a Provider,
+) -> Outcome<'a, UpstreamBody<T::Body>> {
     let limiter = m.limiters.get(&target.name);
     let permit = match limiter
         .acquire(plan.task_id.unwrap_or("-"), plan.estimated_tokens)

@@ -2,9 +2,16 @@
 //! after a penalty (one probe at a time) → closed on a success, or open again with a
 //! longer penalty. Penalties back off exponentially with jitter, as Linkerd's failure
 //! accrual does (defaults 1 s doubling to 60 s).
+//!
+//! Only what a provider answers (or fails to) is recorded: a call the breaker itself
+//! refuses, or one refused locally before it was sent, says nothing about the
+//! provider. A call goes through with a [`Pass`], so a probe whose call ends without
+//! an outcome (cancelled, refused locally) is released rather than holding the
+//! circuit half-open for good.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use outrigger_types::CircuitState;
@@ -37,7 +44,8 @@ pub struct Breaker {
     /// Consecutive trips (drives the backoff).
     trips: u32,
     open_until: Option<Instant>,
-    probe_in_flight: bool,
+    /// The probe let through while half-open, until it is recorded or released.
+    probe: Option<u64>,
 }
 
 impl Default for Breaker {
@@ -47,7 +55,7 @@ impl Default for Breaker {
             failures: 0,
             trips: 0,
             open_until: None,
-            probe_in_flight: false,
+            probe: None,
         }
     }
 }
@@ -68,6 +76,40 @@ pub enum Admission {
 pub struct Breakers {
     options: Options,
     targets: Mutex<HashMap<String, Breaker>>,
+    /// Numbers probes, so a late release cannot free a newer probe.
+    probes: AtomicU64,
+}
+
+/// A call the breaker let through. [`Pass::record`] says how it went; a pass dropped
+/// without an outcome (its call was cancelled, or refused before it was sent) gives
+/// its probe back, so the next call probes instead.
+#[must_use = "a call let through should record how it went"]
+#[derive(Debug)]
+pub struct Pass<'a> {
+    breakers: &'a Breakers,
+    target: &'a str,
+    probe: Option<u64>,
+}
+
+impl Pass<'_> {
+    /// Whether this call is the half-open probe.
+    pub fn is_probe(&self) -> bool {
+        self.probe.is_some()
+    }
+
+    /// Records how the call went (see [`Breakers::record`]).
+    pub fn record(mut self, success: bool, jitter: f64) -> CircuitState {
+        self.probe = None;
+        self.breakers.record(self.target, success, jitter)
+    }
+}
+
+impl Drop for Pass<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.probe.take() {
+            self.breakers.release(self.target, id);
+        }
+    }
 }
 
 impl Breakers {
@@ -75,6 +117,7 @@ impl Breakers {
         Self {
             options,
             targets: Mutex::new(HashMap::new()),
+            probes: AtomicU64::new(0),
         }
     }
 
@@ -100,30 +143,58 @@ impl Breakers {
             .unwrap_or_default()
     }
 
+    /// Whether a call may go to the target. A [`Admission::Probe`] taken here stays in
+    /// flight until [`Breakers::record`]; calls should go through [`Breakers::pass`].
     pub fn admit(&self, target: &str) -> Admission {
+        self.admit_probe(target).0
+    }
+
+    /// Lets a call through, or says how long the circuit stays open.
+    pub fn pass<'a>(&'a self, target: &'a str) -> Result<Pass<'a>, Duration> {
+        match self.admit_probe(target) {
+            (Admission::Rejected { retry_after }, _) => Err(retry_after),
+            (Admission::Allowed | Admission::Probe, probe) => Ok(Pass {
+                breakers: self,
+                target,
+                probe,
+            }),
+        }
+    }
+
+    fn admit_probe(&self, target: &str) -> (Admission, Option<u64>) {
         let now = Instant::now();
         let Ok(mut targets) = self.targets.lock() else {
-            return Admission::Allowed;
+            return (Admission::Allowed, None);
         };
         let b = targets.entry(target.to_string()).or_default();
         match b.state {
-            CircuitState::Closed => Admission::Allowed,
+            CircuitState::Closed => (Admission::Allowed, None),
             CircuitState::Open | CircuitState::HalfOpen => {
                 let until = b.open_until.unwrap_or(now);
                 if now < until {
-                    Admission::Rejected {
-                        retry_after: until - now,
-                    }
-                } else if b.probe_in_flight {
-                    Admission::Rejected {
-                        retry_after: Duration::from_millis(100),
-                    }
+                    let retry_after = until - now;
+                    (Admission::Rejected { retry_after }, None)
+                } else if b.probe.is_some() {
+                    let retry_after = Duration::from_millis(100);
+                    (Admission::Rejected { retry_after }, None)
                 } else {
+                    let id = self.probes.fetch_add(1, Ordering::Relaxed);
                     b.state = CircuitState::HalfOpen;
-                    b.probe_in_flight = true;
-                    Admission::Probe
+                    b.probe = Some(id);
+                    (Admission::Probe, Some(id))
                 }
             }
+        }
+    }
+
+    /// Gives back a probe that ended without an outcome: the circuit stays half-open
+    /// and the next call probes.
+    fn release(&self, target: &str, id: u64) {
+        if let Ok(mut targets) = self.targets.lock()
+            && let Some(b) = targets.get_mut(target)
+            && b.probe == Some(id)
+        {
+            b.probe = None;
         }
     }
 
@@ -140,21 +211,21 @@ impl Breakers {
             *b = Breaker::default();
             return CircuitState::Closed;
         }
-        b.failures += 1;
+        b.failures = b.failures.saturating_add(1);
         let trip = match b.state {
             CircuitState::HalfOpen => true,
             CircuitState::Closed => b.failures >= o.consecutive_failures,
             CircuitState::Open => false,
         };
         if trip {
-            b.trips += 1;
+            b.trips = b.trips.saturating_add(1);
             let base =
                 o.min_penalty.as_secs_f64() * 2f64.powi(b.trips.saturating_sub(1).min(30) as i32);
             let capped = base.min(o.max_penalty.as_secs_f64());
             let penalty = capped * (1.0 - o.jitter * jitter.clamp(0.0, 1.0));
             b.state = CircuitState::Open;
             b.open_until = Some(now + Duration::from_secs_f64(penalty));
-            b.probe_in_flight = false;
+            b.probe = None;
         }
         effective(b, now)
     }
@@ -214,5 +285,46 @@ mod tests {
             Admission::Rejected { retry_after } => assert_eq!(retry_after, Duration::from_secs(30)),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_that_ends_without_an_outcome_is_given_back() {
+        let b = Breakers::new(Options {
+            consecutive_failures: 1,
+            ..Options::default()
+        });
+        b.record("p", false, 0.0);
+        tokio::time::advance(Duration::from_secs(1)).await;
+        let probe = b.pass("p").expect("the probe goes through");
+        assert!(probe.is_probe());
+        assert!(b.pass("p").is_err(), "one probe at a time");
+        drop(probe);
+        assert_eq!(b.state("p"), CircuitState::HalfOpen);
+        let again = b.pass("p").expect("the next call probes");
+        assert!(again.is_probe());
+        // A probe given back late frees nothing it does not hold.
+        b.release("p", u64::MAX);
+        assert!(b.pass("p").is_err());
+        assert_eq!(again.record(true, 0.0), CircuitState::Closed);
+        assert!(b.pass("p").is_ok_and(|p| !p.is_probe()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn counters_saturate() {
+        let b = Breakers::new(Options::default());
+        if let Ok(mut t) = b.targets.lock() {
+            t.insert(
+                "p".into(),
+                Breaker {
+                    state: CircuitState::HalfOpen,
+                    failures: u32::MAX,
+                    trips: u32::MAX,
+                    open_until: Some(Instant::now()),
+                    probe: None,
+                },
+            );
+        }
+        assert_eq!(b.record("p", false, 0.0), CircuitState::Open);
+        assert_eq!(b.record("p", false, 0.0), CircuitState::Open);
     }
 }

@@ -18,6 +18,9 @@ use crate::resilience::{breaker, limiter, retry_budget};
 /// A scripted answer: status and headers.
 type Reply = (u16, Vec<(&'static str, &'static str)>);
 
+/// A scripted "status" that never answers.
+const HANG: u16 = 0;
+
 /// Answers from a script; counts what was sent.
 struct Script {
     replies: Mutex<VecDeque<Reply>>,
@@ -59,6 +62,9 @@ impl Transport for Script {
             .pop_front()
             .unwrap_or((self.default, vec![]));
         async move {
+            if status == HANG {
+                std::future::pending::<()>().await;
+            }
             let mut resp = Response::new(Full::new(Bytes::from_static(b"{}")));
             *resp.status_mut() = StatusCode::from_u16(status).unwrap();
             for (k, v) in headers {
@@ -254,18 +260,6 @@ async fn the_breaker_opens_then_a_probe_half_opens_it() {
     let rig = Rig::new();
     let script = Script::new(vec![], 503);
     let p = provider("a", 1);
-    struct Never;
-    impl Decider for Never {
-        fn retry(&self, _: &CallContext, _: &Failure) -> Decided<RetryDecision> {
-            decided(RetryDecision::GiveUp("no".into()))
-        }
-        fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<usize>> {
-            decided((0..req.candidates.len()).collect())
-        }
-        fn budget(&self, _: &BudgetRequest) -> Decided<BudgetDecision> {
-            decided(BudgetDecision::Admit)
-        }
-    }
     let mech = rig.mechanics(&script, &Never);
     for _ in 0..5 {
         let _ = run(&mech, &plan(vec![&p]), &mut Trail::default()).await;
@@ -293,6 +287,112 @@ async fn the_breaker_opens_then_a_probe_half_opens_it() {
             .await
             .is_ok()
     );
+    assert_eq!(
+        rig.breakers.state("a"),
+        outrigger_types::CircuitState::Closed
+    );
+}
+
+/// Gives up at once.
+struct Never;
+
+impl Decider for Never {
+    fn retry(&self, _: &CallContext, _: &Failure) -> Decided<RetryDecision> {
+        decided(RetryDecision::GiveUp("no".into()))
+    }
+    fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<usize>> {
+        decided((0..req.candidates.len()).collect())
+    }
+    fn budget(&self, _: &BudgetRequest) -> Decided<BudgetDecision> {
+        decided(BudgetDecision::Admit)
+    }
+}
+
+/// A rig whose breaker opens at the first failure, with a retry budget that never
+/// runs out.
+fn trips_at_once(limits: limiter::Options) -> Rig {
+    Rig {
+        breakers: Breakers::new(breaker::Options {
+            consecutive_failures: 1,
+            ..breaker::Options::default()
+        }),
+        limiters: Limiters::new(limits),
+        budgets: RetryBudgets::new(retry_budget::Options {
+            min_retries: 1_000,
+            ..retry_budget::Options::default()
+        }),
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_probe_answered_with_a_429_closes_the_circuit_and_the_call_goes_on() {
+    struct AtOnce;
+    impl Decider for AtOnce {
+        fn retry(&self, _: &CallContext, _: &Failure) -> Decided<RetryDecision> {
+            decided(RetryDecision::RetryAfter(Duration::ZERO))
+        }
+        fn fallback(&self, req: &FallbackRequest) -> Decided<Vec<usize>> {
+            decided((0..req.candidates.len()).collect())
+        }
+        fn budget(&self, _: &BudgetRequest) -> Decided<BudgetDecision> {
+            decided(BudgetDecision::Admit)
+        }
+    }
+    let rig = trips_at_once(limiter::Options::default());
+    let script = Script::new(vec![(503, vec![]), (429, vec![])], 200);
+    let p = provider("a", 1);
+    let mech = rig.mechanics(&script, &AtOnce);
+    // A 503 opens the circuit; the call's retries are refused by it, unsent.
+    assert!(
+        run(&mech, &plan(vec![&p]), &mut Trail::default())
+            .await
+            .is_err()
+    );
+    assert_eq!(script.sent.load(Ordering::SeqCst), 1);
+    assert_eq!(rig.breakers.state("a"), outrigger_types::CircuitState::Open);
+    // After the penalty the probe gets a 429: the provider is alive, the circuit
+    // closes and the retry goes through.
+    tokio::time::advance(Duration::from_secs(1)).await;
+    let mut trail = Trail::default();
+    let result = run(&mech, &plan(vec![&p]), &mut trail).await;
+    assert!(result.is_ok(), "{:?}", trail.history);
+    assert_eq!(script.sent.load(Ordering::SeqCst), 3);
+    assert_eq!(
+        trail.history.iter().map(|a| &a.failure).collect::<Vec<_>>(),
+        vec![&Failure::RateLimited { retry_after: None }],
+        "no attempt was refused by the circuit"
+    );
+    assert_eq!(
+        rig.breakers.state("a"),
+        outrigger_types::CircuitState::Closed
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_probe_whose_call_is_dropped_is_given_back() {
+    let rig = trips_at_once(limiter::Options::default());
+    let script = Script::new(vec![(503, vec![]), (HANG, vec![])], 200);
+    let p = provider("a", 1);
+    let mech = rig.mechanics(&script, &Never);
+    assert!(
+        run(&mech, &plan(vec![&p]), &mut Trail::default())
+            .await
+            .is_err()
+    );
+    tokio::time::advance(Duration::from_secs(1)).await;
+    // The probe never answers, and its caller goes away.
+    let probe = tokio::time::timeout(
+        Duration::from_secs(5),
+        run(&mech, &plan(vec![&p]), &mut Trail::default()),
+    )
+    .await;
+    assert!(probe.is_err(), "the probe never answered");
+    assert_eq!(script.sent.load(Ordering::SeqCst), 2);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    // The next call is the probe.
+    let next = run(&mech, &plan(vec![&p]), &mut Trail::default()).await;
+    assert!(next.is_ok(), "the next call was let through as the probe");
+    assert_eq!(script.sent.load(Ordering::SeqCst), 3);
     assert_eq!(
         rig.breakers.state("a"),
         outrigger_types::CircuitState::Closed
