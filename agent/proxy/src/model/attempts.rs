@@ -155,6 +155,10 @@ enum Outcome<'a, B> {
     /// Not retryable: pass the answer through as is (a client error, say).
     Final(Ended<'a>),
     Failed(Failure, Ended<'a>),
+    /// Refused here before anything was sent (the provider's queue is full or timed
+    /// out, the request could not be built): not retried, and the provider said
+    /// nothing, so its breaker learns nothing.
+    Refused(Ended<'a>),
 }
 
 /// Runs the call to a success or its end. A success's body is the upstream's,
@@ -197,18 +201,20 @@ pub async fn run<'a, T: Transport>(
         let (status, error_type) = match &outcome {
             Outcome::Ok(s) => (Some(s.parts.status.as_u16()), None),
             Outcome::Final(Ended::Answer { status, .. })
-            | Outcome::Failed(_, Ended::Answer { status, .. }) => {
+            | Outcome::Failed(_, Ended::Answer { status, .. })
+            | Outcome::Refused(Ended::Answer { status, .. }) => {
                 (Some(status.as_u16()), Some(status.as_str().to_owned()))
             }
             Outcome::Final(Ended::Error { error, .. })
-            | Outcome::Failed(_, Ended::Error { error, .. }) => {
+            | Outcome::Failed(_, Ended::Error { error, .. })
+            | Outcome::Refused(Ended::Error { error, .. }) => {
                 (None, Some(error.to_problem().slug.to_owned()))
             }
         };
         spans::finish_attempt(&span, status, error_type.as_deref());
         let (failure, ended) = match outcome {
             Outcome::Ok(s) => return Ok(s),
-            Outcome::Final(ended) => return Err(ended),
+            Outcome::Final(ended) | Outcome::Refused(ended) => return Err(ended),
             Outcome::Failed(f, ended) => (f, ended),
         };
         let ctx = CallContext {
@@ -297,8 +303,8 @@ fn jitter() -> f64 {
 
 /// One attempt, through the target's breaker, which learns what the provider's
 /// answer (or its silence) says about it. The breaker's own refusal is no news of
-/// the provider and is not recorded; an attempt dropped mid-way (its caller went
-/// away) records nothing and gives back a probe.
+/// the provider and is not recorded; neither is a local refusal, and an attempt
+/// dropped mid-way (its caller went away) records nothing: either gives back a probe.
 async fn attempt<'a, T: Transport>(
     m: &Mechanics<'_, T>,
     plan: &Plan<'a>,
@@ -322,12 +328,15 @@ async fn attempt<'a, T: Transport>(
     };
     let outcome = exchange(m, plan, target).await;
     let alive = match &outcome {
-        Outcome::Ok(_) | Outcome::Final(_) => true,
-        Outcome::Failed(f, _) => !broken(f),
+        Outcome::Ok(_) | Outcome::Final(_) => Some(true),
+        Outcome::Failed(f, _) => Some(!broken(f)),
+        Outcome::Refused(_) => None,
     };
-    let state = pass.record(alive, jitter());
-    if let Some(metrics) = m.metrics {
-        metrics.breaker_state(&target.name, state);
+    if let Some(alive) = alive {
+        let state = pass.record(alive, jitter());
+        if let Some(metrics) = m.metrics {
+            metrics.breaker_state(&target.name, state);
+        }
     }
     outcome
 }
@@ -363,7 +372,7 @@ async fn exchange<'a, T: Transport>(
     {
         Ok(p) => p,
         Err(rejected) => {
-            return Outcome::Final(Ended::Error {
+            return Outcome::Refused(Ended::Error {
                 provider: Some(target),
                 error: crate::Error::Overloaded {
                     target: target.name.clone(),
@@ -376,7 +385,7 @@ async fn exchange<'a, T: Transport>(
     let req = match (plan.build)(target) {
         Ok(r) => r,
         Err(error) => {
-            return Outcome::Final(Ended::Error {
+            return Outcome::Refused(Ended::Error {
                 provider: Some(target),
                 error,
                 failure: Failure::Connect { sent: false },

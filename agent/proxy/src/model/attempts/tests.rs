@@ -400,6 +400,50 @@ async fn a_probe_whose_call_is_dropped_is_given_back() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_call_the_limiter_refuses_tells_the_breaker_nothing() {
+    let rig = trips_at_once(limiter::Options {
+        max_concurrency: 1,
+        max_queue: 0,
+        ..limiter::Options::default()
+    });
+    let script = Script::new(vec![(503, vec![])], 200);
+    let p = provider("a", 1);
+    let mech = rig.mechanics(&script, &Never);
+    assert!(
+        run(&mech, &plan(vec![&p]), &mut Trail::default())
+            .await
+            .is_err()
+    );
+    assert_eq!(rig.breakers.state("a"), outrigger_types::CircuitState::Open);
+    let held = rig.limiters.get("a").acquire("other", 0).await.unwrap();
+    tokio::time::advance(Duration::from_secs(1)).await;
+    // The probe is refused by the full queue: nothing reached the provider.
+    match run(&mech, &plan(vec![&p]), &mut Trail::default()).await {
+        Err(Ended::Error {
+            error: crate::Error::Overloaded { .. },
+            ..
+        }) => {}
+        _ => panic!("expected the limiter's refusal"),
+    }
+    assert_eq!(script.sent.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        rig.breakers.state("a"),
+        outrigger_types::CircuitState::HalfOpen,
+        "a local refusal neither closes the circuit nor holds its probe"
+    );
+    drop(held);
+    assert!(
+        run(&mech, &plan(vec![&p]), &mut Trail::default())
+            .await
+            .is_ok()
+    );
+    assert_eq!(
+        rig.breakers.state("a"),
+        outrigger_types::CircuitState::Closed
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_task_with_no_retries_left_is_not_retried() {
     // A provider budget that never runs out: only the task's limit stops retries.
     let rig = Rig {
