@@ -211,24 +211,31 @@ impl Limiter {
         }
     }
 
+    /// When admission may next change by itself. While paused, only the pause's end:
+    /// a token window that resets inside the pause admits nothing, and waking for it
+    /// would find the pause still on.
     fn next_change(&self) -> Option<Instant> {
         let s = self.state.lock().ok()?;
+        let now = Instant::now();
         match (s.paused_until, s.tokens.map(|t| t.1)) {
+            (Some(pause), _) if now < pause => Some(pause),
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
     }
 
     fn can_admit(&self, s: &mut State, tokens: u64, now: Instant) -> bool {
-        if s.paused_until.is_some_and(|p| now < p) {
-            return false;
-        }
-        s.paused_until = None;
+        // An expired token window goes first, pause or not: left in place, it would
+        // stay the next change, already past, and wake every waiter at once.
         if let Some((_, reset)) = s.tokens
             && now >= reset
         {
             s.tokens = None;
         }
+        if s.paused_until.is_some_and(|p| now < p) {
+            return false;
+        }
+        s.paused_until = None;
         if s.tokens.is_some_and(|(remaining, _)| tokens > remaining) {
             return false;
         }
@@ -614,5 +621,58 @@ mod tests {
         ] {
             assert_eq!(parse_reset(v), Some(MAX_PROVIDER_WAIT), "{v}");
         }
+    }
+
+    /// Counts how often the future inside is polled.
+    struct Polls<F> {
+        inner: std::pin::Pin<Box<F>>,
+        count: Arc<std::sync::atomic::AtomicU32>,
+    }
+
+    impl<F: std::future::Future> std::future::Future for Polls<F> {
+        type Output = F::Output;
+        fn poll(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<F::Output> {
+            self.count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.inner.as_mut().poll(cx)
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_token_reset_inside_a_pause_does_not_spin_the_queue() {
+        let l = Limiter::new(opts(1));
+        let held = l.acquire("t", 1).await.unwrap();
+        let count = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let waiter = {
+            let l = l.clone();
+            tokio::spawn(Polls {
+                inner: Box::pin(async move { l.acquire("t", 1).await.map(drop) }),
+                count: count.clone(),
+            })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(l.queued(), 1);
+        // OpenAI's 429: retry after 10 s, while the token window resets in 1 s.
+        let mut h = HeaderMap::new();
+        h.insert("x-ratelimit-remaining-tokens", "0".parse().unwrap());
+        h.insert("x-ratelimit-reset-tokens", "1s".parse().unwrap());
+        l.observe(429, &h, Some(Duration::from_secs(10)));
+        drop(held);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        count.store(0, std::sync::atomic::Ordering::SeqCst);
+        for _ in 0..1_000 {
+            tokio::task::yield_now().await;
+        }
+        let polls = count.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(
+            polls < 10,
+            "the waiter was polled {polls} times while paused"
+        );
+        // It is admitted when the pause ends, not before.
+        assert!(!waiter.is_finished());
+        tokio::time::advance(Duration::from_secs(8)).await;
+        assert!(waiter.await.unwrap().is_ok());
     }
 }
