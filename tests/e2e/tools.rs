@@ -897,8 +897,19 @@ async fn mcp_tool_calls_with_unusable_params_are_refused_before_the_journal() {
         .expect("request");
     let bad = send(req).await;
     assert_eq!(bad.json()["id"], 7, "{}", bad.text());
-    assert_eq!(bad.json()["error"]["code"], -32602, "{}", bad.text());
+    assert_eq!(bad.json()["error"]["code"], -32600, "{}", bad.text());
     assert!(bad.text().contains("appears twice"), "{}", bad.text());
+    // So is any message naming a member twice: a second `method` could hide a
+    // `tools/call` from the journal from a server that reads the first.
+    let hidden = br#"{"jsonrpc":"2.0","id":8,"method":"tools/call","params":{"name":"send_email","arguments":{"to":"x"}},"method":"ping"}"#;
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri(&url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from_static(hidden)))
+        .expect("request");
+    let bad = send(req).await;
+    assert_eq!(bad.json()["error"]["code"], -32600, "{}", bad.text());
     assert!(e.mcp.methods().is_empty(), "nothing reached the server");
     let good = post_json(
         &url,

@@ -20,6 +20,8 @@ pub mod raw;
 const MIN_EVENT_BYTES: usize = 4 << 10;
 /// The smallest `streams.max_stream_bytes` accepted.
 const MIN_STREAM_BYTES: usize = 64 << 10;
+/// The longest duration any key accepts.
+const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// The shortest `resilience.retry_budget_window` accepted.
 const MIN_RETRY_BUDGET_WINDOW: Duration = Duration::from_millis(100);
 
@@ -411,6 +413,14 @@ pub(crate) fn duration(
     match value {
         None => default,
         Some(s) => match humantime::parse_duration(s) {
+            // Far past any use, and past what a clock can add without overflowing.
+            Ok(d) if d > MAX_DURATION => {
+                p.add(
+                    path,
+                    format!("{s:?} is longer than 100 years, the longest duration accepted"),
+                );
+                default
+            }
             Ok(d) => d,
             Err(e) => {
                 p.add(

@@ -88,11 +88,13 @@ where
 struct IdleTimeout(Duration);
 
 /// A body whose next frame fails with [`IdleTimeout`] once it has been awaited for
-/// longer than `idle`.
+/// longer than `idle`. The timer is made, and armed, only when a frame is awaited:
+/// a body that arrives with its head (most) costs none.
 struct IdleLimited<B> {
     inner: B,
     idle: Duration,
-    timer: Pin<Box<tokio::time::Sleep>>,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    armed: bool,
 }
 
 impl<B> IdleLimited<B> {
@@ -100,7 +102,8 @@ impl<B> IdleLimited<B> {
         Self {
             inner,
             idle,
-            timer: Box::pin(tokio::time::sleep(idle)),
+            timer: None,
+            armed: false,
         }
     }
 }
@@ -118,16 +121,24 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(frame) => {
-                let next = tokio::time::Instant::now() + this.idle;
-                this.timer.as_mut().reset(next);
-                Poll::Ready(frame.map(|f| f.map_err(Into::into)))
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            this.armed = false;
+            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+        }
+        if !this.armed {
+            let deadline = tokio::time::Instant::now() + this.idle;
+            match &mut this.timer {
+                Some(timer) => timer.as_mut().reset(deadline),
+                None => this.timer = Some(Box::pin(tokio::time::sleep_until(deadline))),
             }
-            Poll::Pending => match this.timer.as_mut().poll(cx) {
-                Poll::Ready(()) => Poll::Ready(Some(Err(IdleTimeout(this.idle).into()))),
-                Poll::Pending => Poll::Pending,
-            },
+            this.armed = true;
+        }
+        let Some(timer) = this.timer.as_mut() else {
+            return Poll::Pending;
+        };
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Some(Err(IdleTimeout(this.idle).into()))),
+            Poll::Pending => Poll::Pending,
         }
     }
 

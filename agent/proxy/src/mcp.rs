@@ -82,21 +82,19 @@ pub async fn call(
         Some(match canonical::parse_unique(&bytes) {
             Ok(message) => message,
             Err(twice) if twice.classify() == serde_json::error::Category::Data => {
-                // A member named twice: which one the server reads is its parser's
-                // choice, so a `tools/call` (fingerprinted, journaled) is refused;
-                // anything else passes through as sent.
-                let message: Value = serde_json::from_slice(&bytes)
-                    .map_err(|e| Error::MalformedJson(e.to_string()))?;
-                if message["method"] == "tools/call" {
-                    let id = message.get("id").cloned().unwrap_or(Value::Null);
-                    return Ok(rpc_error(
-                        &id,
-                        -32602,
-                        &format!("{twice}: send each member once"),
-                        None,
-                    ));
-                }
-                message
+                // A member named twice: which copy the server reads is its parser's
+                // choice (a second `method` could hide a `tools/call` from the
+                // journal), so the message is refused whatever it is.
+                let id = serde_json::from_slice::<Value>(&bytes)
+                    .ok()
+                    .and_then(|m| m.get("id").cloned())
+                    .unwrap_or(Value::Null);
+                return Ok(rpc_error(
+                    &id,
+                    -32600,
+                    &format!("{twice}: send each member once"),
+                    None,
+                ));
             }
             Err(e) => return Err(Error::MalformedJson(e.to_string())),
         })

@@ -178,16 +178,23 @@ where
 
 /// A client connection whose writes fail with `TimedOut` once one has been pending
 /// (the peer's receive window full) for longer than the write-stall limit, and whose
-/// reads fail so when it has sent no byte within the read limit of its start (hyper's
-/// head timer only starts once the protocol is known, after that first byte).
+/// reads fail so when its protocol is still not known at the read limit from its
+/// start (hyper's head timer only starts once it is: after a byte that is not the
+/// HTTP/2 preface's, or the whole preface).
 pub struct ClientConn<S> {
     inner: S,
     limit: Option<Duration>,
     timer: Option<Pin<Box<Sleep>>>,
     armed: bool,
-    /// Until the first byte arrives: when the connection is given up, and on what.
+    /// Until the protocol is known: when the connection is given up, and on what.
     first_byte: Option<(Pin<Box<Sleep>>, Duration)>,
+    /// How many bytes read so far match the HTTP/2 preface.
+    preface_seen: usize,
 }
+
+/// What an HTTP/2 client sends first; until its bytes stop matching it (or it is
+/// all there) the protocol is not known, and hyper's head timer has not started.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 impl<S> ClientConn<S> {
     pub fn new(inner: S, limits: ConnLimits) -> Self {
@@ -199,6 +206,7 @@ impl<S> ClientConn<S> {
             first_byte: limits
                 .read
                 .map(|read| (Box::pin(tokio::time::sleep(read)), read)),
+            preface_seen: 0,
         }
     }
 
@@ -255,10 +263,23 @@ impl<S: AsyncRead + Unpin> AsyncRead for ClientConn<S> {
         };
         let before = buf.filled().len();
         match Pin::new(&mut this.inner).poll_read(cx, buf) {
-            Poll::Ready(Ok(())) if buf.filled().len() == before => Poll::Ready(Ok(())),
-            Poll::Ready(r) => {
+            Poll::Ready(Ok(())) => {
+                // Known once a byte differs from the HTTP/2 preface (HTTP/1), or the
+                // whole preface is there (HTTP/2, whose connections no head timer
+                // bounds after it).
+                let read = &buf.filled()[before..];
+                let expected = &H2_PREFACE[this.preface_seen..];
+                let n = read.len().min(expected.len());
+                if read[..n] != expected[..n] || this.preface_seen + n == H2_PREFACE.len() {
+                    this.first_byte = None;
+                } else {
+                    this.preface_seen += n;
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Ready(Err(e)) => {
                 this.first_byte = None;
-                Poll::Ready(r)
+                Poll::Ready(Err(e))
             }
             Poll::Pending => match deadline.as_mut().poll(cx) {
                 Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
@@ -370,7 +391,18 @@ mod tests {
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
         assert_eq!(started.elapsed(), Duration::from_secs(3));
 
-        // Once a byte has come, waiting is hyper's business (its head timer).
+        // The start of the HTTP/2 preface does not tell the protocol yet.
+        let (client, mut peer) = tokio::io::duplex(64);
+        let mut conn = ClientConn::new(client, limits);
+        peer.write_all(b"PRI * HT").await.expect("write");
+        assert_eq!(conn.read(&mut [0u8; 8]).await.expect("read"), 8);
+        let err = conn
+            .read(&mut [0u8; 8])
+            .await
+            .expect_err("half a preface is not a protocol");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+
+        // Once a byte has told it, waiting is hyper's business (its head timer).
         let (client, mut peer) = tokio::io::duplex(64);
         let mut conn = ClientConn::new(client, limits);
         tokio::time::sleep(Duration::from_secs(2)).await;

@@ -97,35 +97,48 @@ pub struct ModelCallRecord<'a> {
     pub trace_id: Option<TraceId>,
 }
 
-/// The gaps between a stream's chunks, every one of them, kept in 4 bytes each
-/// (microseconds; a gap past 71 minutes is kept as 71 minutes).
+/// The gaps between a stream's chunks: their sum and count, and the first
+/// [`ChunkGaps::KEPT`] of them for the histogram, in 4 bytes each (microseconds; a
+/// gap past 71 minutes is kept as 71 minutes). A stream longer than that (65,536
+/// chunks is about as many tokens) feeds the histogram its first gaps only, so that
+/// neither its memory nor the work at its end grows without bound; its mean is of
+/// every gap.
 #[derive(Debug, Default, Clone)]
 pub struct ChunkGaps {
     micros: Vec<u32>,
     total: Duration,
+    count: u64,
 }
 
 impl ChunkGaps {
+    /// Gaps kept for the histogram per call.
+    pub const KEPT: usize = 65_536;
+
     pub fn push(&mut self, gap: Duration) {
-        self.micros
-            .push(u32::try_from(gap.as_micros()).unwrap_or(u32::MAX));
+        if self.micros.len() < Self::KEPT {
+            self.micros
+                .push(u32::try_from(gap.as_micros()).unwrap_or(u32::MAX));
+        }
         self.total = self.total.saturating_add(gap);
+        self.count += 1;
     }
 
     pub fn is_empty(&self) -> bool {
-        self.micros.is_empty()
+        self.count == 0
     }
 
-    pub fn len(&self) -> usize {
-        self.micros.len()
+    /// How many gaps there were (not only those kept).
+    pub fn len(&self) -> u64 {
+        self.count
     }
 
-    /// The mean gap, from the gaps as measured.
+    /// The mean of every gap, as measured.
     pub fn mean(&self) -> Option<Duration> {
-        let n = u32::try_from(self.micros.len()).unwrap_or(u32::MAX);
+        let n = u32::try_from(self.count).unwrap_or(u32::MAX);
         (n > 0).then(|| self.total / n)
     }
 
+    /// The gaps kept for the histogram.
     pub fn iter(&self) -> impl Iterator<Item = Duration> + '_ {
         self.micros
             .iter()

@@ -129,8 +129,8 @@ impl ModelRequest {
     }
 }
 
-/// A JSON string at least this long whose content is all base64 (after a `data:…;
-/// base64,` prefix, if any) is a binary payload: an image, audio or a document.
+/// A payload string at least this long counts as binary: an image, audio or a
+/// document (a shorter one is counted as text).
 const PAYLOAD_MIN_BYTES: usize = 1_024;
 /// What one image or audio payload is estimated at, whatever its size: about what
 /// the providers charge for one large image (Anthropic's ~1,600 for 1.15 megapixels;
@@ -138,17 +138,24 @@ const PAYLOAD_MIN_BYTES: usize = 1_024;
 const PAYLOAD_TOKENS: u64 = 1_600;
 /// A PDF's decoded bytes per estimated token: about 3,000 tokens for a 100 KB page.
 const PDF_BYTES_PER_TOKEN: u64 = 32;
+/// The members whose value is a bare base64 payload: Anthropic's and OpenAI's
+/// `source.data` / `input_audio.data`, OpenAI's `file.file_data`.
+const PAYLOAD_KEYS: [&[u8]; 2] = [b"data", b"file_data"];
 
 /// A prompt's size in tokens, roughly: a token per 4 bytes of its JSON, except that
 /// base64 payloads count as [`PAYLOAD_TOKENS`] each (a PDF by its size): counted by
-/// their bytes, a 1.5 MB image came to ~390,000 tokens and no budget admitted it.
+/// their bytes, a 1.5 MB image came to ~390,000 tokens and no budget admitted it. A
+/// payload is a `data:…;base64,` URL, or the value of a [`PAYLOAD_KEYS`] member;
+/// base64 anywhere else (a file a tool returned, in a message's text) is text to the
+/// model, and counted as such.
 pub fn estimate_prompt_tokens(body: &[u8]) -> u64 {
     let mut text_bytes = body.len();
     let mut payload_tokens = 0u64;
     let mut at = 0;
     // Walks the JSON strings; a backslash escapes the next byte.
     while let Some(open) = memchr::memchr(b'"', &body[at..]) {
-        let start = at + open + 1;
+        let quote = at + open;
+        let start = quote + 1;
         let mut end = start;
         while let Some(next) = body
             .get(end..)
@@ -163,7 +170,7 @@ pub fn estimate_prompt_tokens(body: &[u8]) -> u64 {
         }
         let end = end.min(body.len());
         let string = &body[start..end];
-        if let Some(tokens) = payload(string) {
+        if let Some(tokens) = payload(string, || member_of(body, quote)) {
             text_bytes -= string.len();
             payload_tokens = payload_tokens.saturating_add(tokens);
         }
@@ -177,8 +184,19 @@ pub fn estimate_prompt_tokens(body: &[u8]) -> u64 {
         .saturating_add(payload_tokens)
 }
 
-/// The tokens a JSON string's content is estimated at if it is a base64 payload.
-fn payload(string: &[u8]) -> Option<u64> {
+/// The name of the member whose value is the string opening at `quote`, if it is
+/// one (`"name": "…"`).
+fn member_of(body: &[u8], quote: usize) -> Option<&[u8]> {
+    let before = body[..quote].trim_ascii_end();
+    let before = before.strip_suffix(b":")?.trim_ascii_end();
+    let before = before.strip_suffix(b"\"")?;
+    let open = memchr::memrchr(b'"', before)?;
+    Some(&before[open + 1..])
+}
+
+/// The tokens a JSON string's content is estimated at if it is a base64 payload;
+/// `member` names the member it is the value of.
+fn payload<'a>(string: &[u8], member: impl FnOnce() -> Option<&'a [u8]>) -> Option<u64> {
     if string.len() < PAYLOAD_MIN_BYTES {
         return None;
     }
@@ -188,9 +206,11 @@ fn payload(string: &[u8]) -> Option<u64> {
             let comma = memchr::memmem::find(head, b";base64,")?;
             &url[comma + b";base64,".len()..]
         }
-        None => string,
+        None if member().is_some_and(|m| PAYLOAD_KEYS.contains(&m)) => string,
+        None => return None,
     };
-    let base64 = |b: &u8| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=');
+    // Base64, as some encoders write it: `\/` for `/`, `\n` where lines wrap.
+    let base64 = |b: &u8| b.is_ascii_alphanumeric() || matches!(b, b'+' | b'/' | b'=' | b'\\');
     if data.len() < PAYLOAD_MIN_BYTES || !data.iter().all(base64) {
         return None;
     }
@@ -330,6 +350,21 @@ mod tests {
             estimate_prompt_tokens(word.as_bytes()),
             word.len() as u64 / 4
         );
+        // Base64 that is not a payload (a file a tool returned, as text) is text.
+        let as_text = format!(
+            r#"{{"model":"m","messages":[{{"role":"tool","content":"{image}"}},{{"role":"user","content":[{{"type":"text","text":"{image}"}}]}}]}}"#
+        );
+        assert_eq!(
+            estimate_prompt_tokens(as_text.as_bytes()),
+            as_text.len() as u64 / 4
+        );
+        // An encoder that escapes `/` still writes a payload.
+        let escaped = format!(
+            r#"{{"type":"image","source":{{"type":"base64","data" : "{}"}}}}"#,
+            r"ab\/c".repeat(1_000)
+        );
+        let estimate = estimate_prompt_tokens(escaped.as_bytes());
+        assert!((1_600..1_700).contains(&estimate), "{estimate}");
     }
 
     #[test]
