@@ -83,8 +83,9 @@ fn read_json(path: &Path) -> Value {
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}\n{text}", path.display()))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn every_scenario_passes_against_mocks_and_leaves_a_record() {
+/// The mocks a drill runs against: a model, an unsafe payments tool and a ledger
+/// tool that dedupes by key.
+async fn mocks() -> (MockProvider, MockTool, MockTool) {
     let model = MockProvider::start(Behaviour::default())
         .await
         .expect("provider");
@@ -97,6 +98,12 @@ async fn every_scenario_passes_against_mocks_and_leaves_a_record() {
     })
     .await
     .expect("ledger tool");
+    (model, payments, ledger)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn every_scenario_passes_against_mocks_and_leaves_a_record() {
+    let (model, payments, ledger) = mocks().await;
     let dir = tempfile::tempdir().expect("temp dir");
     let config_path = dir.path().join("outrigger.toml");
     std::fs::write(
@@ -345,18 +352,7 @@ async fn a_keyed_tool_that_ignores_the_key_fails_the_tool_reset_drill() {
 /// not make rather than passing silently.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_that_cannot_report_its_effects_is_a_stated_skip() {
-    let model = MockProvider::start(Behaviour::default())
-        .await
-        .expect("provider");
-    let payments = MockTool::start(ToolBehaviour::default())
-        .await
-        .expect("payments tool");
-    let ledger = MockTool::start(ToolBehaviour {
-        dedupe: true,
-        ..ToolBehaviour::default()
-    })
-    .await
-    .expect("ledger tool");
+    let (model, payments, ledger) = mocks().await;
     let dir = tempfile::tempdir().expect("temp dir");
     let config_path = dir.path().join("outrigger.toml");
     let text = config(&model.openai_base(), &payments.url(), &ledger.url()).replace(

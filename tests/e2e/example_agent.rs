@@ -28,10 +28,9 @@ fn python() -> Option<PathBuf> {
     None
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_example_agent_survives_being_killed_mid_task() {
-    let Some(python) = python() else { return };
-    let steps = 4;
+/// A model acting as the agent's for `steps` tool steps, the `booking` tool (unsafe,
+/// key required) answering `script` first, and a sidecar in front of both.
+async fn setup(steps: usize, script: &[ToolBehaviour]) -> (MockProvider, MockTool, Sidecar) {
     let model = MockProvider::start(Behaviour {
         agent_steps: Some(steps),
         chunks: 3,
@@ -42,6 +41,9 @@ async fn the_example_agent_survives_being_killed_mid_task() {
     let tool = MockTool::start(ToolBehaviour::default())
         .await
         .expect("tool");
+    for b in script {
+        tool.push(b.clone());
+    }
     let config = format!(
         "[[providers]]\nname = \"mock\"\nkind = \"openai\"\nbase_url = \"{}\"\nmodels = [\"*\"]\n\
          [[tools]]\nname = \"booking\"\nkind = \"http\"\nbase_url = \"{}\"\nclass = \"unsafe\"\nkey_required = true\n",
@@ -49,6 +51,14 @@ async fn the_example_agent_survives_being_killed_mid_task() {
         tool.url()
     );
     let sidecar = Sidecar::start(&config, &[]).await;
+    (model, tool, sidecar)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_agent_survives_being_killed_mid_task() {
+    let Some(python) = python() else { return };
+    let steps = 4;
+    let (model, tool, sidecar) = setup(steps, &[]).await;
     let agent = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/agent/agent.py");
     let run = |crash_after: usize| {
         let mut cmd = Command::new(&python);
@@ -105,29 +115,13 @@ async fn the_example_agent_survives_being_killed_mid_task() {
 async fn the_example_agent_killed_during_a_tool_call_repeats_no_side_effect() {
     let Some(python) = python() else { return };
     let steps = 4;
-    let model = MockProvider::start(Behaviour {
-        agent_steps: Some(steps),
-        chunks: 3,
-        ..Behaviour::default()
-    })
-    .await
-    .expect("provider");
-    let tool = MockTool::start(ToolBehaviour::default())
-        .await
-        .expect("tool");
-    tool.push(ToolBehaviour::default());
-    tool.push(ToolBehaviour::default());
-    tool.push(ToolBehaviour {
+    // Its third tool call takes 1.5 s at the tool.
+    let slow = ToolBehaviour {
         delay: std::time::Duration::from_millis(1500),
         ..ToolBehaviour::default()
-    });
-    let config = format!(
-        "[[providers]]\nname = \"mock\"\nkind = \"openai\"\nbase_url = \"{}\"\nmodels = [\"*\"]\n\
-         [[tools]]\nname = \"booking\"\nkind = \"http\"\nbase_url = \"{}\"\nclass = \"unsafe\"\nkey_required = true\n",
-        model.openai_base(),
-        tool.url()
-    );
-    let sidecar = Sidecar::start(&config, &[]).await;
+    };
+    let script = [ToolBehaviour::default(), ToolBehaviour::default(), slow];
+    let (model, tool, sidecar) = setup(steps, &script).await;
     let agent = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/agent/agent.py");
     let command = || {
         let mut cmd = Command::new(&python);

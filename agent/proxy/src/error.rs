@@ -159,18 +159,7 @@ impl Error {
                 "Unreadable request body",
                 format!("The request body could not be read: {detail}."),
             ),
-            Self::BodyTimeout { idle } => Problem::new(
-                StatusCode::REQUEST_TIMEOUT,
-                "body-timeout",
-                "Request body too slow",
-                format!(
-                    "No byte of the request body arrived for {} s ([limits] \
-                     client_read_timeout); nothing was sent upstream. Send the body \
-                     without pausing, or raise the limit.",
-                    idle.as_secs_f64()
-                ),
-            )
-            .header(header::CONNECTION, HeaderValue::from_static("close")),
+            Self::BodyTimeout { idle } => Problem::body_timeout(*idle),
             Self::Upstream { target, source } => {
                 let (status, slug, title) = match source {
                     upstream::Error::Timeout { .. } => {

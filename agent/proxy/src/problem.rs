@@ -36,6 +36,23 @@ impl Problem {
         }
     }
 
+    /// A request body that paused longer than `idle` (`[limits] client_read_timeout`),
+    /// on either plane. The connection is closed: the rest of the body is not read.
+    pub fn body_timeout(idle: std::time::Duration) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "body-timeout",
+            "Request body too slow",
+            format!(
+                "No byte of the request body arrived for {} s ([limits] client_read_timeout); \
+                 nothing was done with the request. Send the body without pausing, or raise \
+                 the limit.",
+                idle.as_secs_f64()
+            ),
+        )
+        .header(header::CONNECTION, HeaderValue::from_static("close"))
+    }
+
     pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
         self.extensions.insert(key.to_string(), value.into());
         self

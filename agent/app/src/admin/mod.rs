@@ -99,17 +99,7 @@ impl Admin {
                     "Request body too large",
                     format!("The admin API reads at most {limit} bytes of a request body."),
                 ),
-                ReadError::TimedOut { idle } => Problem::new(
-                    StatusCode::REQUEST_TIMEOUT,
-                    "body-timeout",
-                    "Request body too slow",
-                    format!(
-                        "No byte of the request body arrived for {} s ([limits] \
-                         client_read_timeout). Send the body without pausing.",
-                        idle.as_secs_f64()
-                    ),
-                )
-                .header(header::CONNECTION, HeaderValue::from_static("close")),
+                ReadError::TimedOut { idle } => Problem::body_timeout(idle),
                 ReadError::Io(e) => Problem::new(
                     StatusCode::BAD_REQUEST,
                     "unreadable-body",
