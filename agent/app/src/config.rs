@@ -21,7 +21,7 @@ const MIN_EVENT_BYTES: usize = 4 << 10;
 /// The smallest `streams.max_stream_bytes` accepted.
 const MIN_STREAM_BYTES: usize = 64 << 10;
 /// The longest duration any key accepts.
-const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+const MAX_DURATION: Duration = Duration::from_secs(1_000 * 31_557_600);
 /// The shortest `resilience.retry_budget_window` accepted.
 const MIN_RETRY_BUDGET_WINDOW: Duration = Duration::from_millis(100);
 
@@ -417,7 +417,7 @@ pub(crate) fn duration(
             Ok(d) if d > MAX_DURATION => {
                 p.add(
                     path,
-                    format!("{s:?} is longer than 100 years, the longest duration accepted"),
+                    format!("{s:?} is longer than 1000 years, the longest duration accepted"),
                 );
                 default
             }
