@@ -909,7 +909,17 @@ async fn an_audit_holds_the_journal_s_lock_while_it_copies_it() -> TestResult {
 async fn a_damaged_log_is_refused_by_the_sidecar_and_read_up_to_the_damage_by_an_audit()
 -> TestResult {
     let first = tempfile::tempdir()?;
-    completed(first.path(), &["k0", "k1", "k2", "k3"]).await?;
+    // Keys long enough that no timestamp or id in another frame spells one.
+    completed(
+        first.path(),
+        &[
+            "damaged-log-k0",
+            "damaged-log-k1",
+            "damaged-log-k2",
+            "damaged-log-k3",
+        ],
+    )
+    .await?;
     let log = std::fs::read(first.path().join("wal"))?;
     // Each frame's span (length, CRC-32, payload); the first that names k3 (its
     // begin) is damaged, with k3's completion, a whole frame, after it.
@@ -922,7 +932,7 @@ async fn a_damaged_log_is_refused_by_the_sidecar_and_read_up_to_the_damage_by_an
     }
     let (frame, start) = frames
         .iter()
-        .position(|&(s, e)| log[s..e].windows(2).any(|w| w == b"k3"))
+        .position(|&(s, e)| log[s..e].windows(14).any(|w| w == b"damaged-log-k3"))
         .map(|i| (i, frames[i].0))
         .ok_or("no frame names k3")?;
     let mut damaged = log.clone();
@@ -954,9 +964,9 @@ async fn a_damaged_log_is_refused_by_the_sidecar_and_read_up_to_the_damage_by_an
     assert_eq!(
         listed(&audit)?,
         [
-            ("k0".to_owned(), State::Completed),
-            ("k1".to_owned(), State::Completed),
-            ("k2".to_owned(), State::Completed)
+            ("damaged-log-k0".to_owned(), State::Completed),
+            ("damaged-log-k1".to_owned(), State::Completed),
+            ("damaged-log-k2".to_owned(), State::Completed)
         ],
         "what the frames before the damage wrote"
     );
