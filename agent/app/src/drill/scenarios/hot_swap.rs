@@ -170,7 +170,23 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
     let failed: Vec<String> = seen
         .iter()
         .filter(|(_, s)| !s.completed())
-        .map(|(_, s)| format!("{:?} {:?}", s.status, s.error))
+        .map(|(sent, s)| {
+            format!(
+                "status {:?} error {:?} problem {:?} attempts {:?} fault_injected {} \
+                 sent {} ms from the swap, took {} ms",
+                s.status,
+                s.error,
+                s.problem,
+                s.attempts,
+                s.fault_injected,
+                if *sent <= swap_at {
+                    -((swap_at - *sent).as_millis() as i128)
+                } else {
+                    (*sent - swap_at).as_millis() as i128
+                },
+                s.elapsed.as_millis()
+            )
+        })
         .collect();
     run.record.check(failed.is_empty(), || {
         format!(
