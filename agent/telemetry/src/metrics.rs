@@ -390,6 +390,7 @@ struct Instruments {
     replays: Family<KindLabel, Counter>,
     retries: Family<RetryLabels, Counter>,
     fallbacks: Family<FallbackLabels, Counter>,
+    retry_budget_exhausted: Family<TargetLabel, Counter>,
     breaker: Family<TargetLabel, Gauge>,
     budget_rejections: Family<ReasonLabel, Counter>,
     policy_events: Family<PolicyLabels, Counter>,
@@ -460,6 +461,7 @@ impl Metrics {
             replays: Family::default(),
             retries: Family::default(),
             fallbacks: Family::default(),
+            retry_budget_exhausted: Family::default(),
             breaker: Family::default(),
             budget_rejections: Family::default(),
             policy_events: Family::default(),
@@ -619,6 +621,17 @@ impl Metrics {
             .get_or_create(&FallbackLabels {
                 from: p.get(from),
                 to: p.get(to),
+            })
+            .inc();
+    }
+
+    /// A failed call to `target` that was not retried because its retry budget
+    /// was spent.
+    pub fn retry_budget_exhausted(&self, target: &str) {
+        self.i()
+            .retry_budget_exhausted
+            .get_or_create(&TargetLabel {
+                target: self.inner.labels.providers.get(target),
             })
             .inc();
     }
@@ -881,6 +894,11 @@ fn register(i: &Instruments) -> Registry {
         names::FALLBACKS,
         "Fallbacks from one target to another",
         i.fallbacks.clone(),
+    );
+    r.register(
+        names::RETRY_BUDGET_EXHAUSTED,
+        "Failed calls a spent retry budget kept from retrying, by target",
+        i.retry_budget_exhausted.clone(),
     );
     r.register(
         names::BREAKER_STATE,

@@ -62,6 +62,8 @@ pub const REPLAYS: &str = "outrigger_replays";
 pub const RETRIES: &str = "outrigger_retries";
 /// Fallbacks from one target to another.
 pub const FALLBACKS: &str = "outrigger_fallbacks";
+/// Failed calls a spent retry budget kept from retrying, by target.
+pub const RETRY_BUDGET_EXHAUSTED: &str = "outrigger_retry_budget_exhausted";
 /// Circuit-breaker state by target: 0 closed, 1 half-open, 2 open.
 pub const BREAKER_STATE: &str = "outrigger_breaker_state";
 /// Calls the budget policy rejected, by reason.
@@ -110,6 +112,7 @@ pub const EXPOSED_METRICS: &[(&str, &str)] = &[
     ("outrigger_replays", "counter"),
     ("outrigger_retries", "counter"),
     ("outrigger_fallbacks", "counter"),
+    ("outrigger_retry_budget_exhausted", "counter"),
     ("outrigger_breaker_state", "gauge"),
     ("outrigger_budget_rejections", "counter"),
     ("outrigger_policy_events", "counter"),

@@ -262,8 +262,8 @@ pub async fn run<'a, T: Transport>(
                     if let Some(t) = m.task_retries {
                         t.ledger.give_back_retry(t.task);
                     }
-                    trail.retry_budget_exhausted = true;
                     trail.gave_up = Some("the retry budget is exhausted".into());
+                    budget_spent(m, trail, &target.name);
                     return Err(ended);
                 }
                 trail.retries += 1;
@@ -274,6 +274,9 @@ pub async fn run<'a, T: Transport>(
                 tokio::time::sleep(delay.min(MAX_RETRY_DELAY)).await;
             }
             RetryDecision::FallBack(name) => {
+                if !ctx.retry_budget.available {
+                    budget_spent(m, trail, &target.name);
+                }
                 let Some(i) = remaining.iter().position(|p| p.name == name) else {
                     trail.gave_up = Some(format!(
                         "the policy chose {name:?}, which is not a fallback of this call"
@@ -290,10 +293,23 @@ pub async fn run<'a, T: Transport>(
                 m.budgets.record_request(&target.name);
             }
             RetryDecision::GiveUp(reason) => {
+                if !ctx.retry_budget.available {
+                    budget_spent(m, trail, &target.name);
+                }
                 trail.gave_up = Some(reason);
                 return Err(ended);
             }
         }
+    }
+}
+
+/// A failed call on `target` not retried there because its retry budget was spent:
+/// the host refused the retry, or the policy gave up or fell back seeing the budget
+/// spent.
+fn budget_spent<T>(m: &Mechanics<'_, T>, trail: &mut Trail, target: &str) {
+    trail.retry_budget_exhausted = true;
+    if let Some(metrics) = m.metrics {
+        metrics.retry_budget_exhausted(target);
     }
 }
 

@@ -1,6 +1,6 @@
 //! `policy_hot_swap`: a new version of the retry component replaces the file in the
-//! policy directory while calls flow (5 % of attempts answered 503, so the retry
-//! hook decides throughout), and the operator asks for a reload. Holds: calls are in
+//! policy directory while calls flow (after a warm-up, 5 % of attempts answered 503,
+//! so the retry hook decides throughout), and the operator asks for a reload. Holds: calls are in
 //! flight across the swap and the new version decides retries; no call fails; the
 //! version changes and the old one is kept as `previous_version`; the swap is
 //! counted; and how long the swap took.
@@ -13,14 +13,16 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use super::Run;
-use crate::drill::Error;
 use crate::drill::agent::{ModelAsk, ModelSeen};
 use crate::drill::setup::tagged_component;
+use crate::drill::{Error, observe};
 
 const WORKERS: usize = 4;
 /// How long traffic may go on after the swap waiting for the new version's first
 /// retry decision (5 % of attempts fail, so one comes within a few dozen calls).
 const RETRY_WAIT: Duration = Duration::from_secs(5);
+/// Traffic without faults before they start (about 50 calls).
+const WARM_UP: Duration = Duration::from_millis(300);
 
 fn retry_binding(doc: &Value) -> Option<&Value> {
     doc["bindings"]
@@ -45,10 +47,11 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
         .map_err(Error::Sidecar)?;
     let old = version(&policies)
         .ok_or_else(|| Error::Sidecar(format!("no retry version is active: {policies}")))?;
-    let background = json!({"provider": "*", "kind": "server_error", "status": 503, "percent": 5});
-    run.faults(json!({"faults": [background.clone()]})).await?;
-    run.record.figure("background_fault", &background);
 
+    let budget_metric = format!(
+        "{}_total",
+        outrigger_telemetry::names::RETRY_BUDGET_EXHAUSTED
+    );
     let stop = Arc::new(AtomicBool::new(false));
     // Set once the new version is seen active; calls sent after it that were retried
     // had their retry decided by the new version.
@@ -89,6 +92,13 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
             seen
         }));
     }
+    // Faults start once the retry budget's window holds some traffic: at the very
+    // start its floor (`min_retries`, 3) is all there is, and four early faults
+    // would spend it, so a call would fail for the budget and not the swap.
+    tokio::time::sleep(WARM_UP).await;
+    let background = json!({"provider": "*", "kind": "server_error", "status": 503, "percent": 5});
+    run.faults(json!({"faults": [background.clone()]})).await?;
+    run.record.figure("background_fault", &background);
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let new_bytes = tagged_component(
@@ -167,6 +177,12 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
     run.record.check(new.is_some(), || {
         format!("the retry version is still {old} 10 s after the file changed")
     });
+    let exhausted = observe::scrape(&run.admin)
+        .await
+        .map(|m| m.sum(&budget_metric, &[]))
+        .unwrap_or(0.0);
+    run.record
+        .figure("calls_stopped_by_retry_budget", exhausted);
     let failed: Vec<String> = seen
         .iter()
         .filter(|(_, s)| !s.completed())
@@ -190,7 +206,8 @@ pub async fn run(run: &mut Run<'_>) -> Result<(), Error> {
         .collect();
     run.record.check(failed.is_empty(), || {
         format!(
-            "{} of {} call(s) across the swap failed: {}",
+            "{} of {} call(s) across the swap failed ({exhausted} stopped by a spent retry \
+             budget): {}",
             failed.len(),
             seen.len(),
             failed.join("; ")

@@ -215,17 +215,19 @@ async fn under_total_failure_at_concurrency_50_retries_stay_within_the_budget() 
     };
     let script = Script::new(vec![], 503);
     let p = provider("a", 1);
-    let mech = rig.mechanics(&script, &LikeBuiltin);
+    let metrics = outrigger_telemetry::Metrics::new();
+    let mech = Mechanics {
+        metrics: Some(&metrics),
+        ..rig.mechanics(&script, &LikeBuiltin)
+    };
     let calls = (0..50).map(|_| async {
         let mut trail = Trail::default();
         let r = run(&mech, &plan(vec![&p]), &mut trail).await;
         assert!(r.is_err());
-        trail.retries
+        (trail.retries, trail.retry_budget_exhausted)
     });
-    let retries: u32 = futures_util::future::join_all(calls)
-        .await
-        .into_iter()
-        .sum();
+    let ended = futures_util::future::join_all(calls).await;
+    let retries: u32 = ended.iter().map(|(r, _)| r).sum();
     // 20 % of 50 requests = 10 retries in the window (the floor is 3).
     assert_eq!(retries, 10);
     assert_eq!(
@@ -233,6 +235,12 @@ async fn under_total_failure_at_concurrency_50_retries_stay_within_the_budget() 
         60,
         "50 originals + 10 retries"
     );
+    // Every call but those that used up their own attempts (at most 10 / 3) was
+    // stopped by the spent budget, and each such call is counted once.
+    let stopped = ended.iter().filter(|(_, spent)| *spent).count();
+    assert!(stopped >= 47, "{stopped} calls stopped by the budget");
+    let line = format!("outrigger_retry_budget_exhausted_total{{target=\"a\"}} {stopped}");
+    assert!(metrics.encode().contains(&line), "{}", metrics.encode());
 }
 
 #[tokio::test(start_paused = true)]
