@@ -91,6 +91,9 @@ pub struct Turn {
     pub dialect: Dialect,
     /// Open and completed blocks by index (OpenAI: tool-call index).
     blocks: BTreeMap<u64, Partial>,
+    /// OpenAI: the block a (choice, tool-call index) now grows, where a server
+    /// reused the index for a call with a new id.
+    aliases: BTreeMap<u64, u64>,
     pub usage: Option<ReportedUsage>,
     pub finish_reason: Option<String>,
     pub response_model: Option<String>,
@@ -109,6 +112,7 @@ impl Turn {
         Self {
             dialect,
             blocks: BTreeMap::new(),
+            aliases: BTreeMap::new(),
             usage: None,
             finish_reason: None,
             response_model: None,
@@ -185,12 +189,7 @@ impl Turn {
         if let Some(id) = v["id"].as_str() {
             self.response_id.get_or_insert_with(|| id.to_string());
         }
-        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
-            self.usage = Some(ReportedUsage {
-                input: u["prompt_tokens"].as_u64().unwrap_or(0),
-                output: u["completion_tokens"].as_u64().unwrap_or(0),
-            });
-        }
+        self.openai_usage(&v);
         let mut kind = Kind::Other;
         for choice in v["choices"].as_array().into_iter().flatten() {
             let c = choice["index"].as_u64().unwrap_or(0);
@@ -256,6 +255,42 @@ impl Turn {
             }
         }
         kind
+    }
+
+    fn openai_usage(&mut self, v: &Value) {
+        if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+            self.usage = Some(ReportedUsage {
+                input: u["prompt_tokens"].as_u64().unwrap_or(0),
+                output: u["completion_tokens"].as_u64().unwrap_or(0),
+            });
+        }
+    }
+
+    /// Anthropic's running output count (`message_delta`).
+    fn anthropic_usage(&mut self, v: &Value) {
+        if let Some(out) = v["usage"]["output_tokens"].as_u64() {
+            let u = self.usage.get_or_insert_with(ReportedUsage::default);
+            u.output = out;
+        }
+    }
+
+    /// Takes only the usage an event reports. After the turn was ended with an
+    /// error event nothing else of it counts, but its tokens were generated (and
+    /// billed) whatever became of the events.
+    fn observe_usage(&mut self, raw: &[u8]) {
+        if MARKERS.usage.find(raw).is_none() {
+            return;
+        }
+        let Some(data) = sse::parse(raw).data else {
+            return;
+        };
+        let Ok(v) = serde_json::from_str::<Value>(&data) else {
+            return;
+        };
+        match self.dialect {
+            Dialect::OpenAi => self.openai_usage(&v),
+            Dialect::Anthropic => self.anthropic_usage(&v),
+        }
     }
 
     fn anthropic(&mut self, event: Option<&str>, data: &str) -> Kind {
@@ -337,10 +372,7 @@ impl Turn {
             }
             "message_delta" => {
                 // Counted whatever happens to the event: the tokens were generated.
-                if let Some(out) = v["usage"]["output_tokens"].as_u64() {
-                    let u = self.usage.get_or_insert_with(ReportedUsage::default);
-                    u.output = out;
-                }
+                self.anthropic_usage(&v);
                 let Some(reason) = v["delta"]["stop_reason"].as_str() else {
                     return Kind::Other;
                 };
@@ -392,25 +424,45 @@ impl Turn {
         self.blocks.values().any(|b| !b.complete)
     }
 
-    /// The tool calls the provider completed, in block order.
     /// A tool-call part's index within its choice. Compatible servers that leave
     /// `index` out send parallel calls one after the other: a part with an id that
     /// is not the last call's starts the next call, one without an id continues it.
-    fn call_index(&self, choice: u64, part: &Value) -> u64 {
+    /// Some number every call `index: 0`: there too a new id starts a call of its
+    /// own (after the last), and parts without one continue it.
+    fn call_index(&mut self, choice: u64, part: &Value) -> u64 {
+        let base = choice * 1_000;
+        let calls = base..base + LEGACY_CALL;
+        let next_free = |blocks: &BTreeMap<u64, Partial>| {
+            blocks
+                .range(calls.clone())
+                .next_back()
+                .map_or(0, |(&last, _)| (last - base + 1).min(LEGACY_CALL - 1))
+        };
+        let new_id = |block: Option<&Partial>| match (part["id"].as_str(), block) {
+            (Some(id), Some(b)) => !b.id.is_empty() && id != b.id,
+            _ => false,
+        };
         if let Some(i) = part["index"].as_u64() {
-            return i.min(LEGACY_CALL - 1);
+            let i = i.min(LEGACY_CALL - 1);
+            let at = self.aliases.get(&(base + i)).copied().unwrap_or(i);
+            if !new_id(self.blocks.get(&(base + at))) {
+                return at;
+            }
+            let next = next_free(&self.blocks);
+            self.aliases.insert(base + i, next);
+            return next;
         }
-        let calls = choice * 1_000..choice * 1_000 + LEGACY_CALL;
-        let Some((&last, block)) = self.blocks.range(calls).next_back() else {
+        let Some((&last, block)) = self.blocks.range(calls.clone()).next_back() else {
             return 0;
         };
-        let last = last - choice * 1_000;
-        match part["id"].as_str() {
-            Some(id) if !block.id.is_empty() && id != block.id => last + 1,
-            _ => last,
+        if new_id(Some(block)) {
+            next_free(&self.blocks)
+        } else {
+            last - base
         }
     }
 
+    /// The tool calls the provider completed, in block order.
     pub fn completed_calls(&self) -> Vec<IssuedCall> {
         self.blocks
             .values()
@@ -459,6 +511,7 @@ impl Gate {
 
     pub fn push(&mut self, raw: bytes::Bytes) -> Release {
         if self.closed {
+            self.turn.observe_usage(&raw);
             return Release::default();
         }
         let kind = self.turn.observe(&raw);
@@ -640,6 +693,101 @@ mod tests {
                 ("call_b".to_owned(), "mail".to_owned())
             ]
         );
+    }
+
+    /// Servers that number every parallel call `index: 0`: a part with an id that
+    /// is not the open call's starts a call of its own, and parts without an id
+    /// continue the latest call under that index.
+    #[test]
+    fn parallel_calls_that_reuse_an_index_with_new_ids_stay_apart() {
+        let mut g = Gate::new(Dialect::OpenAi);
+        for part in [
+            json!({"index": 0, "id": "call_a", "function": {"name": "pay", "arguments": "{\"n\":"}}),
+            json!({"index": 0, "function": {"arguments": "1}"}}),
+            json!({"index": 0, "id": "call_b", "function": {"name": "mail", "arguments": "{\"to\":"}}),
+            json!({"index": 0, "function": {"arguments": "\"amy\"}"}}),
+            json!({"index": 1, "id": "call_c", "function": {"name": "log", "arguments": "{}"}}),
+        ] {
+            let chunk = ev(&json!({"choices": [{"index": 0, "delta": {"tool_calls": [part]}}]}));
+            assert!(g.push(chunk.into()).events.is_empty());
+        }
+        let end = g.push(finish("tool_calls"));
+        assert_eq!(end.events.len(), 6);
+        assert!(!g.turn.errored);
+        let calls = g.turn.completed_calls();
+        let got: Vec<(&str, &str)> = calls
+            .iter()
+            .map(|c| (c.id.as_str(), c.name.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [("call_a", "pay"), ("call_b", "mail"), ("call_c", "log")]
+        );
+        assert_eq!(
+            calls[0].arguments,
+            crate::keys::fingerprint(&json!({"n": 1}))
+        );
+        assert_eq!(
+            calls[1].arguments,
+            crate::keys::fingerprint(&json!({"to": "amy"}))
+        );
+    }
+
+    /// The usage chunk OpenAI sends after the finish (`stream_options.include_usage`)
+    /// and Anthropic's `message_delta` are counted even when the turn was already
+    /// ended with an error event: the tokens were generated and billed.
+    #[test]
+    fn usage_reported_after_the_turn_was_cut_is_still_counted() {
+        let mut g = Gate::new(Dialect::OpenAi);
+        assert!(g.push(call_part("{\"a\":")).events.is_empty());
+        assert_eq!(g.push(finish("length")).events.len(), 1);
+        assert!(g.closed());
+        let usage =
+            ev(&json!({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": 13}}));
+        assert!(g.push(usage.into()).events.is_empty());
+        assert!(
+            g.push(bytes::Bytes::from_static(b"data: [DONE]\n\n"))
+                .events
+                .is_empty()
+        );
+        assert_eq!(
+            g.turn.usage,
+            Some(ReportedUsage {
+                input: 11,
+                output: 13
+            })
+        );
+        assert!(!g.turn.terminal, "a cut turn never becomes complete");
+
+        let mut g = Gate::new(Dialect::Anthropic);
+        g.push(
+            named(
+                "message_start",
+                &json!({"type": "message_start", "message": {"id": "msg_1", "model": "c",
+                "usage": {"input_tokens": 5, "output_tokens": 1}}}),
+            )
+            .into(),
+        );
+        assert!(g.push(tool_use_start()).events.is_empty());
+        let error = named(
+            "error",
+            &json!({"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}),
+        );
+        assert_eq!(g.push(error.into()).events.len(), 1);
+        let delta = named(
+            "message_delta",
+            &json!({"type": "message_delta", "delta": {"stop_reason": "tool_use"},
+            "usage": {"output_tokens": 21}}),
+        );
+        assert!(g.push(delta.into()).events.is_empty());
+        assert_eq!(
+            g.turn.usage,
+            Some(ReportedUsage {
+                input: 5,
+                output: 21
+            })
+        );
+        assert!(g.turn.completed_calls().is_empty());
     }
 
     #[test]
