@@ -253,6 +253,15 @@ async fn an_upstream_cut_anywhere_never_forwards_a_partial_tool_call() {
             D::Anthropic => mock_sse::anthropic_stream(&g),
         };
         let total_bytes: usize = reference.iter().map(String::len).sum();
+        // Every argument delta of both calls: a client that sees a call sees all of it.
+        let call_deltas = reference
+            .iter()
+            .filter(|e| e.contains("\"tool_calls\":[") || e.contains("input_json_delta"))
+            .count();
+        assert!(
+            call_deltas >= 4,
+            "the reference holds two calls: {reference:?}"
+        );
         // Cuts at every event boundary, and inside events (every 37 bytes).
         let mut cuts: Vec<usize> = Vec::new();
         let mut acc = 0;
@@ -288,20 +297,43 @@ async fn an_upstream_cut_anywhere_never_forwards_a_partial_tool_call() {
                 .iter()
                 .map(|e| strip_id(e).to_string())
                 .collect();
-            assert_no_partial_tool_call(d, &evs, *cut);
+            assert_no_partial_tool_call(d, &evs, *cut, call_deltas);
             let last = evs.last().cloned().unwrap_or_default();
             let complete = last.contains("[DONE]") || last.contains("message_stop");
             if !complete {
+                // The typed error event of the dialect, as the official SDKs parse it.
+                let data = last
+                    .lines()
+                    .find_map(|l| l.strip_prefix("data: "))
+                    .unwrap_or_default();
+                let doc: serde_json::Value = serde_json::from_str(data)
+                    .unwrap_or_else(|e| panic!("{d:?} cut {cut}: {e}: {last}"));
                 match d {
-                    D::OpenAi => assert!(
-                        last.contains("\"type\":\"stream_interrupted\""),
-                        "{d:?} cut {cut}: {last}"
-                    ),
-                    D::Anthropic => assert!(
-                        last.starts_with("event: error") && last.contains("\"api_error\""),
-                        "{d:?} cut {cut}: {last}"
-                    ),
+                    D::OpenAi => {
+                        assert_eq!(doc["error"]["type"], "stream_interrupted", "{last}");
+                        assert_eq!(doc["error"]["code"], "outrigger_stream_interrupted");
+                    }
+                    D::Anthropic => {
+                        assert!(
+                            last.starts_with("event: error\n"),
+                            "{d:?} cut {cut}: {last}"
+                        );
+                        assert_eq!(doc["type"], "error", "{last}");
+                        assert_eq!(doc["error"]["type"], "api_error", "{last}");
+                    }
                 }
+                let message = doc["error"]["message"].as_str().unwrap_or_default();
+                assert!(
+                    message.contains("was interrupted") && message.contains("no partial tool call"),
+                    "{d:?} cut {cut}: {message}"
+                );
+                assert_eq!(
+                    evs.iter()
+                        .filter(|e| e.starts_with("event: error") || e.contains("{\"error\":"))
+                        .count(),
+                    1,
+                    "{d:?} cut {cut}: one error event"
+                );
                 assert!(
                     !evs.iter()
                         .any(|e| e.contains("[DONE]") || e.contains("message_stop")),
@@ -312,7 +344,79 @@ async fn an_upstream_cut_anywhere_never_forwards_a_partial_tool_call() {
     }
 }
 
-fn assert_no_partial_tool_call(d: D, evs: &[String], cut: usize) {
+/// An upstream that stalls mid-stream with its connection open is not waited on for
+/// ever: at `[limits] stream_idle_timeout` the stream ends with the typed error event,
+/// journaled as the attempt's last, and the key's next request generates afresh.
+#[tokio::test]
+async fn a_stalled_upstream_ends_with_a_typed_error_at_the_idle_limit() {
+    let stall = Behaviour {
+        chunks: 4,
+        chunk_delay: Duration::from_secs(5),
+        ..Behaviour::default()
+    };
+    let mock = MockProvider::start(stall).await.expect("mock");
+    let config = format!(
+        r#"
+[limits]
+stream_idle_timeout = "400ms"
+
+[[providers]]
+name = "oa"
+kind = "openai"
+base_url = "{}"
+models = ["gpt-mock"]
+"#,
+        mock.openai_base()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    for (i, d) in [None, Some("stalled")].into_iter().enumerate() {
+        let started = std::time::Instant::now();
+        let r = send(post(&sidecar, D::OpenAi, d, &[])).await;
+        let took = started.elapsed();
+        assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+        assert!(
+            took >= Duration::from_millis(400) && took < Duration::from_secs(4),
+            "case {i}: ended after {took:?}"
+        );
+        let evs = events(&r.body);
+        assert_eq!(
+            evs.len(),
+            2,
+            "case {i}: the first event, then the error: {evs:?}"
+        );
+        let last = strip_id(&evs[1]);
+        assert!(
+            last.contains("\"type\":\"stream_interrupted\"")
+                && last.contains("went quiet")
+                && last.contains("stream_idle_timeout"),
+            "case {i}: {last}"
+        );
+        assert!(!r.text().contains("[DONE]"));
+        let Some(key) = d else { continue };
+        // Journaled: the same bytes by key, the error event included.
+        let stream_key = r.header("outrigger-stream-key").expect("a stream key");
+        let journaled = send(request(
+            Method::GET,
+            &sidecar.url(&format!("/v1/streams/{}", stream_key.replace('/', "%2F"))),
+            &[],
+            Bytes::new(),
+        ))
+        .await;
+        assert_eq!(journaled.body, r.body);
+        // The attempt was abandoned, not left open: the key generates afresh.
+        mock.push(Behaviour {
+            chunks: 4,
+            ..Behaviour::default()
+        });
+        let again = send(post(&sidecar, D::OpenAi, Some(key), &[])).await;
+        let evs = events(&again.body);
+        assert!(evs[0].starts_with("id: 2:0\n"), "attempt 2: {}", evs[0]);
+        assert!(evs.last().unwrap().contains("[DONE]"));
+    }
+}
+
+/// `call_deltas`: the events that grow the two calls in the uncut stream.
+fn assert_no_partial_tool_call(d: D, evs: &[String], cut: usize, call_deltas: usize) {
     match d {
         D::OpenAi => {
             let tool_events = evs
@@ -328,13 +432,23 @@ fn assert_no_partial_tool_call(d: D, evs: &[String], cut: usize) {
                 "cut {cut}: tool-call deltas without their finish: {evs:?}"
             );
             if finished {
-                assert_eq!(tool_events, 2 * 5, "cut {cut}: every delta of both calls");
+                assert_eq!(
+                    tool_events, call_deltas,
+                    "cut {cut}: every delta of both calls"
+                );
             }
         }
         D::Anthropic => {
+            // A `tool_use` block is whole only at the `message_delta` whose stop
+            // reason is `tool_use`: the client sees a call with all of its input
+            // deltas, its stop and that reason, or sees nothing of it.
             let starts = evs
                 .iter()
                 .filter(|e| e.contains("\"type\":\"tool_use\""))
+                .count();
+            let deltas = evs
+                .iter()
+                .filter(|e| e.contains("input_json_delta"))
                 .count();
             let stops: usize = evs
                 .iter()
@@ -342,10 +456,17 @@ fn assert_no_partial_tool_call(d: D, evs: &[String], cut: usize) {
                     e.starts_with("event: content_block_stop") && !e.contains("\"index\":0")
                 })
                 .count();
-            assert_eq!(
-                starts, stops,
-                "cut {cut}: a tool_use block without its stop: {evs:?}"
-            );
+            let confirmed = evs
+                .iter()
+                .any(|e| e.contains("\"stop_reason\":\"tool_use\""));
+            if starts + deltas + stops == 0 {
+                assert!(!confirmed, "cut {cut}: a stop reason for calls never sent");
+            } else {
+                assert!(
+                    starts == 2 && stops == 2 && deltas == call_deltas && confirmed,
+                    "cut {cut}: a tool_use block cut short ({starts} starts, {deltas} deltas, {stops} stops, confirmed {confirmed}): {evs:?}"
+                );
+            }
         }
     }
 }

@@ -550,6 +550,13 @@ fn validate(
             Duration::from_secs(120),
             "every provider answer would time out before its first byte",
         ),
+        stream_idle_timeout: positive_duration(
+            p,
+            "limits.stream_idle_timeout",
+            &raw.limits.stream_idle_timeout,
+            outrigger_proxy::options::DEFAULT_STREAM_IDLE_TIMEOUT,
+            "every stream would be cut after its first chunk",
+        ),
         max_event_bytes: raw
             .limits
             .max_event_bytes

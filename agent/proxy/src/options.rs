@@ -190,6 +190,10 @@ pub struct Tool {
     pub redact: crate::redact::Redactions,
 }
 
+/// Default of [`Limits::stream_idle_timeout`]: providers send keep-alives (Anthropic a
+/// `ping` every few seconds) while they think, so five silent minutes is a stall.
+pub const DEFAULT_STREAM_IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// Limits and timeouts of the data plane.
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -197,6 +201,9 @@ pub struct Limits {
     pub connect_timeout: Duration,
     /// Time allowed for an upstream's response head (first byte).
     pub first_byte_timeout: Duration,
+    /// The longest a provider's answer may send nothing (not even a keep-alive)
+    /// once it started: a stream that stalls is ended with a typed error event.
+    pub stream_idle_timeout: Duration,
     /// Longest SSE event accepted from an upstream.
     pub max_event_bytes: usize,
     /// A client connection whose writes make no progress this long (the agent
@@ -214,6 +221,7 @@ impl Default for Limits {
             max_body_bytes: 8 << 20,
             connect_timeout: Duration::from_secs(5),
             first_byte_timeout: Duration::from_secs(120),
+            stream_idle_timeout: DEFAULT_STREAM_IDLE_TIMEOUT,
             max_event_bytes: crate::sse::DEFAULT_MAX_EVENT_BYTES,
             client_stall_timeout: Duration::from_secs(30),
             client_read_timeout: crate::server::DEFAULT_CLIENT_READ_TIMEOUT,

@@ -11,13 +11,19 @@
 //! be the start of the key; SSE frames end in a newline, which no key contains, so
 //! events are never delayed. Without a key the body passes through untouched.
 //!
+//! A body that goes quiet is cut (see [`UpstreamBody::idle_limit`]): an upstream
+//! that stalls mid-stream, its connection still open, would otherwise hold the
+//! agent (and a journaled generation) forever.
+//!
 //! A stream's body also gathers (see [`UpstreamBody::gathering`]): hyper hands over a
 //! chunked body one chunk per poll, each decoded by the connection's own task, so a
 //! burst of events would otherwise be relayed, journaled and written to the agent's
 //! socket one event at a time (one `writev` per event).
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body as HttpBody, Frame, SizeHint};
@@ -35,6 +41,52 @@ pub struct UpstreamBody<B = Incoming> {
     scrub: Option<Scrub>,
     cut: Option<Cut>,
     gather: Option<Gather>,
+    idle: Option<Idle>,
+}
+
+/// The body went quiet: nothing arrived for `limit` after it had started.
+#[derive(Debug, thiserror::Error)]
+#[error("the upstream went quiet: nothing arrived for {limit:?} (limits.stream_idle_timeout)")]
+pub struct Stalled {
+    pub limit: Duration,
+}
+
+/// How long the body may send nothing once it has started. The timer is not reset
+/// per chunk (a timer-wheel update each): it fires at most once per `limit`, and
+/// when data came in since, it is moved to `limit` after the last of it.
+struct Idle {
+    limit: Duration,
+    /// When the last data arrived (`None`: none yet; the first byte has a timeout
+    /// of its own).
+    last: Option<tokio::time::Instant>,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Idle {
+    fn data(&mut self) {
+        self.last = Some(tokio::time::Instant::now());
+    }
+
+    /// Whether the body has been quiet for the limit; otherwise the timer is set to
+    /// wake `cx` when it may have been.
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(last) = self.last else {
+            return false;
+        };
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(last + self.limit)));
+        loop {
+            if timer.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            let due = last + self.limit;
+            if tokio::time::Instant::now() >= due {
+                return true;
+            }
+            timer.as_mut().reset(due);
+        }
+    }
 }
 
 /// Most bytes gathered into one frame.
@@ -91,7 +143,19 @@ where
             scrub: key.filter(|k| !k.is_empty()).map(Scrub::new),
             cut: None,
             gather: None,
+            idle: None,
         }
+    }
+
+    /// Cuts the body with [`Stalled`] when it sends nothing for `limit` once it has
+    /// started sending (keep-alive comments and pings count: the provider is there).
+    pub fn idle_limit(mut self, limit: Duration) -> Self {
+        self.idle = Some(Idle {
+            limit,
+            last: None,
+            timer: None,
+        });
+        self
     }
 
     /// Cuts the body after `after` more events (an injected `stream_cut` fault).
@@ -180,7 +244,18 @@ where
                 return Poll::Ready(None);
             };
             let data = match Pin::new(body).poll_frame(cx) {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    if let Some(idle) = self.idle.as_mut()
+                        && idle.expired(cx)
+                    {
+                        // Dropping the body closes its connection.
+                        self.inner = None;
+                        let limit = idle.limit;
+                        self.idle = None;
+                        return Poll::Ready(Some(Err(Box::new(Stalled { limit }))));
+                    }
+                    return Poll::Pending;
+                }
                 Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e.into()))),
                 Poll::Ready(None) => {
                     self.inner = None;
@@ -188,7 +263,12 @@ where
                     return Poll::Ready((!tail.is_empty()).then_some(Ok(tail)));
                 }
                 Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(data) => data,
+                    Ok(data) => {
+                        if let Some(idle) = self.idle.as_mut() {
+                            idle.data();
+                        }
+                        data
+                    }
                     Err(_) => continue, // trailers: nothing to relay
                 },
             };
@@ -445,6 +525,74 @@ mod tests {
                 Err(e) => format!("error: {e}"),
             })
             .collect()
+    }
+
+    /// A body fed by a channel: a provider whose connection stays open while it
+    /// sends nothing.
+    struct Fed(tokio::sync::mpsc::Receiver<Bytes>);
+
+    impl HttpBody for Fed {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.0.poll_recv(cx).map(|d| d.map(|d| Ok(Frame::data(d))))
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_that_goes_quiet_is_cut_at_the_idle_limit_and_one_that_trickles_is_not() {
+        use http_body_util::BodyExt;
+        let limit = Duration::from_secs(30);
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        // A keep-alive every 20 s keeps the body going past the limit; then nothing.
+        tokio::spawn(async move {
+            for i in 0..4 {
+                if i > 0 {
+                    tokio::time::sleep(Duration::from_secs(20)).await;
+                }
+                tx.send(Bytes::from_static(b": keep-alive\n\n")).await.ok();
+            }
+            // Held open, silent, until the test ends.
+            tokio::time::sleep(Duration::from_secs(3_600)).await;
+            drop(tx);
+        });
+        let mut body = UpstreamBody::new(Fed(rx), None).idle_limit(limit);
+        let start = tokio::time::Instant::now();
+        for _ in 0..4 {
+            let frame = body.frame().await.expect("a frame").expect("data");
+            assert_eq!(
+                frame.into_data().expect("data").as_ref(),
+                b": keep-alive\n\n"
+            );
+        }
+        assert_eq!(start.elapsed(), Duration::from_secs(60));
+        let quiet = body.frame().await.expect("an error").expect_err("cut");
+        assert_eq!(start.elapsed(), Duration::from_secs(90), "{quiet}");
+        assert!(
+            quiet.to_string().contains("nothing arrived for 30s")
+                && quiet.to_string().contains("limits.stream_idle_timeout"),
+            "{quiet}"
+        );
+        assert!(body.frame().await.is_none(), "nothing after the cut");
+    }
+
+    /// Before its first byte a body waits as long as it must: the first byte has a
+    /// timeout of its own (`first_byte_timeout`), which may be the longer.
+    #[tokio::test(start_paused = true)]
+    async fn the_idle_limit_starts_with_the_first_data() {
+        use http_body_util::BodyExt;
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(100)).await;
+            tx.send(Bytes::from_static(b"data: {}\n\n")).await.ok();
+        });
+        let mut body = UpstreamBody::new(Fed(rx), None).idle_limit(Duration::from_secs(10));
+        let frame = body.frame().await.expect("a frame").expect("data");
+        assert_eq!(frame.into_data().expect("data").as_ref(), b"data: {}\n\n");
     }
 
     #[test]

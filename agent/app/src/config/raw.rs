@@ -173,6 +173,7 @@ pub struct Limits {
     pub max_event_bytes: Option<usize>,
     pub connect_timeout: Option<String>,
     pub first_byte_timeout: Option<String>,
+    pub stream_idle_timeout: Option<String>,
     pub client_stall_timeout: Option<String>,
     pub client_read_timeout: Option<String>,
 }

@@ -303,6 +303,7 @@ fn a_zero_duration_is_refused_wherever_zero_breaks_something() {
 [limits]
 connect_timeout = "0s"
 first_byte_timeout = "0ms"
+stream_idle_timeout = "0s"
 client_stall_timeout = "0s"
 client_read_timeout = "0s"
 
@@ -355,6 +356,7 @@ timeout = "0s"
             "limits.client_stall_timeout",
             "limits.connect_timeout",
             "limits.first_byte_timeout",
+            "limits.stream_idle_timeout",
             "policies.deadline",
             "policies.max_retry_delay",
             "resilience.breaker_max_penalty",

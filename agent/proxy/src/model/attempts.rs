@@ -56,6 +56,8 @@ pub struct Mechanics<'a, T> {
     pub limiters: &'a Limiters,
     pub budgets: &'a RetryBudgets,
     pub first_byte_timeout: Duration,
+    /// The longest an answer body may send nothing once it started.
+    pub stream_idle_timeout: Duration,
     pub max_event_bytes: usize,
     /// The most attempts one call makes, whatever the policy answers.
     pub max_attempts: u32,
@@ -444,7 +446,8 @@ async fn exchange<'a, T: Transport>(
     };
     let (parts, body) = resp.into_parts();
     // Everything read from here on, by this loop or after it, is scrubbed of the key.
-    let body = UpstreamBody::new(body, target.api_key.as_ref().map(|k| k.expose()));
+    let body = UpstreamBody::new(body, target.api_key.as_ref().map(|k| k.expose()))
+        .idle_limit(m.stream_idle_timeout);
     let status = parts.status;
     if status.is_success() {
         // The permit lives as long as the response body: a stream occupies its slot.

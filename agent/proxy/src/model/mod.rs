@@ -423,6 +423,7 @@ async fn generate(
         limiters: &shared.limiters,
         budgets: &shared.retry_budgets,
         first_byte_timeout: shared.options.limits.first_byte_timeout,
+        stream_idle_timeout: shared.options.limits.stream_idle_timeout,
         max_event_bytes: shared.options.limits.max_event_bytes,
         max_attempts: shared.options.resilience.max_attempts,
         task_retries: ctx.task_id.as_ref().map(|task| attempts::TaskRetries {

@@ -145,6 +145,7 @@ impl Rig {
             limiters: &self.limiters,
             budgets: &self.budgets,
             first_byte_timeout: Duration::from_secs(30),
+            stream_idle_timeout: Duration::from_secs(300),
             max_event_bytes: 1 << 20,
             max_attempts: crate::options::DEFAULT_MAX_ATTEMPTS,
             task_retries: None,
@@ -582,6 +583,7 @@ async fn context_overflow_falls_back_to_the_next_target() {
         limiters: &rig.limiters,
         budgets: &rig.budgets,
         first_byte_timeout: Duration::from_secs(30),
+        stream_idle_timeout: Duration::from_secs(300),
         max_event_bytes: 1 << 20,
         max_attempts: crate::options::DEFAULT_MAX_ATTEMPTS,
         task_retries: None,
@@ -761,6 +763,7 @@ fn streams_mechanics<'a>(rig: &'a Rig, t: &'a Streams) -> Mechanics<'a, Streams>
         limiters: &rig.limiters,
         budgets: &rig.budgets,
         first_byte_timeout: Duration::from_secs(30),
+        stream_idle_timeout: Duration::from_secs(300),
         max_event_bytes: 1 << 20,
         max_attempts: crate::options::DEFAULT_MAX_ATTEMPTS,
         task_retries: None,
@@ -886,13 +889,16 @@ async fn a_comment_is_not_the_first_event() {
 
 /// Once the provider sends comments (a keep-alive while it thinks), its first event
 /// may take longer than the first-byte timeout: a re-send would pay for the prompt
-/// twice.
+/// twice. (Only silence as long as `stream_idle_timeout` ends it.)
 #[tokio::test(start_paused = true)]
 async fn comments_keep_a_slow_first_event_waiting_past_the_first_byte_timeout() {
     let rig = Rig::new();
     let p = provider("a", 1);
     let script = Streams::new(vec![(vec![": keep-alive\n\n"], true)]);
-    let mech = streams_mechanics(&rig, &script);
+    let mech = Mechanics {
+        stream_idle_timeout: Duration::from_secs(3_600),
+        ..streams_mechanics(&rig, &script)
+    };
     let mut trail = Trail::default();
     let waited = tokio::time::timeout(
         Duration::from_secs(300),
