@@ -560,15 +560,22 @@ async fn first_event<'a, B: HttpBody<Data = Bytes, Error: Into<BoxError>> + Unpi
     // (comments, like a keep-alive while it thinks), the first event may take as long
     // as any later one: timing out then would pay for the prompt twice.
     let mut deadline = Some(tokio::time::Instant::now() + m.first_byte_timeout);
+    // From the first event on, what the tool-call gate would let through. A turn that
+    // opens with a tool call (OpenAI's first chunk carries it) has the gate hold
+    // every event until the call completes: until something would reach the agent, a
+    // failure is still invisible to it, and retried like one before the first event.
+    let mut gate: Option<crate::events::Gate> = None;
+    let mut gated = 0;
     loop {
         let frame = match deadline {
             Some(at) => tokio::time::timeout_at(at, body.frame()).await,
             None => Ok(body.frame().await),
         };
+        let held_call = gate.as_ref().is_some_and(|g| g.turn.inside_tool_call());
         let interrupted = |why: String| {
             let failure = Failure::StreamInterrupted {
                 events_delivered: 0,
-                inside_tool_call: false,
+                inside_tool_call: held_call,
             };
             Outcome::Failed(
                 failure.clone(),
@@ -599,7 +606,19 @@ async fn first_event<'a, B: HttpBody<Data = Bytes, Error: Into<BoxError>> + Unpi
                     },
                 );
             }
+            Ok(None) if held_call => {
+                return interrupted(
+                    "the stream ended inside the tool call it opened with, before anything was forwarded"
+                        .into(),
+                );
+            }
             Ok(None) => return interrupted("the stream ended before its first event".into()),
+            Ok(Some(Err(e))) if held_call => {
+                let e: BoxError = e.into();
+                return interrupted(format!(
+                    "the stream broke inside the tool call it opened with, before anything was forwarded: {e}"
+                ));
+            }
             Ok(Some(Err(e))) => {
                 let e: BoxError = e.into();
                 return interrupted(format!("the stream broke before its first event: {e}"));
@@ -614,18 +633,33 @@ async fn first_event<'a, B: HttpBody<Data = Bytes, Error: Into<BoxError>> + Unpi
                 if let Err(e) = framer.push(&data, &mut events) {
                     return interrupted(e.to_string());
                 }
-                let Some(first) = events
-                    .iter()
-                    .position(|e| crate::sse::parse(e).data.is_some())
-                else {
-                    continue;
+                let gate = match gate.as_mut() {
+                    Some(gate) => gate,
+                    None => {
+                        let Some(first) = events
+                            .iter()
+                            .position(|e| crate::sse::parse(e).data.is_some())
+                        else {
+                            continue;
+                        };
+                        if crate::events::Turn::new(target.dialect).observe(&events[first])
+                            == crate::events::Kind::Error
+                        {
+                            let status = error_event_status(&events[first]);
+                            let body = Bytes::from(events[..=first].concat());
+                            return answered_as(target, limiter, permit, status, parts, body);
+                        }
+                        gated = first;
+                        gate.insert(crate::events::Gate::new(target.dialect))
+                    }
                 };
-                if crate::events::Turn::new(target.dialect).observe(&events[first])
-                    == crate::events::Kind::Error
-                {
-                    let status = error_event_status(&events[first]);
-                    let body = Bytes::from(events[..=first].concat());
-                    return answered_as(target, limiter, permit, status, parts, body);
+                let mut released = false;
+                for ev in &events[gated..] {
+                    released |= !gate.push(ev.clone()).events.is_empty();
+                }
+                gated = events.len();
+                if !released {
+                    continue;
                 }
                 // Only now is the answer a success for the limiter: a first event
                 // that is an error counts as the error it stands for, not as a 200.

@@ -973,3 +973,64 @@ async fn a_first_event_that_is_an_error_is_classified_and_retried() {
     }
     assert_eq!(trail.attempts, 1);
 }
+
+/// A turn that opens with a tool call (OpenAI sends the call in its first chunk) has
+/// every event held by the gate until the call completes: a break or a stall before
+/// then reached nothing of the agent, and is retried like one before the first event.
+#[tokio::test(start_paused = true)]
+async fn a_break_inside_the_tool_call_a_turn_opens_with_is_retried_invisibly() {
+    let rig = Rig::new();
+    let p = provider("a", 1);
+    let call = "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"index\":0,\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"pay\",\"arguments\":\"\"}}]},\"finish_reason\":null}]}\n\n";
+    let part = "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{}\"}}]},\"finish_reason\":null}]}\n\n";
+    let finish = "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n";
+    let done = "data: [DONE]\n\n";
+    let script = Streams::new(vec![
+        // Ends inside the call.
+        (vec![call, part], false),
+        // Goes quiet inside the call, its connection open.
+        (vec![call], true),
+        (vec![call, part, finish, done], false),
+    ]);
+    let mech = streams_mechanics(&rig, &script);
+    let started = tokio::time::Instant::now();
+    let mut trail = Trail::default();
+    let ok = run(&mech, &stream_plan(vec![&p]), &mut trail).await;
+    assert_eq!(trail.attempts, 3);
+    for h in &trail.history[..2] {
+        assert_eq!(
+            h.failure,
+            Failure::StreamInterrupted {
+                events_delivered: 0,
+                inside_tool_call: true
+            }
+        );
+    }
+    assert!(
+        started.elapsed() >= mech.stream_idle_timeout,
+        "the stall ended at the idle limit"
+    );
+    let whole = whole_stream(ok.ok().expect("a stream")).await;
+    assert_eq!(whole, [call, part, finish, done].concat());
+}
+
+/// Once the gate lets something through, the attempt is the agent's: a text turn
+/// starts at its first event, as before.
+#[tokio::test(start_paused = true)]
+async fn a_text_turn_starts_at_its_first_event() {
+    let rig = Rig::new();
+    let p = provider("a", 1);
+    let text = "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":null}]}\n\n";
+    let script = Streams::new(vec![(vec![text], true)]);
+    let mech = streams_mechanics(&rig, &script);
+    let mut trail = Trail::default();
+    let ok = tokio::time::timeout(
+        Duration::from_secs(1),
+        run(&mech, &stream_plan(vec![&p]), &mut trail),
+    )
+    .await
+    .expect("started at once");
+    assert_eq!(trail.attempts, 1);
+    let s = ok.ok().expect("a stream");
+    assert_eq!(s.first_events.len(), 1);
+}
