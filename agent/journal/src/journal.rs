@@ -504,10 +504,11 @@ impl Journal {
         self.inner.reader.log_entries(from_seq, limit)
     }
 
-    /// Whether the last commit or flush failed with no successful flush since:
-    /// durable writes are being refused now.
+    /// Whether a commit or flush failed and no write made since has been made
+    /// durable: durable writes are being refused now, or have not yet been shown to
+    /// work again.
     pub fn writes_failing(&self) -> bool {
-        self.inner.shared.failing.load(Ordering::Relaxed)
+        self.inner.shared.failing()
     }
 
     pub fn stats(&self) -> Stats {

@@ -1,4 +1,4 @@
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 
 use serde::Serialize;
 use tokio::sync::watch;
@@ -60,7 +60,8 @@ pub struct Stats {
     /// Flushes the writer performed (sled's own 500 ms background flush not counted).
     pub flushes: u64,
     pub flush_errors: u64,
-    /// Whether the last commit or flush failed (no successful flush since).
+    /// Whether writes are failing: a commit or flush failed, and no write made since
+    /// has been made durable.
     pub failing: bool,
     /// Requests answered from the journal instead of executed.
     pub replays: u64,
@@ -88,9 +89,12 @@ pub(crate) struct Shared {
     pub(crate) batches: AtomicU64,
     pub(crate) handoffs: AtomicU64,
     pub(crate) flushes: AtomicU64,
-    pub(crate) flush_errors: AtomicU64,
-    /// Set by a failed commit or flush, cleared by the next successful flush.
-    pub(crate) failing: AtomicBool,
+    flush_errors: AtomicU64,
+    /// `flush_errors` as it was when a write was logged that has since been made
+    /// durable: writes are failing while `flush_errors` is past it. A flush that only
+    /// made writes from before the last failure durable moves it nowhere, so a
+    /// failing disk is not reported healthy by the flush of what it took earlier.
+    healthy_at: AtomicU64,
     pub(crate) replays: AtomicU64,
     pub(crate) states: [AtomicI64; 8],
     fault: AtomicU8,
@@ -112,13 +116,35 @@ impl Shared {
             handoffs: AtomicU64::new(0),
             flushes: AtomicU64::new(0),
             flush_errors: AtomicU64::new(0),
-            failing: AtomicBool::new(false),
+            healthy_at: AtomicU64::new(0),
             replays: AtomicU64::new(0),
             states: states.map(AtomicI64::new),
             fault: AtomicU8::new(0),
             commits: watch::Sender::new(0),
             broken_attempts: AtomicUsize::new(0),
         }
+    }
+
+    /// Counts a failed commit, flush or apply: writes are failing from now on.
+    pub(crate) fn flush_failed(&self) {
+        self.flush_errors.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The failures counted so far; read before a batch is logged, and handed to
+    /// [`Shared::made_durable`] once it is durable.
+    pub(crate) fn flush_errors(&self) -> u64 {
+        self.flush_errors.load(Ordering::Acquire)
+    }
+
+    /// Notes that writes logged when `flush_errors` was `errors` are now durable:
+    /// writes are healthy again unless a failure was counted since.
+    pub(crate) fn made_durable(&self, errors: u64) {
+        self.healthy_at.fetch_max(errors, Ordering::AcqRel);
+    }
+
+    /// Whether a failure was counted after the last write that was made durable.
+    pub(crate) fn failing(&self) -> bool {
+        self.flush_errors.load(Ordering::Acquire) > self.healthy_at.load(Ordering::Acquire)
     }
 
     pub(crate) fn fault(&self) -> Option<WriteFault> {
@@ -151,7 +177,7 @@ impl Shared {
             handoffs: load(&self.handoffs),
             flushes: load(&self.flushes),
             flush_errors: load(&self.flush_errors),
-            failing: self.failing.load(Ordering::Relaxed),
+            failing: self.failing(),
             replays: load(&self.replays),
             states: StateCounts {
                 claimed: state(State::Claimed),

@@ -276,6 +276,10 @@ pub(crate) struct Core {
     broken_order: VecDeque<(StreamKey, u32)>,
     /// Makes expiry index keys unique within the epoch.
     expiry_ids: u64,
+    /// The failures counted when the newest logged batch was logged: a later flush
+    /// makes it durable, which shows writes work again only if no failure was
+    /// counted since (see [`Shared::made_durable`]).
+    logged_at_errors: u64,
     /// The slot the next new record is written to (see [`crate::slots`]).
     next_slot: u64,
     /// The slot the next new stream's events are written to (see [`keys::Events`]).
@@ -389,6 +393,7 @@ impl Core {
             broken: HashSet::new(),
             broken_order: VecDeque::new(),
             expiry_ids: 0,
+            logged_at_errors: 0,
             next_slot,
             next_events_slot,
             known: Arc::new(KnownKeys::new()),
@@ -1242,13 +1247,16 @@ impl Core {
             return Err("injected write fault: the flush failed".to_owned());
         }
         self.store.flush().map_err(|e| e.to_string())?;
-        self.flushed();
+        self.flushed(self.logged_at_errors);
         Ok(())
     }
 
-    fn flushed(&self) {
+    /// Counts a successful flush, which made durable the batches logged up to one
+    /// logged when `errors` failures had been counted. Only that shows writes work
+    /// again: a flush of writes accepted before the last failure does not.
+    fn flushed(&self, errors: u64) {
         self.shared.flushes.fetch_add(1, Ordering::Relaxed);
-        self.shared.failing.store(false, Ordering::Relaxed);
+        self.shared.made_durable(errors);
     }
 
     /// Logs, syncs, answers and applies one batch. Its waiters are answered once the
@@ -1270,6 +1278,9 @@ impl Core {
             return;
         }
         let store = Arc::clone(&self.store);
+        // Read before the batch is logged: a failure counted meanwhile (sled refusing
+        // an earlier batch on the applier) keeps writes failing after it is durable.
+        let errors = self.shared.flush_errors();
         let staged = self.stage(&mut batch).map_err(|e| e.to_string());
         let (writes, held) = batch.take_writes();
         let logged = staged.and_then(|()| {
@@ -1290,8 +1301,7 @@ impl Core {
             Ok(logged) => logged,
             Err(reason) => {
                 // Nothing of the batch reached sled or stays in the log.
-                self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
-                self.shared.failing.store(true, Ordering::Relaxed);
+                self.shared.flush_failed();
                 self.head = batch.head_before;
                 tracing::error!(%reason, "journal batch not written; failing its waiters");
                 self.lose_runs(&mut batch);
@@ -1299,8 +1309,9 @@ impl Core {
                 return;
             }
         };
+        self.logged_at_errors = errors;
         if batch.needs_flush {
-            self.flushed();
+            self.flushed(errors);
             // Other streams' held events are not in this batch: they still wait for
             // the flush delay, which must go on running for them.
             if self.runs.is_empty() {
@@ -1328,8 +1339,7 @@ impl Core {
                 }
             }
             Err(reason) => {
-                shared.flush_errors.fetch_add(1, Ordering::Relaxed);
-                shared.failing.store(true, Ordering::Relaxed);
+                shared.flush_failed();
                 for answer in after_apply {
                     answer(Err(&reason));
                 }
@@ -1417,8 +1427,7 @@ impl Core {
         match self.flush() {
             Ok(()) => self.dirty_since = None,
             Err(reason) => {
-                self.shared.flush_errors.fetch_add(1, Ordering::Relaxed);
-                self.shared.failing.store(true, Ordering::Relaxed);
+                self.shared.flush_failed();
                 // Try again one delay later; the lazy writes stay applied. Not after a
                 // failed sync, which nothing but a restart undoes.
                 self.dirty_since = (!self.store.sync_failed()).then(Instant::now);
@@ -1674,6 +1683,58 @@ mod tests {
         let (end, ()) = tokio::join!(j.stream_end(&key, 1, completed()), commit(w));
         assert!(matches!(end, Err(Error::Unavailable(_))), "{end:?}");
         assert_eq!(j.stream_events(&key, 1, None)?, vec![(0, event(0))]);
+        Ok(())
+    }
+
+    /// Writes are failing after a failed commit until a write made after it is
+    /// durable: flushing what was accepted before the failure shows nothing.
+    #[tokio::test]
+    async fn writes_stay_failing_until_a_write_made_after_the_failure_is_durable() -> TestResult {
+        let mut driven = Driven::open()?;
+        let Driven {
+            journal: j,
+            writer: w,
+            ..
+        } = &mut driven;
+        // A lazy write, logged and not yet flushed.
+        let (put, ()) = tokio::join!(j.kv_put("ns", "before", b"1".to_vec()), commit(w));
+        put?;
+        assert!(
+            w.core.flush_due().is_some(),
+            "the lazy write waits for a flush"
+        );
+        for fault in [WriteFault::FailApply, WriteFault::FailFlush] {
+            j.set_write_fault(Some(fault));
+            let (refused, ()) =
+                tokio::join!(j.begin(crate::tamper_tests::intent("k1")?), commit(w));
+            assert!(matches!(refused, Err(Error::Unavailable(_))), "{refused:?}");
+            assert!(j.writes_failing(), "{fault:?}");
+        }
+        // The disk still refuses batches; the flush of the earlier lazy write works.
+        j.set_write_fault(Some(WriteFault::FailApply));
+        let flushes = j.stats().flushes;
+        w.core.flush_lazy().await;
+        assert_eq!(j.stats().flushes, flushes + 1, "the flush succeeded");
+        assert!(
+            j.writes_failing(),
+            "a flush of writes from before the failure"
+        );
+        j.set_write_fault(None);
+        // A write made after the failure is accepted: not durable yet.
+        let (put, ()) = tokio::join!(j.kv_put("ns", "after", b"2".to_vec()), commit(w));
+        put?;
+        assert!(j.writes_failing(), "an accepted write is not a durable one");
+        w.core.flush_lazy().await;
+        assert!(!j.writes_failing(), "{:?}", j.stats());
+        // A durable write made after a failure shows it at once.
+        j.set_write_fault(Some(WriteFault::FailFlush));
+        let (refused, ()) = tokio::join!(j.begin(crate::tamper_tests::intent("k2")?), commit(w));
+        assert!(refused.is_err() && j.writes_failing(), "{refused:?}");
+        j.set_write_fault(None);
+        let (begun, ()) = tokio::join!(j.begin(crate::tamper_tests::intent("k2")?), commit(w));
+        assert!(matches!(begun, Ok(Begin::Execute { .. })), "{begun:?}");
+        assert!(!j.writes_failing());
+        assert_eq!(j.stats().flush_errors, 3);
         Ok(())
     }
 
