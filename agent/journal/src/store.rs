@@ -772,19 +772,22 @@ fn run_applier(db: &sled::Db, bodies: &Bodies, progress: &Progress, rx: &Receive
 
 /// [`land`], on any thread. If it panics, the batch counts as landed, so that
 /// readers do not wait forever for it, and the store takes no more writes: the
-/// batch stays in the log, which a restart applies again. Its `then` is dropped
-/// unanswered (its waiters hear that the writer stopped).
+/// batch stays in the log, which a restart applies again. Its `then` is called
+/// with the failure like that of any batch sled could not take, so that the
+/// writer counts it (a panic must not leave the journal looking healthy).
 fn land_caught(
     db: &sled::Db,
     bodies: &Bodies,
     progress: &Progress,
-    handoff: Handoff,
+    mut handoff: Handoff,
 ) -> Result<(), String> {
     let seq = handoff.seq;
+    // Kept out of the unwind: if sled panics, `then` still hears of it.
+    let then = handoff.then.take();
     let landed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
         land(db, bodies, progress, handoff)
     }));
-    landed.unwrap_or_else(|_| {
+    let outcome = landed.unwrap_or_else(|_| {
         let reason = "the journal failed while applying a batch; no further writes are \
                       accepted until the sidecar restarts and replays its write-ahead log"
             .to_owned();
@@ -796,11 +799,15 @@ fn land_caught(
         }
         progress.moved.notify_all();
         Err(reason)
-    })
+    });
+    if let Some(then) = then {
+        then(outcome.clone());
+    }
+    outcome
 }
 
-/// Gives sled one batch (unless an earlier one failed), lets readers in, and calls
-/// its `then` with the outcome, which it also returns.
+/// Gives sled one batch (unless an earlier one failed), lets readers in, and returns
+/// the outcome (for the batch's `then`, which [`land_caught`] calls).
 fn land(
     db: &sled::Db,
     bodies: &Bodies,
@@ -811,7 +818,7 @@ fn land(
         seq,
         writes,
         held,
-        then,
+        then: _,
     } = handoff;
     let earlier = lock(&progress.failed).clone();
     #[cfg(test)]
@@ -845,13 +852,7 @@ fn land(
         *applied = seq;
     }
     progress.moved.notify_all();
-    match then {
-        Some(then) => {
-            then(outcome.clone());
-            outcome
-        }
-        None => outcome,
-    }
+    outcome
 }
 
 /// Keeps a landed batch's held values, and forgets those its other writes replace.
@@ -1493,6 +1494,11 @@ pub(crate) mod keys {
 impl Store {
     pub(crate) fn set_wal_rotate_at(&self, bytes: u64) {
         self.wal().rotate_at = bytes;
+    }
+
+    /// Makes the next batch given to sled panic.
+    pub(crate) fn panic_next_apply(&self) {
+        self.progress.panic_next.store(true, Ordering::SeqCst);
     }
 
     pub(crate) fn raw_put(&self, key: &[u8], value: &[u8]) -> Result<(), Error> {

@@ -1738,6 +1738,28 @@ mod tests {
         Ok(())
     }
 
+    /// sled panicking while it takes a batch is a failed write like any other: counted,
+    /// and the journal reports writes failing (the store takes no more until a
+    /// restart).
+    #[tokio::test]
+    async fn a_panic_while_sled_takes_a_batch_counts_as_a_flush_error() -> TestResult {
+        let mut driven = Driven::open()?;
+        let Driven {
+            journal: j,
+            writer: w,
+            ..
+        } = &mut driven;
+        w.core.store.panic_next_apply();
+        let (put, ()) = tokio::join!(j.kv_put("ns", "k", b"1".to_vec()), commit(w));
+        assert!(matches!(put, Err(Error::Unavailable(_))), "{put:?}");
+        assert_eq!(j.stats().flush_errors, 1);
+        assert!(j.writes_failing());
+        let (refused, ()) = tokio::join!(j.begin(crate::tamper_tests::intent("k1")?), commit(w));
+        assert!(matches!(refused, Err(Error::Unavailable(_))), "{refused:?}");
+        assert!(j.writes_failing());
+        Ok(())
+    }
+
     #[tokio::test]
     async fn past_the_bound_the_oldest_broken_attempt_is_forgotten_first() -> TestResult {
         let mut driven = Driven::open()?;
