@@ -190,7 +190,7 @@ impl Bodies {
         }
         let mut files = self.files();
         for (generation, segment) in files.iter_mut().filter(|(_, s)| s.dirty) {
-            crate::store::sync_data(&segment.file).map_err(|e| {
+            crate::store::sync_record_data(&segment.file).map_err(|e| {
                 Error::Storage(format!(
                     "fdatasync of {} failed: {e}",
                     self.path(*generation).display()

@@ -981,9 +981,34 @@ pub(crate) fn sync_data(file: &File) -> std::io::Result<()> {
     file.sync_data()
 }
 
+/// `fdatasync`s a record file (see [`crate::bodies`]). Tests can make these fail
+/// alone ([`sync_record_file`]), or with every other sync ([`sync_fault`]).
+pub(crate) fn sync_record_data(file: &File) -> std::io::Result<()> {
+    #[cfg(test)]
+    if sync_record_file::ARMED.get() {
+        return Err(std::io::Error::other(
+            "injected fdatasync failure of a record file",
+        ));
+    }
+    sync_data(file)
+}
+
 /// Makes every `fdatasync` of the journal's files on the calling thread fail (tests).
 #[cfg(test)]
 pub(crate) mod sync_fault {
+    thread_local! {
+        pub(super) static ARMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    pub(crate) fn set(armed: bool) {
+        ARMED.set(armed);
+    }
+}
+
+/// Makes the `fdatasync` of the record files, and of no other file, fail on the
+/// calling thread (tests): sled's file and the log sync as usual.
+#[cfg(test)]
+pub(crate) mod sync_record_file {
     thread_local! {
         pub(super) static ARMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
     }
@@ -1727,6 +1752,48 @@ mod wal_tests {
         drop(store);
         let store = Store::open(dir.path(), 1 << 20, Durability::Node, false).unwrap();
         assert_eq!(get(&store, "a").as_deref(), Some("1"));
+        put(&store, "b", "2");
+        assert_eq!(get(&store, "b").as_deref(), Some("2"));
+    }
+
+    #[test]
+    fn a_failed_sync_of_the_record_file_written_at_rotation_keeps_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal = dir.path().join(WAL_FILE);
+        let store = open(dir.path());
+        // A held record body: its record file is written only when the log rotates.
+        let body = keys::body(0);
+        let record = b"{\"key\":\"k0\"}".to_vec();
+        store
+            .log(Vec::new(), vec![(body.clone(), record.clone())])
+            .unwrap()
+            .apply_here(None)
+            .unwrap();
+        let logged = std::fs::read(&wal).unwrap();
+        store.set_wal_rotate_at(1);
+        sync_record_file::set(true);
+        let refused = store.apply(vec![(b"b".to_vec(), Some(b"2".to_vec()))]);
+        sync_record_file::set(false);
+        let reason = refused
+            .expect_err("the log was emptied before the record file was synced")
+            .to_string();
+        assert!(
+            reason.contains("rotate") && reason.contains("records"),
+            "{reason}"
+        );
+        let again = store.apply(vec![(b"b".to_vec(), Some(b"2".to_vec()))]);
+        assert!(again.is_err(), "a sync after a failed one was trusted");
+        assert_eq!(std::fs::read(&wal).unwrap(), logged, "the log is kept");
+        assert_eq!(
+            store.get(&body).unwrap(),
+            Some(record.clone()),
+            "reads go on"
+        );
+        drop(store);
+        // A restart replays the log, which still holds the record.
+        let store = Store::open(dir.path(), 1 << 20, Durability::Process, false).unwrap();
+        assert_eq!(store.get(&body).unwrap(), Some(record));
+        assert_eq!(get(&store, "b"), None, "the refused batch was never logged");
         put(&store, "b", "2");
         assert_eq!(get(&store, "b").as_deref(), Some("2"));
     }
