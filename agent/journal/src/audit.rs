@@ -283,9 +283,21 @@ impl Reader {
             }
             Ok((_, Err(e))) | Err(e) => Some(Err(e)),
         });
-        chain::verify(log, records, head, mode, |after| {
+        let mut report = chain::verify(log, records, head, mode, |after| {
             log_from(&self.store, after.saturating_add(1))
-        })
+        })?;
+        // The writer only writes whole entries, so a damaged one is damage whether or
+        // not the journal is running.
+        for entry in self.store.scan_prefix(keys::EXPIRY) {
+            let (key, value) = entry?;
+            if let Err(detail) = keys::parse_expiry_entry(&key, &value) {
+                report.problems.push(chain::Problem::DamagedExpiryEntry {
+                    entry: hex::encode(&key),
+                    detail,
+                });
+            }
+        }
+        Ok(report)
     }
 
     /// Log entries from `from_seq` on, at most `limit` (for archiving the chain or

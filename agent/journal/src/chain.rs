@@ -196,6 +196,10 @@ pub enum Problem {
         to: u64,
         wal_damaged: bool,
     },
+    /// An expiry index entry that cannot be parsed (`entry`: its storage key, in
+    /// hex): retention leaves it in place and passes over it, so whatever it named
+    /// is not expired through it.
+    DamagedExpiryEntry { entry: String, detail: String },
 }
 
 /// What `verify` may assume about the journal it reads.

@@ -1457,6 +1457,24 @@ pub(crate) mod keys {
         Some((due, kind))
     }
 
+    /// `(due, kind, keys)` of a whole expiry entry, or why it is damaged: a key
+    /// that does not parse, a kind this build never writes, or a value that is not
+    /// the list of keys. Retention leaves a damaged entry in place, and `verify`
+    /// names it.
+    pub(crate) fn parse_expiry_entry(
+        storage_key: &[u8],
+        value: &[u8],
+    ) -> Result<(u64, u8, Vec<String>), String> {
+        let (due, kind) = parse_expiry(storage_key)
+            .ok_or_else(|| "its key holds no due time and kind".to_owned())?;
+        if ![EXPIRE_RECORD, PURGE_TOMBSTONE, DROP_STREAM].contains(&kind) {
+            return Err(format!("its kind {kind:#04x} is none the journal writes"));
+        }
+        let due_keys: Vec<String> = serde_json::from_slice(value)
+            .map_err(|e| format!("its value is not a list of keys: {e}"))?;
+        Ok((due, kind, due_keys))
+    }
+
     pub(crate) fn stream(key: &str) -> Vec<u8> {
         join(&[STREAMS, key.as_bytes()])
     }

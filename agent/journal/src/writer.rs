@@ -44,6 +44,9 @@ const REAP_LIMIT: usize = 10_000;
 /// attempts it remembers; past it, the oldest is forgotten first.
 const MAX_OPEN_STREAMS: usize = 10_000;
 
+/// The most damaged expiry index entries the writer remembers having logged.
+const MAX_DAMAGED_EXPIRIES: usize = 10_000;
+
 pub(crate) type Reply<T> = oneshot::Sender<Result<T, Error>>;
 
 pub(crate) enum Command {
@@ -110,8 +113,9 @@ pub struct ReapReport {
     /// Records past retention that are still unsettled (in flight, in doubt, waiting
     /// for an operator): kept, and looked at again one retention period later.
     pub deferred: u64,
-    /// Records or streams due that could not be read (a damaged record file): left
-    /// as they are, for `journal verify` to name; retention goes on past them.
+    /// Records or streams due that could not be read (a damaged record file), and
+    /// expiry index entries that could not be parsed: left as they are, for
+    /// `journal verify` to name; retention goes on past them.
     pub damaged: u64,
     /// Whether more entries are due than one call processes: call again.
     pub more: bool,
@@ -276,6 +280,9 @@ pub(crate) struct Core {
     broken_order: VecDeque<(StreamKey, u32)>,
     /// Makes expiry index keys unique within the epoch.
     expiry_ids: u64,
+    /// Damaged expiry index entries already logged: each sweep passes over them
+    /// again (they are left in place), and one WARN line each is enough.
+    damaged_expiries: HashSet<Vec<u8>>,
     /// The failures counted when the newest logged batch was logged: a later flush
     /// makes it durable, which shows writes work again only if no failure was
     /// counted since (see [`Shared::made_durable`]).
@@ -393,6 +400,7 @@ impl Core {
             broken: HashSet::new(),
             broken_order: VecDeque::new(),
             expiry_ids: 0,
+            damaged_expiries: HashSet::new(),
             logged_at_errors: 0,
             next_slot,
             next_events_slot,
@@ -1053,17 +1061,27 @@ impl Core {
                 break;
             }
             let (index, value) = entry?;
-            let due_keys: Vec<String> = serde_json::from_slice(&value).unwrap_or_default();
+            let (due, kind, due_keys) = match keys::parse_expiry_entry(&index, &value) {
+                Ok(parsed) => parsed,
+                Err(detail) => {
+                    // Left in place: it is evidence for `journal verify`, and the
+                    // keys it may name are kept rather than forgotten on a guess.
+                    // Not counted against the limit: it adds nothing to the batch.
+                    self.damaged_expiry(&index, &detail);
+                    report.damaged += 1;
+                    continue;
+                }
+            };
             looked_at += due_keys.len().max(1);
-            match keys::parse_expiry(&index) {
-                Some((due, keys::EXPIRE_RECORD)) => {
+            match kind {
+                keys::EXPIRE_RECORD => {
                     let due = Timestamp::from_micros(due);
                     for key in &due_keys {
                         let expired = self.expire_record(key, due, now, batch, &mut report);
                         past_damage(expired, key, &mut report)?;
                     }
                 }
-                Some((_, keys::PURGE_TOMBSTONE)) => {
+                keys::PURGE_TOMBSTONE => {
                     for key in &due_keys {
                         let Ok(id) = IdempotencyKey::new(key.as_str()) else {
                             continue;
@@ -1081,7 +1099,7 @@ impl Core {
                         }
                     }
                 }
-                Some((_, keys::DROP_STREAM)) => {
+                keys::DROP_STREAM => {
                     for key in &due_keys {
                         if let Ok(id) = StreamKey::new(key.as_str()) {
                             let dropped = self.drop_stream(id, now, batch, &mut report);
@@ -1089,13 +1107,26 @@ impl Core {
                         }
                     }
                 }
-                // Unknown kinds are dropped with their entry: nothing reads them.
-                Some(_) | None => {}
+                // `parse_expiry_entry` lets no other kind through.
+                _ => {}
             }
             batch.set(index, None);
         }
         batch.needs_flush = true;
         Ok(report)
+    }
+
+    /// Logs a damaged expiry index entry the first time a sweep meets it.
+    fn damaged_expiry(&mut self, index: &[u8], detail: &str) {
+        if self.damaged_expiries.contains(index) {
+            return;
+        }
+        // Bounded: past it, the entries are still counted and named by `verify`.
+        if self.damaged_expiries.len() >= MAX_DAMAGED_EXPIRIES {
+            return;
+        }
+        self.damaged_expiries.insert(index.to_vec());
+        tracing::warn!(entry = %hex::encode(index), %detail, "retention passes over a damaged expiry index entry and leaves it in place; `outrigger journal verify` names it");
     }
 
     fn drop_stream(
@@ -1757,6 +1788,105 @@ mod tests {
         let (refused, ()) = tokio::join!(j.begin(crate::tamper_tests::intent("k1")?), commit(w));
         assert!(matches!(refused, Err(Error::Unavailable(_))), "{refused:?}");
         assert!(j.writes_failing());
+        Ok(())
+    }
+
+    /// Counts the WARN events on the test's thread whose message holds `needle`.
+    struct Warnings {
+        needle: &'static str,
+        seen: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    struct Message(String);
+
+    impl tracing::field::Visit for Message {
+        fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" {
+                self.0 = format!("{value:?}");
+            }
+        }
+    }
+
+    impl tracing::Subscriber for Warnings {
+        fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+            tracing::span::Id::from_u64(1)
+        }
+        fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+        fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+        fn event(&self, event: &tracing::Event<'_>) {
+            let mut message = Message(String::new());
+            event.record(&mut message);
+            if *event.metadata().level() == tracing::Level::WARN && message.0.contains(self.needle)
+            {
+                self.seen.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        fn enter(&self, _: &tracing::span::Id) {}
+        fn exit(&self, _: &tracing::span::Id) {}
+    }
+
+    /// An expiry index entry retention cannot parse is evidence: left in place,
+    /// counted as damaged at every sweep, logged once, and named by `verify`.
+    #[tokio::test]
+    async fn a_damaged_expiry_entry_is_left_in_place_counted_and_named() -> TestResult {
+        let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let _logs = tracing::subscriber::set_default(Warnings {
+            needle: "damaged expiry index entry",
+            seen: Arc::clone(&seen),
+        });
+        let mut driven = Driven::open()?;
+        let Driven {
+            journal: j,
+            writer: w,
+            ..
+        } = &mut driven;
+        let damaged = [
+            // A key cut short: no due time, no kind.
+            (b"x/\x00".to_vec(), b"[\"k1\"]".to_vec()),
+            // A value that is no list of keys.
+            (
+                keys::expiry(1, keys::EXPIRE_RECORD, "0-a"),
+                b"not json".to_vec(),
+            ),
+            // A kind the journal never writes.
+            (keys::expiry(1, b'z', "0-b"), b"[\"k1\"]".to_vec()),
+        ];
+        for (key, value) in &damaged {
+            w.core.store.raw_put(key, value)?;
+        }
+        // A whole entry beside them, naming a key never written: processed, and gone.
+        let whole = keys::expiry(1, keys::EXPIRE_RECORD, "0-c");
+        w.core.store.raw_put(&whole, b"[\"k-none\"]")?;
+        for sweep in 0..2 {
+            let (report, ()) = tokio::join!(j.reap(SystemTime::now()), commit(w));
+            let report = report?;
+            assert_eq!(report.damaged, 3, "sweep {sweep}: {report:?}");
+            assert!(!report.more, "sweep {sweep}: {report:?}");
+            for (key, value) in &damaged {
+                assert_eq!(
+                    w.core.store.get(key)?.as_ref(),
+                    Some(value),
+                    "sweep {sweep}: {}",
+                    hex::encode(key)
+                );
+            }
+            assert_eq!(w.core.store.get(&whole)?, None, "sweep {sweep}");
+        }
+        assert_eq!(seen.load(Ordering::SeqCst), 3, "each is logged once");
+        let report = j.verify()?;
+        let named: Vec<serde_json::Value> = report
+            .problems
+            .iter()
+            .map(serde_json::to_value)
+            .collect::<Result<_, _>>()?;
+        assert_eq!(named.len(), 3, "{named:?}");
+        for (problem, (key, _)) in named.iter().zip(&damaged) {
+            assert_eq!(problem["problem"], "damaged_expiry_entry", "{problem}");
+            assert_eq!(problem["entry"], hex::encode(key), "{problem}");
+        }
         Ok(())
     }
 
