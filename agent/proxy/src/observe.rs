@@ -248,7 +248,10 @@ impl ModelCall {
                     replayed: self.replayed,
                     // A call its agent gave up on never completed, stream or not.
                     ok: end.failed.is_none() && !end.aborted && !end.client_cancelled,
-                    interrupted: end.aborted,
+                    // The agent's own cancel ends its stream early too, but nothing
+                    // went wrong upstream: not a `stream_interrupted` fault (the SLOs
+                    // count it as a client cancel).
+                    interrupted: end.aborted && !end.client_cancelled,
                 },
             );
         }
@@ -499,6 +502,56 @@ mod tests {
         drop(call);
         let report = tasks.get(&task, SystemTime::now()).ok_or("no task")?;
         assert_eq!((report.task.recoveries, report.task.open_faults), (0, 1));
+        assert!(
+            matches!(
+                report.task.timeline.last(),
+                Some(TimelineEvent::ModelCall { ok: false, .. })
+            ),
+            "{:?}",
+            report.task.timeline
+        );
+        Ok(())
+    }
+
+    /// A stream its agent went away from broke for the agent's own reasons: no
+    /// `stream_interrupted` fault is charged to its task.
+    #[test]
+    fn a_stream_its_agent_cancelled_is_no_fault() -> Result<(), Box<dyn std::error::Error>> {
+        let metrics = Metrics::new();
+        let tasks = Tasks::open(
+            TasksOptions::default(),
+            None,
+            metrics.clone(),
+            None,
+            SystemTime::now(),
+        )?;
+        let proxy = Proxy::new(
+            Options::default(),
+            Components {
+                tasks: Some(tasks.clone()),
+                ..Components::new(metrics, None)
+            },
+        );
+        let task = TaskId::new("cancelled-stream")?;
+        let ctx = RequestContext {
+            request_id: RequestId::from_generated("r1".into()),
+            task_id: Some(task.clone()),
+            peer: SocketAddr::from(([127, 0, 0, 1], 1)),
+            synthetic: false,
+        };
+        let mut call = ModelCall::start(
+            &proxy.shared,
+            &ctx,
+            Dialect::OpenAi,
+            &http::HeaderMap::new(),
+            "m",
+        );
+        call.routed("p", false, "m", true);
+        // The agent drops the stream half-way.
+        drop(call);
+        let report = tasks.get(&task, SystemTime::now()).ok_or("no task")?;
+        assert_eq!(report.task.faults.total(), 0, "{:?}", report.task.faults);
+        assert_eq!(report.task.open_faults, 0);
         assert!(
             matches!(
                 report.task.timeline.last(),
