@@ -990,7 +990,12 @@ impl Tasks {
             return;
         };
         let wall_clock = task.wall_clock(ended_at);
-        let recovered = task.recovery.as_ref().map(|r| r.succeeded);
+        // A task its agent gave up was neither recovered nor failed to recover: its
+        // verdict stays in its report, but no recovery is counted either way.
+        let recovered = match outcome {
+            TaskOutcome::Cancelled => None,
+            _ => task.recovery.as_ref().map(|r| r.succeeded),
+        };
         let versions = task
             .policy_versions
             .iter()
@@ -1776,6 +1781,33 @@ mod tests {
         assert!(!text.contains("outcome=\"idle_timeout\""), "{text}");
         assert!(
             text.contains("outrigger_task_recoveries_total{result=\"success\"} 1"),
+            "{text}"
+        );
+        Ok(())
+    }
+
+    /// A task its agent cancelled had faults, but cancelling is neither a recovery
+    /// nor a failed one: no recovery is counted, and its duration is labelled
+    /// `recovered="none"`.
+    #[tokio::test]
+    async fn a_cancelled_task_counts_no_recovery() -> TestResult {
+        let j = TempJournal::open()?;
+        let metrics = Metrics::new();
+        let tasks = tracker(Some(j.journal.clone()), metrics.clone())?;
+        let id = task();
+        tasks.model_call(&id, &model(t(0), false, true, false));
+        let report = tasks.end(&id, TaskOutcome::Cancelled, t(5)).await?;
+        let verdict = report.task.recovery.ok_or("no verdict")?;
+        assert_eq!(verdict.reason, "the task ended cancelled");
+        let text = metrics.encode();
+        assert!(
+            !text.contains("outrigger_task_recoveries_total{"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "outrigger_task_duration_seconds_count{outcome=\"cancelled\",recovered=\"none\"} 1"
+            ),
             "{text}"
         );
         Ok(())
