@@ -195,7 +195,12 @@ impl Proxy {
             Err(e) => Err(e),
             Ok((task_id, synthetic)) => {
                 if let (Some(tasks), Some(t)) = (&self.shared.tasks, &task_id) {
-                    tasks.touch(t, request_id.as_str(), std::time::SystemTime::now());
+                    tasks.arrived(
+                        t,
+                        request_id.as_str(),
+                        synthetic,
+                        std::time::SystemTime::now(),
+                    );
                 }
                 let ctx = RequestContext {
                     request_id: request_id.clone(),

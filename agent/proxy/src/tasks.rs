@@ -379,6 +379,11 @@ pub struct Task {
     /// Inside a run of replayed calls (one `agent_replay` fault per run).
     #[serde(default)]
     in_replay_run: bool,
+    /// Drill or probe traffic (`Outrigger-Synthetic: true`): the call that opened the
+    /// task was synthetic and no call since was not. Left out of the task SLO
+    /// metrics.
+    #[serde(default)]
+    pub synthetic: bool,
 }
 
 impl Task {
@@ -408,6 +413,7 @@ impl Task {
             timeline: Vec::new(),
             timeline_dropped: 0,
             in_replay_run: false,
+            synthetic: false,
         };
         task.push(TimelineEvent::Started {
             at,
@@ -778,12 +784,15 @@ impl Tasks {
 
     /// Runs `f` on the open task `id` (created on its first call). An ended task's
     /// books are final: a call that arrives after its end is noted in its timeline,
-    /// and `f` does not run.
+    /// and `f` does not run. `synthetic` is said by a call as it arrives (`None`
+    /// for the reports that follow): a task opened by synthetic traffic is
+    /// synthetic until a call that is not arrives.
     fn with_task(
         &self,
         id: &TaskId,
         request_id: &str,
         at: SystemTime,
+        synthetic: Option<bool>,
         f: impl FnOnce(&mut Task, Timestamp),
     ) {
         let at = Timestamp::from_system(at);
@@ -792,7 +801,10 @@ impl Tasks {
             self.make_room(&mut tasks);
         }
         let entry = tasks.entry(id.clone()).or_insert_with(|| Entry {
-            task: Task::new(id.clone(), request_id, at),
+            task: Task {
+                synthetic: synthetic == Some(true),
+                ..Task::new(id.clone(), request_id, at)
+            },
             dirty: true,
             seen: tokio::time::Instant::now(),
         });
@@ -807,6 +819,9 @@ impl Tasks {
             });
         } else {
             entry.task.activity(at);
+            if synthetic == Some(false) {
+                entry.task.synthetic = false;
+            }
             f(&mut entry.task, at);
         }
         drop(tasks);
@@ -822,7 +837,13 @@ impl Tasks {
 
     /// A request of the task arrived (creates the task on its first call).
     pub fn touch(&self, task: &TaskId, request_id: &str, now: SystemTime) {
-        self.with_task(task, request_id, now, |_, _| ());
+        self.arrived(task, request_id, false, now);
+    }
+
+    /// A request of the task arrived, drill or probe traffic if `synthetic`
+    /// (creates the task on its first call).
+    pub fn arrived(&self, task: &TaskId, request_id: &str, synthetic: bool, now: SystemTime) {
+        self.with_task(task, request_id, now, Some(synthetic), |_, _| ());
     }
 
     /// A model call of the task finished.
@@ -833,7 +854,7 @@ impl Tasks {
             call.tokens_in,
             call.tokens_out,
         );
-        self.with_task(task, call.request_id, call.at, |t, at| {
+        self.with_task(task, call.request_id, call.at, None, |t, at| {
             t.model_calls = t.model_calls.saturating_add(1);
             t.tokens_in = t.tokens_in.saturating_add(call.tokens_in);
             t.tokens_out = t.tokens_out.saturating_add(call.tokens_out);
@@ -871,7 +892,7 @@ impl Tasks {
 
     /// A tool call of the task finished.
     pub fn tool_call(&self, task: &TaskId, call: &ToolCallSummary<'_>) {
-        self.with_task(task, call.request_id, call.at, |t, at| {
+        self.with_task(task, call.request_id, call.at, None, |t, at| {
             t.tool_calls = t.tool_calls.saturating_add(1);
             t.retries = t.retries.saturating_add(call.retries);
             t.push(TimelineEvent::ToolCall {
@@ -895,7 +916,7 @@ impl Tasks {
 
     /// A fault the data plane saw outside the summaries above.
     pub fn fault(&self, task: &TaskId, request_id: &str, kind: FaultKind, now: SystemTime) {
-        self.with_task(task, request_id, now, |t, at| t.fault(kind, at));
+        self.with_task(task, request_id, now, None, |t, at| t.fault(kind, at));
     }
 
     /// Ends the task (`POST /v1/tasks/{id}/end`, or idle expiry): decides recovery
@@ -1003,9 +1024,13 @@ impl Tasks {
             .collect::<Vec<_>>()
             .join(",");
         let m = &self.inner.metrics;
-        m.task_ended(wall_clock, outcome.as_str(), recovered);
-        if let Some(ok) = recovered {
-            m.recovery(ok);
+        // Drill and probe tasks say nothing about the agents' tasks: they stay out of
+        // the task SLO metrics (their span and report are kept).
+        if !task.synthetic {
+            m.task_ended(wall_clock, outcome.as_str(), recovered);
+            if let Some(ok) = recovered {
+                m.recovery(ok);
+            }
         }
         if let Some(slos) = &self.inner.slos {
             let duplicated = task
@@ -1014,6 +1039,7 @@ impl Tasks {
                 .and_then(|r| r.side_effects.as_ref())
                 .is_some_and(|s| !s.duplicated.is_empty());
             let slo_outcome = match (outcome, recovered) {
+                _ if task.synthetic => Outcome::Excluded(outrigger_types::Exclusion::Synthetic),
                 (TaskOutcome::Cancelled, _) => {
                     Outcome::Excluded(outrigger_types::Exclusion::ClientCancelled)
                 }
@@ -1810,6 +1836,44 @@ mod tests {
             ),
             "{text}"
         );
+        Ok(())
+    }
+
+    /// A task opened by synthetic traffic (a drill, a probe) stays out of the task
+    /// SLO metrics; a task that also carries real traffic does not.
+    #[tokio::test]
+    async fn synthetic_tasks_stay_out_of_the_task_metrics() -> TestResult {
+        let j = TempJournal::open()?;
+        let metrics = Metrics::new();
+        let tasks = tracker(Some(j.journal.clone()), metrics.clone())?;
+        let drill = TaskId::new("drill")?;
+        tasks.arrived(&drill, "r1", true, t(0));
+        tasks.model_call(&drill, &model(t(1), false, true, false));
+        tasks.arrived(&drill, "r2", true, t(2));
+        let report = tasks.end(&drill, TaskOutcome::Failure, t(3)).await?;
+        assert!(report.task.synthetic);
+        let text = metrics.encode();
+        assert!(
+            !text.contains("outrigger_task_duration_seconds_count{"),
+            "{text}"
+        );
+        assert!(!text.contains("outrigger_task_recoveries_total{"), "{text}");
+
+        // Opened by a probe, then used by the agent: a real task.
+        let real = task();
+        tasks.arrived(&real, "r3", true, t(0));
+        tasks.arrived(&real, "r4", false, t(1));
+        tasks.model_call(&real, &model(t(1), true, false, false));
+        let report = tasks.end(&real, TaskOutcome::Success, t(2)).await?;
+        assert!(!report.task.synthetic);
+        let text = metrics.encode();
+        assert!(
+            text.contains(
+                "outrigger_task_duration_seconds_count{outcome=\"success\",recovered=\"none\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("outcome=\"failure\""), "{text}");
         Ok(())
     }
 
