@@ -142,6 +142,14 @@ impl Proxy {
     pub fn new(options: Options, components: Components) -> Self {
         let upstream = upstream::Upstream::new(options.limits.connect_timeout);
         let r = options.resilience;
+        // Tasks loaded from the store keep what they had spent: their budget does
+        // not start over with the process.
+        let ledger = resilience::Ledger::default();
+        if let Some(tasks) = &components.tasks {
+            for (task, spent, age) in tasks.spent(std::time::SystemTime::now()) {
+                ledger.seed(task.as_str(), &spent, age);
+            }
+        }
         Self {
             shared: Arc::new(Shared {
                 upstream,
@@ -152,7 +160,7 @@ impl Proxy {
                 breakers: resilience::Breakers::new(r.breaker),
                 limiters: resilience::Limiters::new(r.limiter),
                 retry_budgets: resilience::RetryBudgets::new(r.retry_budget),
-                ledger: resilience::Ledger::default(),
+                ledger,
                 gpu: arc_swap::ArcSwap::from_pointee(outrigger_types::GpuSummary::default()),
                 gpu_unhealthy_spells: std::sync::atomic::AtomicU64::new(0),
                 streams: streams::Registry::default(),

@@ -1207,6 +1207,29 @@ impl Tasks {
         Ok(())
     }
 
+    /// What each open task has spent so far, with its wall-clock: the budget
+    /// ledger is seeded from it when the data plane starts, so a task loaded after a
+    /// restart keeps the budget it had used instead of starting over.
+    pub fn spent(&self, now: SystemTime) -> Vec<(TaskId, outrigger_types::Usage, Duration)> {
+        let now = Timestamp::from_system(now);
+        self.lock()
+            .values()
+            .filter(|e| e.task.ended_at.is_none())
+            .map(|e| {
+                let t = &e.task;
+                let usage = outrigger_types::Usage {
+                    tokens_in: t.tokens_in,
+                    tokens_out: t.tokens_out,
+                    cost_micros: t.cost_micros,
+                    calls: t.model_calls,
+                    retries: t.retries,
+                    ..outrigger_types::Usage::default()
+                };
+                (t.id.clone(), usage, t.wall_clock(now))
+            })
+            .collect()
+    }
+
     /// Every known task, newest first.
     pub fn list(&self, now: SystemTime) -> Vec<TaskSummary> {
         let now = Timestamp::from_system(now);
@@ -1826,15 +1849,47 @@ mod tests {
         let verdict = report.task.recovery.ok_or("no verdict")?;
         assert_eq!(verdict.reason, "the task ended cancelled");
         let text = metrics.encode();
-        assert!(
-            !text.contains("outrigger_task_recoveries_total{"),
-            "{text}"
-        );
+        assert!(!text.contains("outrigger_task_recoveries_total{"), "{text}");
         assert!(
             text.contains(
                 "outrigger_task_duration_seconds_count{outcome=\"cancelled\",recovered=\"none\"} 1"
             ),
             "{text}"
+        );
+        Ok(())
+    }
+
+    /// A task's spend before a restart still counts against its budget: the data
+    /// plane's ledger starts from what the loaded task had used.
+    #[tokio::test]
+    async fn a_restarted_task_keeps_its_spend_in_the_budget_ledger() -> TestResult {
+        let j = TempJournal::open()?;
+        let first = tracker(Some(j.journal.clone()), Metrics::new())?;
+        let id = task();
+        first.model_call(&id, &model(t(0), true, false, false));
+        first.persist().await?;
+        drop(first);
+
+        let metrics = Metrics::new();
+        let second = tracker(Some(j.journal.clone()), metrics.clone())?;
+        let proxy = crate::Proxy::new(
+            crate::Options::default(),
+            crate::Components {
+                tasks: Some(second),
+                ..crate::Components::new(metrics, None)
+            },
+        );
+        let spent = proxy.shared.ledger.committed(id.as_str());
+        // 1000 × $2.50/M + 500 × $10/M = 2500 + 5000 micro-dollars.
+        assert_eq!(
+            (
+                spent.tokens_in,
+                spent.tokens_out,
+                spent.cost_micros,
+                spent.calls,
+                spent.retries
+            ),
+            (1000, 500, 7500, 1, 1)
         );
         Ok(())
     }

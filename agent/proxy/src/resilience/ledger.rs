@@ -95,6 +95,21 @@ impl Ledger {
         account
     }
 
+    /// Opens `task`'s account with what it had spent before (a task loaded after a
+    /// restart), and a wall-clock of `age`, unless it has an account already (whose
+    /// usage is then the truth). Called as the data plane starts.
+    pub fn seed(&self, task: &str, spent: &Usage, age: std::time::Duration) {
+        if lock(&self.accounts).contains_key(task) {
+            return;
+        }
+        let account = self.account(task);
+        let mut acc = lock(&account);
+        acc.committed = acc.committed.plus(spent);
+        if let Some(since) = std::time::Instant::now().checked_sub(age) {
+            acc.since = acc.since.min(since);
+        }
+    }
+
     /// Committed plus reserved usage of `task`.
     pub fn usage(&self, task: &str) -> Usage {
         self.find(task)
