@@ -560,7 +560,7 @@ pub struct TimelineEntry {
 }
 
 impl TimelineEntry {
-    pub(crate) fn of(record: &Record) -> Self {
+    pub fn of(record: &Record) -> Self {
         Self {
             key: record.key.clone(),
             tool: record.tool.clone(),

@@ -39,6 +39,13 @@ pub const NAMESPACE: &str = "tasks";
 pub const TASK_VERSION: u32 = 1;
 /// Timeline entries kept per task; older ones are dropped (and counted).
 const TIMELINE_CAP: usize = 512;
+/// Journal records of a task a report lists, oldest first: a task with more says
+/// so (`journal_capped`), and the journal's own listing pages through them all.
+/// Small under test, so the cap is reached cheaply.
+const REPORT_JOURNAL_CAP: usize = if cfg!(test) { 4 } else { 1_000 };
+/// Journal records of a task its recovery verdict reads, at most: past it the
+/// verdict cannot prove every side effect happened once, and says so.
+const SIDE_EFFECTS_CAP: usize = if cfg!(test) { 8 } else { 10_000 };
 
 /// Everything that can go wrong in task tracking.
 #[derive(Debug, thiserror::Error)]
@@ -325,11 +332,18 @@ pub struct SideEffects {
     pub lost: Vec<String>,
     /// Keys whose outcome is still unknown or in flight.
     pub unresolved: Vec<String>,
+    /// The task has more journal records than a verdict reads (the first
+    /// 10,000 were checked): exactly once cannot be proven.
+    #[serde(default)]
+    pub capped: bool,
 }
 
 impl SideEffects {
     pub fn exactly_once(&self) -> bool {
-        self.duplicated.is_empty() && self.lost.is_empty() && self.unresolved.is_empty()
+        self.duplicated.is_empty()
+            && self.lost.is_empty()
+            && self.unresolved.is_empty()
+            && !self.capped
     }
 }
 
@@ -515,8 +529,10 @@ pub struct TaskReport {
     #[serde(flatten)]
     pub task: Task,
     pub wall_clock_ms: u64,
-    /// The task's journaled tool calls, oldest first.
+    /// The task's journaled tool calls, oldest first: at most the first 1,000.
     pub journal: Vec<TimelineEntry>,
+    /// The task has more journaled tool calls than `journal` lists.
+    pub journal_capped: bool,
 }
 
 /// Reads what the journal knows about a task's side effects, and decides whether
@@ -620,6 +636,9 @@ fn verdict(outcome: TaskOutcome, side_effects: Option<SideEffects>) -> RecoveryV
         (Some(s), _) if !s.unresolved.is_empty() => {
             format!("{} side effect(s) still unresolved", s.unresolved.len())
         }
+        (Some(s), _) if s.capped => format!(
+            "more than {SIDE_EFFECTS_CAP} journal records: not all side effects could be checked"
+        ),
         (Some(s), _) => format!(
             "completed; {} side effect(s), each exactly once",
             s.completed
@@ -953,10 +972,18 @@ impl Tasks {
             }
         }
         Ok(Open::Open(match &self.inner.journal {
-            Some(j) => Some(check_side_effects(&j.list(&Filter {
-                task: Some(id.clone()),
-                ..Filter::default()
-            })?)),
+            Some(j) => {
+                // One record past the cap tells that there are more.
+                let records = j.list(&Filter {
+                    task: Some(id.clone()),
+                    limit: Some(SIDE_EFFECTS_CAP + 1),
+                    ..Filter::default()
+                })?;
+                let read = records.len().min(SIDE_EFFECTS_CAP);
+                let mut effects = check_side_effects(&records[..read]);
+                effects.capped = records.len() > SIDE_EFFECTS_CAP;
+                Some(effects)
+            }
             None => None,
         }))
     }
@@ -1071,16 +1098,28 @@ impl Tasks {
     }
 
     fn report(&self, task: Task, now: Timestamp) -> TaskReport {
-        let journal = self
+        // A page, not the task's whole history: one record past the cap tells that
+        // there are more.
+        let mut records = self
             .inner
             .journal
             .as_ref()
-            .and_then(|j| j.timeline(&task.id).ok())
+            .and_then(|j| {
+                j.list(&Filter {
+                    task: Some(task.id.clone()),
+                    limit: Some(REPORT_JOURNAL_CAP + 1),
+                    ..Filter::default()
+                })
+                .ok()
+            })
             .unwrap_or_default();
+        let journal_capped = records.len() > REPORT_JOURNAL_CAP;
+        records.truncate(REPORT_JOURNAL_CAP);
         TaskReport {
             wall_clock_ms: u64::try_from(task.wall_clock(now).as_millis()).unwrap_or(u64::MAX),
             task,
-            journal,
+            journal: records.iter().map(TimelineEntry::of).collect(),
+            journal_capped,
         }
     }
 
@@ -2075,6 +2114,40 @@ mod tests {
         assert!(text.contains(&format!("{forgotten} 1")), "{text}");
         fewer.persist().await?;
         assert_eq!(j.journal.kv_scan(NAMESPACE)?.len(), 2, "e's copy is gone");
+        Ok(())
+    }
+
+    /// A report lists a bounded part of a task's journal and says when there is
+    /// more; a verdict reads a bounded part too, and then cannot call the recovery
+    /// a success.
+    #[tokio::test]
+    async fn reports_and_verdicts_read_a_bounded_part_of_the_journal() -> TestResult {
+        let j = TempJournal::open()?;
+        let tasks = tracker(Some(j.journal.clone()), Metrics::new())?;
+        let id = task();
+        tasks.fault(&id, "req", FaultKind::ToolInDoubt, t(0));
+        for i in 0..=SIDE_EFFECTS_CAP {
+            tool_call(
+                &j.journal,
+                &format!("k{i}"),
+                &format!("charge {i}"),
+                ToolClass::Keyed,
+                State::Completed,
+            )
+            .await?;
+        }
+        let report = tasks.get(&id, t(1)).ok_or("no task")?;
+        assert_eq!(report.journal.len(), REPORT_JOURNAL_CAP);
+        assert!(report.journal_capped);
+        assert_eq!(report.journal[0].key.as_str(), "k0", "oldest first");
+
+        let ended = tasks.end(&id, TaskOutcome::Success, t(2)).await?;
+        let verdict = ended.task.recovery.ok_or("no verdict")?;
+        let effects = verdict.side_effects.as_ref().ok_or("not checked")?;
+        assert!(effects.capped);
+        assert_eq!(effects.keys as usize, SIDE_EFFECTS_CAP);
+        assert!(!verdict.succeeded, "{verdict:?}");
+        assert!(verdict.reason.contains("not all"), "{}", verdict.reason);
         Ok(())
     }
 
