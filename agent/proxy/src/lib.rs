@@ -198,18 +198,22 @@ impl Proxy {
         let route = route_of(req.uri().path());
         let inflight = self.shared.metrics.inflight(route);
         let mut target = String::from("-");
+        let mut call = None;
 
         let result = match parse_task_id(&req).and_then(|t| Ok((t, parse_synthetic(&req)?))) {
             Err(e) => Err(e),
             Ok((task_id, synthetic)) => {
-                if let (Some(tasks), Some(t)) = (&self.shared.tasks, &task_id) {
-                    tasks.arrived(
+                // Held with the response body: the task has a call under way until
+                // its body is done, a stream's last byte included.
+                call = match (&self.shared.tasks, &task_id) {
+                    (Some(tasks), Some(t)) => Some(tasks.arrived(
                         t,
                         request_id.as_str(),
                         synthetic,
                         std::time::SystemTime::now(),
-                    );
-                }
+                    )),
+                    _ => None,
+                };
                 let ctx = RequestContext {
                     request_id: request_id.clone(),
                     task_id,
@@ -237,7 +241,7 @@ impl Proxy {
             },
             started.elapsed().as_secs_f64(),
         );
-        model::guard_body(resp, inflight)
+        model::guard_body(resp, (inflight, call))
     }
 
     async fn dispatch(

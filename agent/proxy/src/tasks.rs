@@ -666,6 +666,33 @@ struct Entry {
     /// The last activity on the monotonic clock: idleness is a duration, and a step
     /// of the wall clock (NTP, a resumed VM) must not end a live task.
     seen: tokio::time::Instant,
+    /// Calls of the task under way (see [`InFlight`]): a task waiting on a long
+    /// stream is not idle.
+    in_flight: u32,
+}
+
+/// A call of a task under way, from its arrival until its response body is done
+/// (or dropped): the idle sweep leaves the task alone meanwhile, and its idleness
+/// counts from the end of its last call, not the start.
+#[must_use = "the call is under way until this is dropped"]
+pub struct InFlight {
+    tasks: Tasks,
+    id: TaskId,
+}
+
+impl std::fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InFlight").field("task", &self.id).finish()
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(entry) = self.tasks.lock().get_mut(&self.id) {
+            entry.in_flight = entry.in_flight.saturating_sub(1);
+            entry.seen = tokio::time::Instant::now();
+        }
+    }
 }
 
 /// The task tracker. Cheap to clone.
@@ -746,6 +773,7 @@ impl Tasks {
                     task,
                     dirty: reopened,
                     seen,
+                    in_flight: 0,
                 };
                 (entry.task.id.clone(), entry)
             })
@@ -826,9 +854,13 @@ impl Tasks {
             },
             dirty: true,
             seen: tokio::time::Instant::now(),
+            in_flight: 0,
         });
         entry.dirty = true;
         entry.seen = tokio::time::Instant::now();
+        if synthetic.is_some() {
+            entry.in_flight = entry.in_flight.saturating_add(1);
+        }
         // Stamps never run backwards within a task, whatever the wall clock does.
         let at = at.max(entry.task.last_activity);
         if entry.task.ended_at.is_some() {
@@ -854,15 +886,27 @@ impl Tasks {
         self.inner.changed.notified().await;
     }
 
-    /// A request of the task arrived (creates the task on its first call).
+    /// A request of the task arrived and was answered at once (creates the task on
+    /// its first call).
     pub fn touch(&self, task: &TaskId, request_id: &str, now: SystemTime) {
-        self.arrived(task, request_id, false, now);
+        drop(self.arrived(task, request_id, false, now));
     }
 
     /// A request of the task arrived, drill or probe traffic if `synthetic`
-    /// (creates the task on its first call).
-    pub fn arrived(&self, task: &TaskId, request_id: &str, synthetic: bool, now: SystemTime) {
+    /// (creates the task on its first call). The call is under way until the
+    /// returned guard drops.
+    pub fn arrived(
+        &self,
+        task: &TaskId,
+        request_id: &str,
+        synthetic: bool,
+        now: SystemTime,
+    ) -> InFlight {
         self.with_task(task, request_id, now, Some(synthetic), |_, _| ());
+        InFlight {
+            tasks: self.clone(),
+            id: task.clone(),
+        }
     }
 
     /// A model call of the task finished.
@@ -1136,7 +1180,7 @@ impl Tasks {
             let idle = tasks
                 .values()
                 .filter(|e| e.task.ended_at.is_none())
-                .filter(|e| e.seen.elapsed() > idle_timeout)
+                .filter(|e| e.in_flight == 0 && e.seen.elapsed() > idle_timeout)
                 .map(|e| e.task.id.clone())
                 .collect();
             let expired: Vec<TaskId> = tasks
@@ -1941,9 +1985,9 @@ mod tests {
         let metrics = Metrics::new();
         let tasks = tracker(Some(j.journal.clone()), metrics.clone())?;
         let drill = TaskId::new("drill")?;
-        tasks.arrived(&drill, "r1", true, t(0));
+        drop(tasks.arrived(&drill, "r1", true, t(0)));
         tasks.model_call(&drill, &model(t(1), false, true, false));
-        tasks.arrived(&drill, "r2", true, t(2));
+        drop(tasks.arrived(&drill, "r2", true, t(2)));
         let report = tasks.end(&drill, TaskOutcome::Failure, t(3)).await?;
         assert!(report.task.synthetic);
         let text = metrics.encode();
@@ -1955,8 +1999,8 @@ mod tests {
 
         // Opened by a probe, then used by the agent: a real task.
         let real = task();
-        tasks.arrived(&real, "r3", true, t(0));
-        tasks.arrived(&real, "r4", false, t(1));
+        drop(tasks.arrived(&real, "r3", true, t(0)));
+        drop(tasks.arrived(&real, "r4", false, t(1)));
         tasks.model_call(&real, &model(t(1), true, false, false));
         let report = tasks.end(&real, TaskOutcome::Success, t(2)).await?;
         assert!(!report.task.synthetic);
@@ -1968,6 +2012,35 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("outcome=\"failure\""), "{text}");
+        Ok(())
+    }
+
+    /// A task with a call under way is not idle, however long the call takes (a
+    /// long stream); its idleness counts from the end of that call.
+    #[tokio::test(start_paused = true)]
+    async fn a_task_with_a_call_in_flight_is_not_idle() -> TestResult {
+        let tasks = tracker(None, Metrics::new())?;
+        let id = task();
+        let call = tasks.arrived(&id, "r1", false, t(0));
+        tokio::time::advance(Duration::from_secs(31 * 60)).await;
+        let ended = tasks
+            .sweep(t(31 * 60), Duration::from_secs(30 * 60))
+            .await?;
+        assert!(ended.is_empty(), "ended mid-call: {ended:?}");
+        drop(call);
+        tokio::time::advance(Duration::from_secs(29 * 60)).await;
+        let ended = tasks
+            .sweep(t(60 * 60), Duration::from_secs(30 * 60))
+            .await?;
+        assert!(
+            ended.is_empty(),
+            "idle counts from the call's end: {ended:?}"
+        );
+        tokio::time::advance(Duration::from_secs(2 * 60)).await;
+        let ended = tasks
+            .sweep(t(62 * 60), Duration::from_secs(30 * 60))
+            .await?;
+        assert_eq!(ended.len(), 1);
         Ok(())
     }
 
