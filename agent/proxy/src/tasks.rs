@@ -864,10 +864,17 @@ impl Tasks {
         // Stamps never run backwards within a task, whatever the wall clock does.
         let at = at.max(entry.task.last_activity);
         if entry.task.ended_at.is_some() {
-            entry.task.push(TimelineEvent::AfterEnd {
-                at,
-                request_id: request_id.to_owned(),
-            });
+            // One note per late call: its arrival and its report carry the same
+            // request id.
+            let noted = entry.task.timeline.iter().rev().any(
+                |e| matches!(e, TimelineEvent::AfterEnd { request_id: r, .. } if r == request_id),
+            );
+            if !noted {
+                entry.task.push(TimelineEvent::AfterEnd {
+                    at,
+                    request_id: request_id.to_owned(),
+                });
+            }
         } else {
             entry.task.activity(at);
             if synthetic == Some(false) {
@@ -2081,14 +2088,29 @@ mod tests {
         let id = task();
         tasks.model_call(&id, &model(t(0), false, true, false));
         let ended = tasks.end(&id, TaskOutcome::Failure, t(5)).await?.task;
-        tasks.touch(&id, "late", t(6));
-        tasks.model_call(&id, &model(t(7), false, true, false));
-        tasks.model_call(&id, &model(t(8), true, false, false));
+        tasks.touch(&id, "late-1", t(6));
+        tasks.model_call(
+            &id,
+            &ModelCallSummary {
+                request_id: "late-2",
+                ..model(t(7), false, true, false)
+            },
+        );
+        tasks.model_call(
+            &id,
+            &ModelCallSummary {
+                request_id: "late-3",
+                ..model(t(8), true, false, false)
+            },
+        );
         tasks.tool_call(
             &id,
-            &tools_summary(t(9), "k9", ToolCallOutcome::InDoubt, false),
+            &ToolCallSummary {
+                request_id: "late-4",
+                ..tools_summary(t(9), "k9", ToolCallOutcome::InDoubt, false)
+            },
         );
-        tasks.fault(&id, "late", FaultKind::SidecarRestart, t(10));
+        tasks.fault(&id, "late-5", FaultKind::SidecarRestart, t(10));
         let after = tasks.get(&id, t(11)).ok_or("task lost")?.task;
         let late = after.timeline.len() - ended.timeline.len();
         assert_eq!(late, 5, "each late call noted: {:?}", after.timeline);
@@ -2100,6 +2122,27 @@ mod tests {
         let mut unchanged = after.clone();
         unchanged.timeline = ended.timeline.clone();
         assert_eq!(unchanged, ended);
+        Ok(())
+    }
+
+    /// A late call is noted once, though both its arrival and its end reach the
+    /// tracker.
+    #[tokio::test]
+    async fn a_late_call_is_noted_once() -> TestResult {
+        let tasks = tracker(None, Metrics::new())?;
+        let id = task();
+        tasks.touch(&id, "req-0", t(0));
+        tasks.end(&id, TaskOutcome::Success, t(1)).await?;
+        let call = tasks.arrived(&id, "req-m", false, t(2));
+        tasks.model_call(&id, &model(t(3), true, false, false));
+        drop(call);
+        let after = tasks.get(&id, t(4)).ok_or("task lost")?.task;
+        let late: Vec<&TimelineEvent> = after
+            .timeline
+            .iter()
+            .filter(|e| matches!(e, TimelineEvent::AfterEnd { .. }))
+            .collect();
+        assert_eq!(late.len(), 1, "{:?}", after.timeline);
         Ok(())
     }
 
