@@ -713,6 +713,11 @@ struct Inner {
     /// How many tasks were forgotten to make room (the first is logged at WARN).
     forgotten_total: std::sync::atomic::AtomicU64,
     changed: tokio::sync::Notify,
+    /// Held while tasks are copied and written to the store: each writer copies the
+    /// tasks it writes after taking it, so the store is written in the order the
+    /// copies were taken and an older copy (an open task, copied by a persist) never
+    /// lands after a newer one (its end).
+    saving: tokio::sync::Mutex<()>,
 }
 
 impl std::fmt::Debug for Tasks {
@@ -788,6 +793,7 @@ impl Tasks {
                 forgotten_total: std::sync::atomic::AtomicU64::new(forgotten.len() as u64),
                 forgotten: Mutex::new(forgotten),
                 changed: tokio::sync::Notify::new(),
+                saving: tokio::sync::Mutex::new(()),
             }),
         };
         *tracker.lock() = tasks;
@@ -1079,7 +1085,11 @@ impl Tasks {
             // Observed before it is saved: a failed save is retried by the next
             // persist (the task stays dirty), and the end must be counted once.
             self.observe_end(&task);
-            self.save(&task).await?;
+            let _saving = self.inner.saving.lock().await;
+            // The task as it is now (a persist may have written an older copy
+            // while this waited).
+            let latest = self.lock().get(id).map(|e| e.task.clone());
+            self.save(latest.as_ref().unwrap_or(&task)).await?;
         }
         Ok(self.report(task, at))
     }
@@ -1258,6 +1268,7 @@ impl Tasks {
     }
 
     async fn persist_changed(&self) -> Result<usize, Error> {
+        let _saving = self.inner.saving.lock().await;
         let changed: Vec<Task> = {
             let mut tasks = self.lock();
             tasks
@@ -2264,6 +2275,39 @@ mod tests {
         assert_eq!(effects.keys as usize, SIDE_EFFECTS_CAP);
         assert!(!verdict.succeeded, "{verdict:?}");
         assert!(verdict.reason.contains("not all"), "{}", verdict.reason);
+        Ok(())
+    }
+
+    /// A persist that copied a task while it was open and wrote it after the task's
+    /// end was saved must not bring the open copy back: the end is what the store
+    /// keeps, and the next process does not reopen the task.
+    #[tokio::test]
+    async fn a_persist_racing_an_end_leaves_the_end_stored() -> TestResult {
+        let j = TempJournal::open()?;
+        let tasks = tracker(Some(j.journal.clone()), Metrics::new())?;
+        let (a, b) = (TaskId::new("race-a")?, TaskId::new("race-b")?);
+        tasks.touch(&a, "r1", t(0));
+        tasks.touch(&b, "r2", t(0));
+        let mut persist = std::pin::pin!(tasks.persist());
+        // The persist starts writing one of the two changed tasks and waits on the
+        // store, with its copies of both still open.
+        std::future::poll_fn(|cx| {
+            assert!(persist.as_mut().poll(cx).is_pending());
+            std::task::Poll::Ready(())
+        })
+        .await;
+        let (persisted, end_a, end_b) = tokio::join!(
+            persist,
+            tasks.end(&a, TaskOutcome::Success, t(5)),
+            tasks.end(&b, TaskOutcome::Success, t(5)),
+        );
+        persisted?;
+        end_a?;
+        end_b?;
+        for (key, bytes) in j.journal.kv_scan(NAMESPACE)? {
+            let stored: Task = serde_json::from_slice(&bytes)?;
+            assert!(stored.ended_at.is_some(), "{key} was stored open");
+        }
         Ok(())
     }
 
