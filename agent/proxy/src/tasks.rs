@@ -2311,9 +2311,11 @@ mod tests {
         Ok(())
     }
 
-    /// Trimming many stored tasks to the cap at start-up is one sort, not a scan per
-    /// task: 20,000 stored tasks down to 100 open in well under a second's work,
-    /// and those kept are the most recently active, whatever their ids.
+    /// Trimming many stored tasks to the cap at start-up keeps the most recently
+    /// active, whatever their ids: 20,000 stored tasks opened with a cap of 100 keep
+    /// the 100 last active. The time bound is loose on purpose (a loaded test
+    /// machine must not fail it): it catches a start-up that stalls, not the
+    /// difference between one sort and a scan per task.
     #[tokio::test]
     async fn trimming_stored_tasks_at_start_up_keeps_the_most_recent() -> TestResult {
         let j = TempJournal::open()?;
