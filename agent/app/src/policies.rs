@@ -84,10 +84,7 @@ fn child_compiler() -> Compiler {
         std::env::current_exe().ok()
     };
     match program {
-        Some(program) => Compiler::Child {
-            program,
-            args: vec![COMPILE_CHILD.into()],
-        },
+        Some(program) => Compiler::child(program, vec![COMPILE_CHILD.into()]),
         None => Compiler::InProcess,
     }
 }
@@ -134,22 +131,45 @@ pub async fn reload(
     readiness: &Readiness,
     why: &str,
 ) -> ReloadReport {
-    let r = registry.clone();
-    let report = match tokio::task::spawn_blocking(move || {
+    run_reload(registry, metrics, readiness, why, |r| {
         let before = r.runtime().compiled_in_process();
         let report = r.reload();
         release_if_compiled(&r, before);
         report
     })
     .await
-    {
+}
+
+/// [`reload`] with the work on the blocking thread given: a reload whose work
+/// panicked (or never ran) is a failed one, with the panic's message, and a failed
+/// swap for every hook; the registry publishes nothing it has not fully loaded, so
+/// the policies that served before serve on.
+async fn run_reload(
+    registry: &Registry,
+    metrics: &Metrics,
+    readiness: &Readiness,
+    why: &str,
+    work: impl FnOnce(Registry) -> ReloadReport + Send + 'static,
+) -> ReloadReport {
+    let r = registry.clone();
+    let started = std::time::Instant::now();
+    let report = match tokio::task::spawn_blocking(move || work(r)).await {
         Ok(report) => report,
         Err(e) => {
-            tracing::error!(error = %e, "the policy reload task failed");
-            return ReloadReport {
-                bindings: Vec::new(),
-                elapsed_ms: 0.0,
+            let error = if e.is_panic() {
+                format!(
+                    "the policy reload panicked: {}",
+                    outrigger_policy::panic_message(e.into_panic().as_ref())
+                )
+            } else {
+                format!("the policy reload did not run: {e}")
             };
+            tracing::error!(trigger = why, %error, "policy reload failed; the policies that were serving still serve");
+            for hook in outrigger_policy::Hook::ALL {
+                metrics.policy_event(hook.as_str(), PolicyEventKind::SwapFailed);
+            }
+            publish_readiness(registry, readiness);
+            return ReloadReport::failed(error, started.elapsed());
         }
     };
     for b in &report.bindings {
@@ -224,4 +244,50 @@ pub fn watch(
         }
     });
     Ok(watcher)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reload whose work panics is reported failed, with the panic's message, and
+    /// leaves the policies that were serving in place.
+    #[test]
+    fn a_reload_that_panics_is_a_failed_reload() {
+        let registry = Registry::new(
+            outrigger_policy::Options::default(),
+            outrigger_builtins::ALL
+                .iter()
+                .map(|b| outrigger_policy::BuiltinComponent {
+                    name: b.name,
+                    bytes: b.bytes,
+                })
+                .collect(),
+        )
+        .unwrap_or_else(|e| panic!("registry: {e}"));
+        let before = registry.versions();
+        assert_eq!(before.len(), 3, "{before:?}");
+        let metrics = Metrics::new();
+        let readiness = Readiness::default();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap_or_else(|e| panic!("runtime: {e}"));
+        let report = runtime.block_on(run_reload(&registry, &metrics, &readiness, "test", |_| {
+            panic!("the compiler blew up")
+        }));
+        assert!(!report.is_ok(), "{report:?}");
+        let error = report.error.as_deref().unwrap_or_default();
+        assert!(error.contains("panicked: the compiler blew up"), "{error}");
+        let json = serde_json::to_value(&report).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(json["error"], error, "{json}");
+        assert_eq!(registry.versions(), before, "the serving policies stay");
+        assert!(
+            readiness.policies.load(Ordering::Acquire),
+            "every binding still has a version serving it"
+        );
+        // A later reload runs as usual.
+        let report = runtime.block_on(reload(&registry, &metrics, &readiness, "test"));
+        assert!(report.is_ok(), "{report:?}");
+        assert_eq!(report.error, None);
+    }
 }

@@ -20,10 +20,7 @@ const BIN: &str = env!("CARGO_BIN_EXE_outrigger");
 fn runtime(dir: &std::path::Path) -> Runtime {
     Runtime::new(RuntimeOptions {
         cache_dir: Some(dir.to_path_buf()),
-        compiler: Compiler::Child {
-            program: BIN.into(),
-            args: vec!["compile-policy-child".into()],
-        },
+        compiler: Compiler::child(BIN, vec!["compile-policy-child".into()]),
         ..RuntimeOptions::default()
     })
     .expect("runtime")

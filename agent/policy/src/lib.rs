@@ -29,12 +29,15 @@ pub mod validate;
 
 use std::path::PathBuf;
 
-pub use compiler::{Compiler, compile_child};
+pub use compiler::{COMPILE_TIMEOUT, Compiler, compile_child};
 pub use registry::{
     Binding, BindingReload, BindingStatus, BuiltinComponent, MAX_RETRY_DELAY_PARAM, OnError,
-    Options, Registry, ReloadOutcome, ReloadReport, Source,
+    Options, Registry, ReloadOutcome, ReloadReport, Source, panic_message,
 };
-pub use runtime::{Fault, Hook, Loaded, MAX_LOG_LINES_PER_CALL, Runtime, RuntimeOptions, TICK};
+pub use runtime::{
+    Fault, Hook, Loaded, MAX_LOG_LINES_PER_CALL, MAX_POOLED_RESOURCES, Runtime, RuntimeOptions,
+    STDERR_TAIL_BYTES, TICK,
+};
 
 /// The version of the WIT package this host implements.
 pub const WIT_PACKAGE_VERSION: &str = "0.1.0";
@@ -64,4 +67,7 @@ pub enum Error {
     WrongWorld { wanted: Hook, found: String },
     #[error("smoke test failed: {0}")]
     SmokeTest(Fault),
+    /// The load panicked (a bug in the host or the engine): nothing was published.
+    #[error("{0}")]
+    Panicked(String),
 }

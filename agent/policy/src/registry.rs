@@ -144,14 +144,29 @@ pub struct ReloadReport {
     pub bindings: Vec<BindingReload>,
     /// Wall-clock time of the whole reload, in milliseconds.
     pub elapsed_ms: f64,
+    /// Why the reload as a whole failed (it panicked, say), when it did: nothing was
+    /// published, and the policies that were serving still serve.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 impl ReloadReport {
-    /// Whether every binding loaded or was already current.
+    /// A reload that failed as a whole: nothing was published.
+    pub fn failed(error: impl Into<String>, elapsed: Duration) -> Self {
+        Self {
+            bindings: Vec::new(),
+            elapsed_ms: millis_f64(elapsed),
+            error: Some(error.into()),
+        }
+    }
+
+    /// Whether the reload ran and every binding loaded or was already current.
     pub fn is_ok(&self) -> bool {
-        self.bindings
-            .iter()
-            .all(|b| !matches!(b.outcome, ReloadOutcome::Failed { .. }))
+        self.error.is_none()
+            && self
+                .bindings
+                .iter()
+                .all(|b| !matches!(b.outcome, ReloadOutcome::Failed { .. }))
     }
 
     /// The outcome for `hook`.
@@ -247,6 +262,9 @@ struct Inner {
     bindings: Mutex<Vec<Binding>>,
     slots: [Slot; 3],
     reload_lock: Mutex<()>,
+    /// Makes the next binding's reload panic (tests).
+    #[cfg(test)]
+    panic_next: AtomicBool,
 }
 
 struct Slot {
@@ -364,6 +382,8 @@ impl Registry {
                 bindings: Mutex::new(options.bindings),
                 slots: [slot(Hook::Retry), slot(Hook::Fallback), slot(Hook::Budget)],
                 reload_lock: Mutex::new(()),
+                #[cfg(test)]
+                panic_next: AtomicBool::new(false),
             }),
         };
         let report = registry.reload();
@@ -408,6 +428,7 @@ impl Registry {
         ReloadReport {
             bindings: reports,
             elapsed_ms: millis_f64(started.elapsed()),
+            error: None,
         }
     }
 
@@ -437,7 +458,24 @@ impl Registry {
     fn reload_binding(&self, binding: &Binding) -> BindingReload {
         let slot = &self.inner.slots[binding.hook.index()];
         let source = binding.source.to_string();
-        let outcome = match self.publish(slot, binding) {
+        // A panic while loading one binding (in the engine, say) fails that binding
+        // like any other load error: its slot is only written once a version passed
+        // every check, so what served before keeps serving, and the other bindings
+        // are still reloaded.
+        let published = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            #[cfg(test)]
+            if self.inner.panic_next.swap(false, Ordering::SeqCst) {
+                panic!("injected: the reload panicked");
+            }
+            self.publish(slot, binding)
+        }))
+        .unwrap_or_else(|panic| {
+            Err(Error::Panicked(format!(
+                "loading the policy panicked: {}",
+                panic_message(panic.as_ref())
+            )))
+        });
+        let outcome = match published {
             Ok(outcome) => {
                 let mut meta = lock(&slot.meta);
                 meta.last_error = None;
@@ -811,6 +849,15 @@ impl Registry {
     }
 }
 
+/// The message a panic was raised with, if it was raised with one.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
+}
+
 fn decided<T>(value: T, version: &PolicyVersion, source: DecisionSource) -> Decided<T> {
     Decided {
         value,
@@ -969,4 +1016,97 @@ fn smoke_test(loaded: &Loaded, hook: Hook, max_delay: Duration) -> Result<(), Fa
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn builtins() -> Vec<BuiltinComponent> {
+        outrigger_builtins::ALL
+            .iter()
+            .map(|b| BuiltinComponent {
+                name: b.name,
+                bytes: b.bytes,
+            })
+            .collect()
+    }
+
+    /// A binding whose load panics fails like any other, with the panic's message;
+    /// the version serving before keeps serving, the other bindings are reloaded,
+    /// and the next reload runs as usual.
+    #[test]
+    fn a_binding_whose_load_panics_fails_and_the_old_version_serves_on() {
+        let registry =
+            Registry::new(Options::default(), builtins()).unwrap_or_else(|e| panic!("{e}"));
+        let before = registry.versions();
+        assert_eq!(before.len(), 3, "{before:?}");
+        // Make the retry binding change (new parameters), so a reload would swap it.
+        let mut retry = Binding::builtin(Hook::Retry);
+        retry.params.insert("max_attempts".into(), "2".into());
+        *lock(&registry.inner.bindings) = vec![retry];
+        registry.inner.panic_next.store(true, Ordering::SeqCst);
+        let report = registry.reload();
+        assert!(!report.is_ok(), "{report:?}");
+        match report.outcome(Hook::Retry) {
+            Some(ReloadOutcome::Failed { error, serving }) => {
+                assert!(error.contains("panicked: injected"), "{error}");
+                assert_eq!(serving.as_ref(), Some(&before[0]));
+            }
+            other => panic!("expected the retry binding to fail: {other:?}"),
+        }
+        for hook in [Hook::Fallback, Hook::Budget] {
+            assert!(
+                matches!(report.outcome(hook), Some(ReloadOutcome::Unchanged { .. })),
+                "{report:?}"
+            );
+        }
+        assert_eq!(registry.versions(), before, "nothing was published");
+        let status = registry
+            .binding_status(Hook::Retry)
+            .unwrap_or_else(|| panic!("status"));
+        assert!(
+            status
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("panicked")),
+            "{status:?}"
+        );
+        assert_eq!(status.load_errors, 1);
+        // Decisions still come from the version that served before.
+        let decided = registry.retry(
+            &CallContext {
+                task_id: None,
+                request_id: "r".into(),
+                kind: CallKind::Model,
+                target: "t".into(),
+                model: None,
+                tool_class: None,
+                attempt: 1,
+                elapsed: Duration::from_millis(1),
+                dispatched: true,
+                history: Vec::new(),
+                retry_budget: RetryBudget::default(),
+                fallbacks: Vec::new(),
+            },
+            &Failure::ServerError { status: 503 },
+        );
+        assert_eq!(decided.version, before[0]);
+        assert_eq!(decided.source, DecisionSource::Policy);
+        // The next reload publishes the change.
+        let report = registry.reload();
+        assert!(report.is_ok(), "{report:?}");
+        assert!(matches!(
+            report.outcome(Hook::Retry),
+            Some(ReloadOutcome::Loaded { .. })
+        ));
+        let status = registry
+            .binding_status(Hook::Retry)
+            .unwrap_or_else(|| panic!("status"));
+        assert_eq!(
+            status.params.get("max_attempts").map(String::as_str),
+            Some("2")
+        );
+        assert_eq!(status.last_error, None);
+    }
 }

@@ -5,9 +5,11 @@
 //! A decision runs on a warm instance taken from the pool (instantiating one when the
 //! pool is empty), under an epoch deadline and a per-instance memory cap. An instance
 //! goes back to the pool only after a call that returned normally: a trap leaves
-//! wasm state undefined, so a trapped instance is dropped.
+//! wasm state undefined, so a trapped instance is dropped; so is one that holds more
+//! than [`MAX_POOLED_RESOURCES`] host resources (handles its guest took and never
+//! dropped), which would otherwise grow the host's memory call after call.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::hash::Hasher;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -39,6 +41,19 @@ const PARKED_RECHECK: Duration = Duration::from_secs(1);
 /// [`Loaded::warm_up`]) gets to instantiate: a loaded machine must not refuse a component whose start-up is slower than
 /// one decision's deadline (a Python one copies tens of MB of initialised memory).
 pub const LOAD_INSTANTIATE_DEADLINE: Duration = Duration::from_secs(1);
+
+/// How much of what a guest writes to stderr is kept (the end of it) to go with a
+/// trap: a Rust guest's panic message, for one.
+pub const STDERR_TAIL_BYTES: usize = 4 << 10;
+
+/// Host resources (WASI streams, sockets…) an idle instance may hold in its table
+/// and still go back to the pool. A guest that takes handles and never drops them
+/// grows the host's memory, not its own, so no memory cap would catch it: its
+/// instance is retired instead, and a fresh one starts with an empty table.
+pub const MAX_POOLED_RESOURCES: usize = 64;
+
+/// Host resources one instance may hold at once; taking more traps.
+const MAX_RESOURCES: usize = 4_096;
 
 /// The longest log line a policy may write; the rest is cut.
 const MAX_LOG_LINE: usize = 1_000;
@@ -252,9 +267,9 @@ impl Runtime {
             Err(pooled) => {
                 // The pooling allocator reserves virtual memory up front; where that
                 // is refused (a tight `ulimit -v`), allocate on demand instead.
-                tracing::warn!(error = %pooled, "pooling allocator unavailable; allocating instances on demand");
+                tracing::warn!(error = %format!("{pooled:#}"), "pooling allocator unavailable; allocating instances on demand");
                 let engine = Engine::new(&config(options.memory_limit_bytes, false))
-                    .map_err(|e| Error::Engine(e.to_string()))?;
+                    .map_err(|e| Error::Engine(format!("{e:#}")))?;
                 (engine, false)
             }
         };
@@ -262,9 +277,9 @@ impl Runtime {
         // Guests built with a language's standard library (Rust std, Python, JS)
         // import WASI; they link, but the context grants nothing (see `State::new`).
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)
-            .map_err(|e| Error::Engine(e.to_string()))?;
+            .map_err(|e| Error::Engine(format!("{e:#}")))?;
         bindings::Policy::add_to_linker::<State, HasSelf<State>>(&mut linker, |state| state)
-            .map_err(|e| Error::Engine(e.to_string()))?;
+            .map_err(|e| Error::Engine(format!("{e:#}")))?;
         let compat = {
             let mut hasher = Sha256Hasher(Sha256::new());
             std::hash::Hash::hash(&engine.precompile_compatibility_hash(), &mut hasher);
@@ -428,13 +443,19 @@ impl Runtime {
         }
         check_component(bytes)?;
         self.inner.compilations.fetch_add(1, Ordering::Relaxed);
-        if let Compiler::Child { program, args } = &self.inner.options.compiler {
+        if let Compiler::Child {
+            program,
+            args,
+            timeout,
+        } = &self.inner.options.compiler
+        {
             let outcome = compile_in_child(
                 program,
                 args,
                 self.inner.options.memory_limit_bytes,
                 self.inner.pooling,
                 bytes,
+                *timeout,
             );
             match outcome {
                 ChildOutcome::Compiled(artifact) => {
@@ -463,7 +484,9 @@ impl Runtime {
                         tracing::warn!(path = %path.display(), error = %e, "could not cache the compiled component");
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, "could not serialize the compiled component"),
+                Err(e) => {
+                    tracing::warn!(error = %format!("{e:#}"), "could not serialize the compiled component")
+                }
             }
         }
         Ok((component, false))
@@ -558,12 +581,24 @@ fn deserialize_bytes(engine: &Engine, artifact: &[u8]) -> Result<Component, Stri
     unsafe { Component::deserialize(engine, artifact) }.map_err(|e| format!("{e:#}"))
 }
 
+/// Writes `bytes` to a temporary file beside `path` and renames it over `path`, so a
+/// reader sees the whole old file or the whole new one. On failure the temporary
+/// file is removed (a full disk must not be filled further by half-written ones).
 fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    replace_with(path, |tmp| std::fs::write(tmp, bytes))
+}
+
+/// [`write_atomically`] with the writing of the temporary file given.
+fn replace_with(
+    path: &Path,
+    write: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, bytes)?;
-    std::fs::rename(&tmp, path).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
+    write(&tmp)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {
@@ -738,6 +773,20 @@ impl Loaded {
             .len()
     }
 
+    /// The most host resources any idle instance in the pool holds (see
+    /// [`MAX_POOLED_RESOURCES`]). For tests.
+    #[doc(hidden)]
+    pub fn pooled_resources(&self) -> usize {
+        self.inner
+            .warm
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter_mut()
+            .map(|warm| warm.store.data_mut().resources())
+            .max()
+            .unwrap_or(0)
+    }
+
     /// Asks the retry hook, unvalidated.
     pub fn retry(
         &self,
@@ -836,6 +885,15 @@ impl Loaded {
         };
         match result {
             Ok(Ok(value)) => {
+                let resources = warm.store.data_mut().resources();
+                if resources > MAX_POOLED_RESOURCES {
+                    tracing::debug!(
+                        policy = &*inner.label,
+                        resources,
+                        "an instance holding more than {MAX_POOLED_RESOURCES} host resources is retired"
+                    );
+                    return Ok(value);
+                }
                 let mut pool = inner.warm.lock().unwrap_or_else(PoisonError::into_inner);
                 if pool.len() < options.warm_instances {
                     pool.push(warm);
@@ -859,7 +917,12 @@ impl Loaded {
         let options = &self.inner.runtime.inner.options;
         let deadline = options.deadline.max(LOAD_INSTANTIATE_DEADLINE);
         loop {
-            let warm = self.instantiate(deadline)?;
+            let warm = self.instantiate(deadline).map_err(|fault| match fault {
+                Fault::Timeout(deadline) => Fault::Instantiate(format!(
+                    "its start-up ran past the {deadline:?} deadline (a start function that never returns?)"
+                )),
+                other => other,
+            })?;
             let mut pool = self
                 .inner
                 .warm
@@ -877,6 +940,9 @@ impl Loaded {
     fn instantiate(&self, deadline: Duration) -> Result<Warm, Fault> {
         let inner = &self.inner;
         let options = &inner.runtime.inner.options;
+        // Start functions are guest code: the deadline counts only while the clock
+        // runs (the ticker parks otherwise), warm-ups off any call's path included.
+        let _running = inner.runtime.inner.clock.enter();
         let mut store = Store::new(
             &inner.runtime.inner.engine,
             State::new(
@@ -935,7 +1001,125 @@ fn classify(
     if error.downcast_ref::<wasmtime::Trap>() == Some(&wasmtime::Trap::Interrupt) {
         return Fault::Timeout(deadline);
     }
-    Fault::Trap(format!("{error:#}"))
+    match store.data().stderr.tail() {
+        Some(tail) => Fault::Trap(format!("{error:#}; the guest's stderr: {tail}")),
+        None => Fault::Trap(format!("{error:#}")),
+    }
+}
+
+/// The guest's stderr: keeps the last [`STDERR_TAIL_BYTES`] written since the
+/// instance started or the current call began, so that a trap can say what the
+/// guest said before it (a Rust panic's message, for one). Never refuses a write.
+#[derive(Clone, Default)]
+struct StderrTail {
+    kept: Arc<Mutex<Tail>>,
+}
+
+#[derive(Default)]
+struct Tail {
+    bytes: VecDeque<u8>,
+    /// Whether earlier bytes were dropped to keep within the bound.
+    cut: bool,
+}
+
+impl StderrTail {
+    fn push(&self, mut bytes: &[u8]) {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        if bytes.len() > STDERR_TAIL_BYTES {
+            bytes = &bytes[bytes.len() - STDERR_TAIL_BYTES..];
+            kept.cut = true;
+        }
+        let over = (kept.bytes.len() + bytes.len()).saturating_sub(STDERR_TAIL_BYTES);
+        if over > 0 {
+            kept.bytes.drain(..over);
+            kept.cut = true;
+        }
+        kept.bytes.extend(bytes);
+    }
+
+    fn clear(&self) {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        kept.bytes.clear();
+        kept.cut = false;
+    }
+
+    /// What was kept, as text; `None` when nothing (but white space) was written.
+    fn tail(&self) -> Option<String> {
+        let mut kept = self.kept.lock().unwrap_or_else(PoisonError::into_inner);
+        let cut = kept.cut;
+        let text = String::from_utf8_lossy(kept.bytes.make_contiguous());
+        let text = text.trim();
+        if text.is_empty() {
+            return None;
+        }
+        Some(if cut {
+            format!("…{text}")
+        } else {
+            text.to_owned()
+        })
+    }
+}
+
+impl wasmtime_wasi::cli::IsTerminal for StderrTail {
+    fn is_terminal(&self) -> bool {
+        false
+    }
+}
+
+impl wasmtime_wasi::cli::StdoutStream for StderrTail {
+    fn p2_stream(&self) -> Box<dyn wasmtime_wasi::p2::OutputStream> {
+        Box::new(self.clone())
+    }
+
+    fn async_stream(&self) -> Box<dyn tokio::io::AsyncWrite + Send + Sync> {
+        Box::new(self.clone())
+    }
+}
+
+#[wasmtime_wasi::async_trait]
+impl wasmtime_wasi::p2::Pollable for StderrTail {
+    async fn ready(&mut self) {}
+}
+
+impl wasmtime_wasi::p2::OutputStream for StderrTail {
+    fn write(&mut self, bytes: bytes::Bytes) -> wasmtime_wasi::p2::StreamResult<()> {
+        self.push(&bytes);
+        Ok(())
+    }
+
+    fn flush(&mut self) -> wasmtime_wasi::p2::StreamResult<()> {
+        Ok(())
+    }
+
+    fn check_write(&mut self) -> wasmtime_wasi::p2::StreamResult<usize> {
+        // What one write may carry (it is copied into the guest's stream first).
+        Ok(64 << 10)
+    }
+}
+
+impl tokio::io::AsyncWrite for StderrTail {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.push(buf);
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
 }
 
 /// Caps the linear memory of one instance over all its memories (wasmtime's own
@@ -995,6 +1179,7 @@ impl wasmtime::ResourceLimiter for Limiter {
 pub(crate) struct State {
     wasi: WasiCtx,
     table: ResourceTable,
+    stderr: StderrTail,
     limiter: Limiter,
     params: Arc<BTreeMap<String, String>>,
     label: Arc<str>,
@@ -1018,14 +1203,20 @@ impl State {
     ) -> Self {
         // No preopened directories, environment, arguments, network or name lookup:
         // guests that import WASI instantiate but can reach nothing.
+        // Stderr is kept (its end) for the message of a trap; stdout goes nowhere.
+        let stderr = StderrTail::default();
         let wasi = WasiCtx::builder()
             .allow_tcp(false)
             .allow_udp(false)
             .allow_ip_name_lookup(false)
+            .stderr(stderr.clone())
             .build();
+        let mut table = ResourceTable::new();
+        table.set_max_capacity(MAX_RESOURCES);
         Self {
             wasi,
-            table: ResourceTable::new(),
+            table,
+            stderr,
             limiter: Limiter {
                 cap: memory_cap,
                 committed: 0,
@@ -1046,8 +1237,10 @@ impl State {
     /// numbers whatever the instance served before) and records the call's ids.
     fn begin_call(&mut self, seed: Option<u64>, (task_id, request_id): (Option<&str>, &str)) {
         self.seed = seed;
-        // A refusal an earlier call took in its stride is not this call's fault.
+        // A refusal an earlier call took in its stride is not this call's fault,
+        // nor is what an earlier call wrote to stderr this call's message.
         self.limiter.exceeded = false;
+        self.stderr.clear();
         self.logged = 0;
         self.rng = None;
         match (task_id, &mut self.task_id) {
@@ -1060,6 +1253,14 @@ impl State {
         }
         self.request_id.clear();
         self.request_id.push_str(request_id);
+    }
+}
+
+impl State {
+    /// Host resources in this instance's table (O(table size), which
+    /// [`MAX_POOLED_RESOURCES`] keeps small for a pooled instance).
+    fn resources(&mut self) -> usize {
+        self.table.iter_mut().count()
     }
 }
 
@@ -1132,5 +1333,78 @@ impl host::Host for State {
 
     fn request_id(&mut self) -> String {
         self.request_id.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_failed_atomic_write_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("a.cwasm");
+        write_atomically(&path, b"artifact").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(std::fs::read(&path).ok().as_deref(), Some(&b"artifact"[..]));
+        assert_eq!(names(dir.path()), ["a.cwasm"]);
+
+        // The write fails half-way (a full disk, say).
+        let failed = replace_with(&dir.path().join("b.cwasm"), |tmp| {
+            std::fs::write(tmp, b"half an arti")?;
+            Err(std::io::Error::other("no space left on device"))
+        });
+        assert!(failed.is_err());
+        assert_eq!(
+            names(dir.path()),
+            ["a.cwasm"],
+            "the half-written file was removed"
+        );
+
+        // The rename fails: the target is a directory that is not empty.
+        let blocked = dir.path().join("c.cwasm");
+        std::fs::create_dir_all(blocked.join("inside")).unwrap_or_else(|e| panic!("{e}"));
+        assert!(write_atomically(&blocked, b"artifact").is_err());
+        assert_eq!(
+            names(dir.path()),
+            ["a.cwasm", "c.cwasm"],
+            "the written file was removed"
+        );
+    }
+
+    #[test]
+    fn the_stderr_tail_keeps_the_end_within_its_bound() {
+        let tail = StderrTail::default();
+        assert_eq!(tail.tail(), None);
+        tail.push(b"  \n");
+        assert_eq!(tail.tail(), None, "white space alone is nothing");
+        tail.push(b"thread panicked at src/lib.rs:1:1:\nboom\n");
+        assert_eq!(
+            tail.tail().as_deref(),
+            Some("thread panicked at src/lib.rs:1:1:\nboom")
+        );
+        // Many small writes and one large one: only the end is kept.
+        for _ in 0..1_000 {
+            tail.push(b"0123456789");
+        }
+        tail.push(b"the end");
+        let kept = tail.tail().unwrap_or_default();
+        assert!(kept.starts_with('…'), "{kept}");
+        assert!(kept.ends_with("789the end"), "{kept}");
+        assert!(kept.len() <= STDERR_TAIL_BYTES + '…'.len_utf8());
+        tail.push(&vec![b'x'; 3 * STDERR_TAIL_BYTES]);
+        let kept = tail.tail().unwrap_or_default();
+        assert_eq!(kept.len(), STDERR_TAIL_BYTES + '…'.len_utf8());
+        tail.clear();
+        assert_eq!(tail.tail(), None);
     }
 }

@@ -1115,6 +1115,16 @@ fn a_looping_policy_cannot_hang_the_start_up() {
 /// A runtime compiling in the child `sh -c script` (which gets the memory limit and
 /// allocation as `$1` and `$2`), caching under `dir`.
 fn child_runtime(program: &str, script: Option<&str>, dir: &Path) -> Runtime {
+    child_runtime_within(program, script, dir, outrigger_policy::COMPILE_TIMEOUT)
+}
+
+/// [`child_runtime`] whose child may run for `timeout`.
+fn child_runtime_within(
+    program: &str,
+    script: Option<&str>,
+    dir: &Path,
+    timeout: Duration,
+) -> Runtime {
     let args = script
         .map(|s| vec!["-c".into(), s.into(), "sh".into()])
         .unwrap_or_default();
@@ -1123,6 +1133,7 @@ fn child_runtime(program: &str, script: Option<&str>, dir: &Path) -> Runtime {
         compiler: Compiler::Child {
             program: program.into(),
             args,
+            timeout,
         },
         ..RuntimeOptions::default()
     })
@@ -1265,5 +1276,200 @@ fn a_load_warms_up_as_many_instances_as_calls_find_ready() {
             expect,
             "warm_instances {warm_instances}"
         );
+    }
+}
+
+/// A compiler that hangs does not hang the load: it is killed at its limit, the
+/// load fails naming the limit, and the component is not compiled in process.
+#[test]
+fn a_compiler_that_hangs_is_killed_at_its_limit() {
+    // One that takes its input and hangs; one that never reads it (the write of the
+    // component fills the pipe and would block forever).
+    for script in ["cat >/dev/null; exec sleep 60", "exec sleep 60"] {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let runtime =
+            child_runtime_within("sh", Some(script), dir.path(), Duration::from_millis(500));
+        let started = Instant::now();
+        match runtime.load(retry_bytes(), BTreeMap::new(), "retry") {
+            Err(outrigger_policy::Error::Compile(message)) => {
+                assert!(message.contains("500ms"), "{script}: {message}");
+                assert!(message.contains("killed"), "{script}: {message}");
+            }
+            other => panic!(
+                "{script}: expected a compile error, got {:?}",
+                other.map(|_| ())
+            ),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "{script}: took {:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            runtime.compiled_in_process(),
+            0,
+            "{script}: never retried in process"
+        );
+        assert_eq!(
+            std::fs::read_dir(dir.path()).expect("cache dir").count(),
+            0,
+            "{script}: nothing cached"
+        );
+    }
+}
+
+/// A component (hand-assembled: no WAT compiler is at hand) of one core module
+/// whose start function runs `body` (a code entry: locals, instructions, `end`).
+fn component_with_start(body: &[u8]) -> Vec<u8> {
+    fn section(id: u8, contents: &[u8]) -> Vec<u8> {
+        let len = u8::try_from(contents.len()).expect("a short section");
+        assert!(len < 0x80, "one-byte LEB128 length");
+        let mut out = vec![id, len];
+        out.extend_from_slice(contents);
+        out
+    }
+    let mut code = vec![1, u8::try_from(body.len()).expect("a short body")];
+    code.extend_from_slice(body);
+    let mut module = b"\0asm\x01\0\0\0".to_vec();
+    module.extend(section(1, &[1, 0x60, 0, 0])); // type 0: [] -> []
+    module.extend(section(3, &[1, 0])); // function 0: type 0
+    module.extend(section(8, &[0])); // start: function 0
+    module.extend(section(10, &code));
+    let mut component = b"\0asm\x0d\0\x01\0".to_vec();
+    component.extend(section(1, &module)); // core module 0
+    component.extend(section(2, &[1, 0, 0, 0])); // core instance: instantiate module 0
+    component
+}
+
+/// A component whose start-up never returns cannot hang a warm-up (and with it a
+/// reload): the load deadline stops it even when no call is running, when the
+/// epoch ticker rests.
+#[test]
+fn a_start_function_that_never_returns_cannot_hang_the_warm_up() {
+    let runtime = Runtime::new(RuntimeOptions::default()).expect("runtime");
+    // The control: a start function that returns warms up.
+    let returns = runtime
+        .load(
+            &component_with_start(&[0, 0x0b]),
+            BTreeMap::new(),
+            "returns",
+        )
+        .expect("load");
+    returns.warm_up().expect("a start function that returns");
+    // loop (br 0) end
+    let looping = runtime
+        .load(
+            &component_with_start(&[0, 0x03, 0x40, 0x0c, 0x00, 0x0b, 0x0b]),
+            BTreeMap::new(),
+            "loops",
+        )
+        .expect("load");
+    // Let the ticker come to rest.
+    let started = Instant::now();
+    loop {
+        let before = runtime.ticks();
+        std::thread::sleep(Duration::from_millis(200));
+        if runtime.ticks() == before {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the ticker never rested"
+        );
+    }
+    let (tx, rx) = std::sync::mpsc::channel();
+    let started = Instant::now();
+    std::thread::spawn(move || {
+        let _ = tx.send(looping.warm_up());
+    });
+    let warmed = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the warm-up returned");
+    let took = started.elapsed();
+    match warmed {
+        Err(outrigger_policy::Fault::Instantiate(message)) => {
+            assert!(message.contains("deadline"), "{message}");
+            assert!(message.contains("1s"), "{message}");
+        }
+        other => panic!("expected the start-up deadline to fail the warm-up: {other:?}"),
+    }
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+}
+
+/// A fixture's loaded misbehaving guest, every call's mode given by its request id.
+fn misbehave_loaded(runtime: &Runtime) -> outrigger_policy::Loaded {
+    let loaded = runtime
+        .load(misbehave(), BTreeMap::new(), "misbehave")
+        .expect("load");
+    loaded.warm_up().expect("warm up");
+    loaded
+}
+
+/// The host resources a pooled instance holds do not grow from call to call,
+/// whatever the guest does; one that leaks handles is retired before it holds
+/// more than `MAX_POOLED_RESOURCES`.
+#[test]
+fn pooled_instances_hold_a_bounded_number_of_host_resources() {
+    let runtime = Runtime::new(RuntimeOptions {
+        deadline: Duration::from_millis(500),
+        warm_instances: 1,
+        ..RuntimeOptions::default()
+    })
+    .expect("runtime");
+    let loaded = misbehave_loaded(&runtime);
+    for mode in ["normal", "ids", "reach", "jitter", "chatty"] {
+        loaded
+            .retry(&ctx(mode, 1), &Failure::Timeout)
+            .unwrap_or_else(|f| panic!("{mode}: {f}"));
+        let first = loaded.pooled_resources();
+        for _ in 0..200 {
+            loaded
+                .retry(&ctx(mode, 1), &Failure::Timeout)
+                .unwrap_or_else(|f| panic!("{mode}: {f}"));
+        }
+        assert_eq!(loaded.pooled_resources(), first, "{mode}: the table grew");
+        assert_eq!(loaded.warm_instances(), 1, "{mode}");
+    }
+    // A guest that takes a stream handle on every call and never drops it.
+    let cap = outrigger_policy::MAX_POOLED_RESOURCES;
+    let mut most = 0;
+    for n in 0..3 * cap {
+        loaded
+            .retry(&ctx("leak", 1), &Failure::Timeout)
+            .unwrap_or_else(|f| panic!("leak call {n}: {f}"));
+        most = most.max(loaded.pooled_resources());
+    }
+    assert!(most > 1, "the guest leaked no handle: {most}");
+    assert!(most <= cap, "a pooled instance held {most} resources");
+}
+
+/// What a guest wrote to stderr before it trapped (a Rust panic's message) is
+/// part of the fault and of the reload's error.
+#[test]
+fn a_trap_carries_the_end_of_the_guests_stderr() {
+    let runtime = Runtime::new(RuntimeOptions {
+        deadline: Duration::from_millis(500),
+        ..RuntimeOptions::default()
+    })
+    .expect("runtime");
+    let loaded = misbehave_loaded(&runtime);
+    match loaded.retry(&ctx("trap", 1), &Failure::Timeout) {
+        Err(outrigger_policy::Fault::Trap(message)) => {
+            assert!(message.contains("deliberate trap"), "{message}");
+            assert!(message.contains("panicked"), "{message}");
+        }
+        other => panic!("expected a trap: {other:?}"),
+    }
+    // A reload whose smoke test traps says why.
+    let f = Fixture::new(vec![named(Hook::Retry, "p")], |_| {});
+    f.install("p", misbehave());
+    let mut binding = named(Hook::Retry, "p");
+    binding.params.insert("mode".into(), "trap".into());
+    let report = f.registry.reconfigure(vec![binding]).expect("reconfigure");
+    match report.outcome(Hook::Retry) {
+        Some(ReloadOutcome::Failed { error, .. }) => {
+            assert!(error.contains("deliberate trap"), "{error}");
+        }
+        other => panic!("expected the smoke test to trap: {other:?}"),
     }
 }

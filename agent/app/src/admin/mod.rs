@@ -129,7 +129,11 @@ impl Admin {
                     "admin API",
                 )
                 .await;
-                let status = if report.is_ok() {
+                let status = if report.error.is_some() {
+                    // The reload itself failed (it panicked): the host's fault, not
+                    // the policies'.
+                    StatusCode::INTERNAL_SERVER_ERROR
+                } else if report.is_ok() {
                     StatusCode::OK
                 } else {
                     StatusCode::UNPROCESSABLE_ENTITY

@@ -14,6 +14,8 @@
 //! - `reach`: tries to read the environment, the file system and the network, and
 //!   gives up with a report of what it got (the host grants none of them);
 //! - `ids`: gives up with the call's ids as the host reports them;
+//! - `leak`: takes a new handle to stderr from the host (`wasi:cli/stderr`) and
+//!   never drops it, then answers normally (the host's table grows per call);
 //! - anything else: answers normally — retry after `delay_ms` (param, default 1),
 //!   the candidates in reverse order, admit.
 
@@ -84,6 +86,10 @@ fn act() -> Mode {
         "jitter" => Mode::Jitter,
         "reach" => Mode::Reach,
         "ids" => Mode::Ids,
+        "leak" => {
+            leak_a_handle();
+            Mode::Normal
+        }
         other => {
             if let Some(ms) = other
                 .strip_prefix("slow:")
@@ -98,6 +104,33 @@ fn act() -> Mode {
         }
     }
 }
+
+#[cfg(target_family = "wasm")]
+#[expect(
+    unsafe_code,
+    reason = "a raw import, to hold a host resource without ever dropping it"
+)]
+mod raw {
+    #[link(wasm_import_module = "wasi:cli/stderr@0.2.0")]
+    unsafe extern "C" {
+        /// Returns a new `output-stream` handle, owned by the caller.
+        #[link_name = "get-stderr"]
+        pub fn get_stderr() -> i32;
+    }
+
+    pub fn leak_a_handle() {
+        // SAFETY: the import takes nothing and returns a handle index; dropping
+        // the index (never the handle) is what this mode is for.
+        let handle = unsafe { get_stderr() };
+        std::hint::black_box(handle);
+    }
+}
+
+#[cfg(target_family = "wasm")]
+use raw::leak_a_handle;
+
+#[cfg(not(target_family = "wasm"))]
+fn leak_a_handle() {}
 
 impl RetryPolicy for Misbehave {
     fn decide(_ctx: CallContext, _failure: Failure) -> RetryDecision {
