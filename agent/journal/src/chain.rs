@@ -236,7 +236,9 @@ pub(crate) type Entries<'a> = Box<dyn Iterator<Item = Result<(u64, Vec<u8>), Err
 /// up in the entries written since: `later(head.seq)`, read once the records have
 /// been (so it holds every change they can show), and used only as far as it chains
 /// on from `head`. A record that one of them vouches for (or purged) changed while
-/// this ran, which is no problem.
+/// this ran, which is no problem. A running journal that had no head yet when it was
+/// read had written nothing: its check starts from the empty chain, and every entry
+/// the walk finds was written since.
 ///
 /// A stopped journal ([`Mode::Stopped`]) changes under nobody: an entry and the head
 /// are written in one batch, so an entry past the head was added since, by someone
@@ -251,6 +253,12 @@ pub(crate) fn verify<'a>(
     mode: Mode,
     later: impl FnOnce(u64) -> Entries<'a>,
 ) -> Result<VerifyReport, Error> {
+    // Without this, the walk would take entries written after the (absent) head was
+    // read as the chain to check, and report their records, read earlier, missing.
+    let head = match mode {
+        Mode::Live => Some(head.unwrap_or_default()),
+        Mode::Stopped { .. } => head,
+    };
     let mut report = VerifyReport {
         entries: 0,
         records: 0,
@@ -687,6 +695,43 @@ mod tests {
         assert_eq!(
             report.problems,
             [Problem::MissingRecord {
+                key: "k1".to_owned(),
+                seq: 2
+            }]
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_running_journal_read_before_its_first_write_checks_from_the_empty_chain()
+    -> Result<(), Error> {
+        // No head when it was read; the log already holds two entries when walked,
+        // and the records were read before either was written.
+        let (log, records, _) = chain(2);
+        let live = |records: &[(String, Vec<u8>)], later: Log| {
+            verify(
+                log.iter().cloned().map(Ok),
+                records.iter().cloned().map(Ok),
+                None,
+                Mode::Live,
+                move |after| Box::new(later.into_iter().filter(move |(s, _)| *s > after).map(Ok)),
+            )
+        };
+        let report = live(&[], log.clone())?;
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!((report.entries, report.records), (0, 0));
+
+        // Records read once written are vouched for by the entries since.
+        let report = live(&records, log.clone())?;
+        assert!(report.is_clean(), "{report:?}");
+
+        // An edited one still is not.
+        let mut edited = records.clone();
+        edited[1].1 = b"edited".to_vec();
+        let report = live(&edited, log.clone())?;
+        assert_eq!(
+            report.problems,
+            [Problem::EditedRecord {
                 key: "k1".to_owned(),
                 seq: 2
             }]

@@ -1383,11 +1383,13 @@ async fn verify_is_clean_while_the_journal_writes() -> TestResult {
     let (run, _) = Running::open(Options::new(dir.path()))?;
     let stop = Arc::new(AtomicBool::new(false));
     let rounds = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicU64::new(0));
     let mut writers = Vec::new();
     for w in 0..6 {
         let journal = run.journal.clone();
         let stop = Arc::clone(&stop);
         let rounds = Arc::clone(&rounds);
+        let done = Arc::clone(&done);
         writers.push(tokio::spawn(async move {
             let mut calls = 0u64;
             while !stop.load(Ordering::Relaxed) {
@@ -1400,6 +1402,7 @@ async fn verify_is_clean_while_the_journal_writes() -> TestResult {
                     .await
                     .map_err(|e| e.to_string())?;
                 calls += 1;
+                done.fetch_add(1, Ordering::Relaxed);
                 // A few calls per round of `verify`, so that every round overlaps
                 // writes and the journal stays small enough to check 50 times.
                 while calls >= (rounds.load(Ordering::Relaxed) + 1) * 16
@@ -1427,7 +1430,18 @@ async fn verify_is_clean_while_the_journal_writes() -> TestResult {
             Ok::<(), String>(())
         })
     };
-    for round in 0..50 {
+    for round in 0..50u64 {
+        // Each round starts once the writers have made calls since the last one
+        // (a fast `verify` would otherwise run its rounds before they got going).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while done.load(Ordering::Relaxed) < round * 24 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "round {round}: the writers made only {} calls",
+                done.load(Ordering::Relaxed)
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         let journal = run.journal.clone();
         let report = tokio::task::spawn_blocking(move || journal.verify()).await??;
         assert!(report.is_clean(), "round {round}: {report:?}");
