@@ -324,6 +324,16 @@ async fn a_damaged_record_file_leaves_its_records_undecodable_never_executed() -
     assert_eq!((report.damaged, report.tombstoned), (3, 1), "{report:?}");
     let k3 = journal.get(&IdempotencyKey::new("k3")?)?.ok_or("k3 lost")?;
     assert_eq!(k3.state, State::Tombstone);
+    // They stay, and are not looked at again until a retention period later.
+    let report = journal.reap(later).await?;
+    assert_eq!(report.damaged, 0, "{report:?}");
+    let report = journal
+        .reap(later + Options::new(dir.path()).retention + Duration::from_secs(1))
+        .await?;
+    assert_eq!(report.damaged, 3, "{report:?}");
+    for key in ["k0", "k1", "k2"] {
+        refused(journal.clone(), key).await?;
+    }
     drop(journal);
     task.await?;
     Ok(())

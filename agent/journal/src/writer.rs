@@ -1078,7 +1078,10 @@ impl Core {
                     let due = Timestamp::from_micros(due);
                     for key in &due_keys {
                         let expired = self.expire_record(key, due, now, batch, &mut report);
-                        past_damage(expired, key, &mut report)?;
+                        if past_damage(expired, key, &mut report)? {
+                            let again = now.saturating_add(self.options.retention);
+                            batch.expire_later(kind, again, key.clone());
+                        }
                     }
                 }
                 keys::PURGE_TOMBSTONE => {
@@ -1089,7 +1092,11 @@ impl Core {
                         let rec = match self.record(batch, &id) {
                             Ok(rec) => rec,
                             Err(e) => {
-                                past_damage(Err(e), key, &mut report)?;
+                                if past_damage(Err(e), key, &mut report)? {
+                                    let again =
+                                        now.saturating_add(self.options.tombstone_retention);
+                                    batch.expire_later(kind, again, key.clone());
+                                }
                                 continue;
                             }
                         };
@@ -1103,7 +1110,10 @@ impl Core {
                     for key in &due_keys {
                         if let Ok(id) = StreamKey::new(key.as_str()) {
                             let dropped = self.drop_stream(id, now, batch, &mut report);
-                            past_damage(dropped, key, &mut report)?;
+                            if past_damage(dropped, key, &mut report)? {
+                                let again = now.saturating_add(self.options.stream_retention);
+                                batch.expire_later(kind, again, key.clone());
+                            }
                         }
                     }
                 }
@@ -1469,15 +1479,18 @@ impl Core {
 }
 
 /// Goes on past a record or stream that cannot be decoded (counted, and left as it
-/// is): one damaged entry must not stop retention for the whole journal.
-fn past_damage(r: Result<(), Error>, key: &str, report: &mut ReapReport) -> Result<(), Error> {
+/// is): one damaged entry must not stop retention for the whole journal. Returns
+/// whether it was damaged: the caller then keeps its key due again a period later,
+/// so that it is neither forgotten by retention nor looked at by every sweep.
+fn past_damage(r: Result<(), Error>, key: &str, report: &mut ReapReport) -> Result<bool, Error> {
     match r {
         Err(e @ Error::Decode { .. }) => {
-            tracing::warn!(%key, error = %e, "retention passes over an entry it cannot read; `outrigger journal verify` names it");
+            tracing::warn!(%key, error = %e, "retention passes over an entry it cannot read and looks again a retention period later; `outrigger journal verify` names it");
             report.damaged += 1;
-            Ok(())
+            Ok(true)
         }
-        other => other,
+        Err(e) => Err(e),
+        Ok(()) => Ok(false),
     }
 }
 
