@@ -1087,9 +1087,12 @@ impl Tasks {
             self.observe_end(&task);
             let _saving = self.inner.saving.lock().await;
             // The task as it is now (a persist may have written an older copy
-            // while this waited).
+            // while this waited). One forgotten meanwhile is not written back: its
+            // stored copy is being deleted.
             let latest = self.lock().get(id).map(|e| e.task.clone());
-            self.save(latest.as_ref().unwrap_or(&task)).await?;
+            if let Some(latest) = latest {
+                self.save(&latest).await?;
+            }
         }
         Ok(self.report(task, at))
     }
@@ -1192,6 +1195,9 @@ impl Tasks {
         idle_timeout: Duration,
     ) -> Result<Vec<TaskReport>, Error> {
         let at = Timestamp::from_system(now);
+        // Held until the expired tasks' stored copies are deleted: a persist that
+        // copied one of them before it was forgotten must not write it back after.
+        let saving = self.inner.saving.lock().await;
         let (idle, expired): (Vec<TaskId>, Vec<TaskId>) = {
             let mut tasks = self.lock();
             let idle = tasks
@@ -1219,6 +1225,7 @@ impl Tasks {
                 j.kv_delete(NAMESPACE, id.as_str()).await?;
             }
         }
+        drop(saving);
         let mut ended = Vec::with_capacity(idle.len());
         for id in idle {
             match self.end(&id, TaskOutcome::IdleTimeout, now).await {
@@ -1250,6 +1257,9 @@ impl Tasks {
         let Some(j) = &self.inner.journal else {
             return Ok(());
         };
+        // As in the sweep: no copy taken before a task was forgotten lands after its
+        // deletion.
+        let _saving = self.inner.saving.lock().await;
         for (i, id) in forgotten.iter().enumerate() {
             // Back since it was forgotten: its new record is saved instead.
             if self.lock().contains_key(id) {
@@ -2308,6 +2318,52 @@ mod tests {
             let stored: Task = serde_json::from_slice(&bytes)?;
             assert!(stored.ended_at.is_some(), "{key} was stored open");
         }
+        Ok(())
+    }
+
+    /// A sweep that forgets tasks past retention while a persist is writing copies
+    /// of them waits for it, and deletes after it: no copy is written back once
+    /// its task's stored copy is deleted.
+    #[tokio::test]
+    async fn a_sweep_racing_a_persist_leaves_no_expired_task_stored() -> TestResult {
+        let j = TempJournal::open()?;
+        let tasks = tracker(Some(j.journal.clone()), Metrics::new())?;
+        let ids = [TaskId::new("old-a")?, TaskId::new("old-b")?];
+        for id in &ids {
+            tasks.touch(id, "r", t(0));
+            tasks.end(id, TaskOutcome::Success, t(1)).await?;
+        }
+        // Their ends are saved and they are still to persist.
+        let mut persist = std::pin::pin!(tasks.persist());
+        std::future::poll_fn(|cx| {
+            assert!(persist.as_mut().poll(cx).is_pending());
+            std::task::Poll::Ready(())
+        })
+        .await;
+        let long_after = t(10) + TasksOptions::default().retention;
+        let mut sweep = std::pin::pin!(tasks.sweep(long_after, Duration::from_secs(60)));
+        std::future::poll_fn(|cx| {
+            assert!(sweep.as_mut().poll(cx).is_pending());
+            std::task::Poll::Ready(())
+        })
+        .await;
+        for id in &ids {
+            assert!(
+                tasks.get(id, long_after).is_some(),
+                "{id} was forgotten while a persist was writing it"
+            );
+        }
+        let (swept, persisted) = tokio::join!(sweep, persist);
+        swept?;
+        persisted?;
+        for id in &ids {
+            assert!(
+                tasks.get(id, long_after).is_none(),
+                "{id} is past retention"
+            );
+        }
+        let stored = j.journal.kv_scan(NAMESPACE)?;
+        assert!(stored.is_empty(), "{} tasks stored", stored.len());
         Ok(())
     }
 
