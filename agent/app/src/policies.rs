@@ -40,19 +40,23 @@ impl Decider for PolicyDecider {
     }
 }
 
-/// Builds the registry (the first reload: built-ins from the compiled cache when it
-/// is warm). Components missing from the cache are compiled in a child process
-/// ([`child_compiler`]).
-pub fn start(mut options: outrigger_policy::Options) -> anyhow::Result<Registry> {
-    options.compiler = child_compiler();
-    let builtins = outrigger_builtins::ALL
+/// The built-in components this binary embeds, as the registry takes them.
+fn builtins() -> Vec<outrigger_policy::BuiltinComponent> {
+    outrigger_builtins::ALL
         .iter()
         .map(|b| outrigger_policy::BuiltinComponent {
             name: b.name,
             bytes: b.bytes,
         })
-        .collect();
-    let registry = Registry::new(options, builtins)?;
+        .collect()
+}
+
+/// Builds the registry (the first reload: built-ins from the compiled cache when it
+/// is warm). Components missing from the cache are compiled in a child process
+/// ([`child_compiler`]).
+pub fn start(mut options: outrigger_policy::Options) -> anyhow::Result<Registry> {
+    options.compiler = child_compiler();
+    let registry = Registry::new(options, builtins())?;
     release_if_compiled(&registry, 0);
     for status in registry.status() {
         tracing::info!(
@@ -254,17 +258,8 @@ mod tests {
     /// leaves the policies that were serving in place.
     #[test]
     fn a_reload_that_panics_is_a_failed_reload() {
-        let registry = Registry::new(
-            outrigger_policy::Options::default(),
-            outrigger_builtins::ALL
-                .iter()
-                .map(|b| outrigger_policy::BuiltinComponent {
-                    name: b.name,
-                    bytes: b.bytes,
-                })
-                .collect(),
-        )
-        .unwrap_or_else(|e| panic!("registry: {e}"));
+        let registry = Registry::new(outrigger_policy::Options::default(), builtins())
+            .unwrap_or_else(|e| panic!("registry: {e}"));
         let before = registry.versions();
         assert_eq!(before.len(), 3, "{before:?}");
         let metrics = Metrics::new();

@@ -468,55 +468,16 @@ mod tests {
     use crate::tasks::{FaultKind, Tasks, TasksOptions, TimelineEvent};
     use crate::{Components, Options, Proxy};
 
-    /// A plain (not streamed) call its agent gave up on never completed: it is no
-    /// progress for its task and clears none of the task's faults.
-    #[test]
-    fn a_call_its_agent_gave_up_on_is_no_progress() -> Result<(), Box<dyn std::error::Error>> {
-        let metrics = Metrics::new();
-        let now = SystemTime::now();
-        let tasks = Tasks::open(TasksOptions::default(), None, metrics.clone(), None, now)?;
-        let proxy = Proxy::new(
-            Options::default(),
-            Components {
-                tasks: Some(tasks.clone()),
-                ..Components::new(metrics, None)
-            },
-        );
-        let task = TaskId::new("gave-up")?;
-        tasks.fault(&task, "r0", FaultKind::StreamInterrupted, now);
-        let ctx = RequestContext {
-            request_id: RequestId::from_generated("r1".into()),
-            task_id: Some(task.clone()),
-            peer: SocketAddr::from(([127, 0, 0, 1], 1)),
-            synthetic: false,
-        };
-        let mut call = ModelCall::start(
-            &proxy.shared,
-            &ctx,
-            Dialect::OpenAi,
-            &http::HeaderMap::new(),
-            "m",
-        );
-        call.routed("p", false, "m", false);
-        // The agent goes away before the answer: the call is dropped unfinished.
-        drop(call);
-        let report = tasks.get(&task, SystemTime::now()).ok_or("no task")?;
-        assert_eq!((report.task.recoveries, report.task.open_faults), (0, 1));
-        assert!(
-            matches!(
-                report.task.timeline.last(),
-                Some(TimelineEvent::ModelCall { ok: false, .. })
-            ),
-            "{:?}",
-            report.task.timeline
-        );
-        Ok(())
-    }
+    type TestResult = Result<(), Box<dyn std::error::Error>>;
 
-    /// A stream its agent went away from broke for the agent's own reasons: no
-    /// `stream_interrupted` fault is charged to its task.
-    #[test]
-    fn a_stream_its_agent_cancelled_is_no_fault() -> Result<(), Box<dyn std::error::Error>> {
+    /// Starts a model call of `task` (after `before` ran on the tracker), routes it
+    /// (`streamed` or not) and drops it unfinished, as when its agent goes away;
+    /// returns the task's report then.
+    fn dropped_call(
+        task: &TaskId,
+        streamed: bool,
+        before: impl FnOnce(&Tasks),
+    ) -> Result<crate::tasks::TaskReport, Box<dyn std::error::Error>> {
         let metrics = Metrics::new();
         let tasks = Tasks::open(
             TasksOptions::default(),
@@ -532,7 +493,7 @@ mod tests {
                 ..Components::new(metrics, None)
             },
         );
-        let task = TaskId::new("cancelled-stream")?;
+        before(&tasks);
         let ctx = RequestContext {
             request_id: RequestId::from_generated("r1".into()),
             task_id: Some(task.clone()),
@@ -546,12 +507,9 @@ mod tests {
             &http::HeaderMap::new(),
             "m",
         );
-        call.routed("p", false, "m", true);
-        // The agent drops the stream half-way.
+        call.routed("p", false, "m", streamed);
         drop(call);
-        let report = tasks.get(&task, SystemTime::now()).ok_or("no task")?;
-        assert_eq!(report.task.faults.total(), 0, "{:?}", report.task.faults);
-        assert_eq!(report.task.open_faults, 0);
+        let report = tasks.get(task, SystemTime::now()).ok_or("no task")?;
         assert!(
             matches!(
                 report.task.timeline.last(),
@@ -560,6 +518,29 @@ mod tests {
             "{:?}",
             report.task.timeline
         );
+        Ok(report)
+    }
+
+    /// A plain (not streamed) call its agent gave up on never completed: it is no
+    /// progress for its task and clears none of the task's faults.
+    #[test]
+    fn a_call_its_agent_gave_up_on_is_no_progress() -> TestResult {
+        let task = TaskId::new("gave-up")?;
+        let report = dropped_call(&task, false, |tasks| {
+            tasks.fault(&task, "r0", FaultKind::StreamInterrupted, SystemTime::now());
+        })?;
+        assert_eq!((report.task.recoveries, report.task.open_faults), (0, 1));
+        Ok(())
+    }
+
+    /// A stream its agent went away from half-way broke for the agent's own
+    /// reasons: no `stream_interrupted` fault is charged to its task.
+    #[test]
+    fn a_stream_its_agent_cancelled_is_no_fault() -> TestResult {
+        let task = TaskId::new("cancelled-stream")?;
+        let report = dropped_call(&task, true, |_| {})?;
+        assert_eq!(report.task.faults.total(), 0, "{:?}", report.task.faults);
+        assert_eq!(report.task.open_faults, 0);
         Ok(())
     }
 }
