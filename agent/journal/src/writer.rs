@@ -1073,15 +1073,23 @@ impl Core {
                 }
             };
             looked_at += due_keys.len().max(1);
+            // When a key of this entry that cannot be read is looked at again.
+            let again = now.saturating_add(match kind {
+                keys::EXPIRE_RECORD => self.options.retention,
+                keys::PURGE_TOMBSTONE => self.options.tombstone_retention,
+                _ => self.options.stream_retention,
+            });
+            let mut damage = Damage {
+                kind,
+                again,
+                report: &mut report,
+            };
             match kind {
                 keys::EXPIRE_RECORD => {
                     let due = Timestamp::from_micros(due);
                     for key in &due_keys {
-                        let expired = self.expire_record(key, due, now, batch, &mut report);
-                        if past_damage(expired, key, &mut report)? {
-                            let again = now.saturating_add(self.options.retention);
-                            batch.expire_later(kind, again, key.clone());
-                        }
+                        let expired = self.expire_record(key, due, now, batch, damage.report);
+                        damage.pass(expired, key, batch)?;
                     }
                 }
                 keys::PURGE_TOMBSTONE => {
@@ -1092,28 +1100,21 @@ impl Core {
                         let rec = match self.record(batch, &id) {
                             Ok(rec) => rec,
                             Err(e) => {
-                                if past_damage(Err(e), key, &mut report)? {
-                                    let again =
-                                        now.saturating_add(self.options.tombstone_retention);
-                                    batch.expire_later(kind, again, key.clone());
-                                }
+                                damage.pass(Err(e), key, batch)?;
                                 continue;
                             }
                         };
                         if let Some(rec) = rec.filter(|r| r.state == State::Tombstone) {
                             self.purge(batch, &rec)?;
-                            report.purged += 1;
+                            damage.report.purged += 1;
                         }
                     }
                 }
                 keys::DROP_STREAM => {
                     for key in &due_keys {
                         if let Ok(id) = StreamKey::new(key.as_str()) {
-                            let dropped = self.drop_stream(id, now, batch, &mut report);
-                            if past_damage(dropped, key, &mut report)? {
-                                let again = now.saturating_add(self.options.stream_retention);
-                                batch.expire_later(kind, again, key.clone());
-                            }
+                            let dropped = self.drop_stream(id, now, batch, damage.report);
+                            damage.pass(dropped, key, batch)?;
                         }
                     }
                 }
@@ -1478,19 +1479,29 @@ impl Core {
     }
 }
 
-/// Goes on past a record or stream that cannot be decoded (counted, and left as it
-/// is): one damaged entry must not stop retention for the whole journal. Returns
-/// whether it was damaged: the caller then keeps its key due again a period later,
-/// so that it is neither forgotten by retention nor looked at by every sweep.
-fn past_damage(r: Result<(), Error>, key: &str, report: &mut ReapReport) -> Result<bool, Error> {
-    match r {
-        Err(e @ Error::Decode { .. }) => {
-            tracing::warn!(%key, error = %e, "retention passes over an entry it cannot read and looks again a retention period later; `outrigger journal verify` names it");
-            report.damaged += 1;
-            Ok(true)
+/// What retention does with the keys of one expiry entry that cannot be read.
+struct Damage<'a> {
+    kind: u8,
+    /// When such a key is due again: one period (of the retention that was due) on.
+    again: Timestamp,
+    report: &'a mut ReapReport,
+}
+
+impl Damage<'_> {
+    /// Goes on past a record or stream that cannot be decoded (counted, and left as
+    /// it is): one damaged entry must not stop retention for the whole journal. Its
+    /// key is kept due again later, so that it is neither forgotten by retention nor
+    /// looked at by every sweep.
+    fn pass(&mut self, r: Result<(), Error>, key: &str, batch: &mut Batch) -> Result<(), Error> {
+        match r {
+            Err(e @ Error::Decode { .. }) => {
+                tracing::warn!(%key, error = %e, "retention passes over an entry it cannot read and looks again a retention period later; `outrigger journal verify` names it");
+                self.report.damaged += 1;
+                batch.expire_later(self.kind, self.again, key.to_owned());
+                Ok(())
+            }
+            other => other,
         }
-        Err(e) => Err(e),
-        Ok(()) => Ok(false),
     }
 }
 
