@@ -565,12 +565,30 @@ impl Journal {
                 .map_err(|_| Error::Unavailable("the journal writer is not running".to_owned()))?;
             return Ok(StreamBegin::New { attempt: 1 });
         }
-        self.call(|reply| Command::StreamBegin {
-            key: key.clone(),
-            request: Box::new(request),
-            claim,
-            reply: Some(reply),
-        })
+        // A new attempt answered to a caller that went away never gets a producer:
+        // it is ended for it, or the key's next begins would find it open for ever.
+        let (journal, started) = (self.clone(), key.clone());
+        self.call_settled(
+            |reply| Command::StreamBegin {
+                key: key.clone(),
+                request: Box::new(request),
+                claim,
+                reply: Some(reply),
+            },
+            move |begin: StreamBegin| {
+                Box::pin(async move {
+                    let StreamBegin::New { attempt } = begin else {
+                        return;
+                    };
+                    let end = StreamEnd::Abandoned {
+                        reason: UNANSWERED_START.to_owned(),
+                    };
+                    if let Err(e) = journal.stream_end(&started, attempt, end).await {
+                        tracing::warn!(key = %started, error = %e, "could not end a stream whose caller went away");
+                    }
+                })
+            },
+        )
         .await
     }
 
@@ -802,6 +820,11 @@ fn queued_append(key: &StreamKey, attempt: u32, seq: u64, events: Vec<Bytes>) ->
 
 /// Why a call is settled for a caller that went away before the journal answered.
 const UNANSWERED: &str = "the caller went away before the journal answered; the call was not sent";
+
+/// Why a stream's attempt is ended when the caller that began it went away before
+/// the journal answered.
+const UNANSWERED_START: &str =
+    "the caller went away before the journal answered; the model was not called";
 
 /// What settles an answer nobody received.
 type Settle = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;

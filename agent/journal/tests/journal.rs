@@ -1252,6 +1252,45 @@ fn opening_nothing_is_a_clear_error() -> TestResult {
     Ok(())
 }
 
+/// A begin of a key the journal holds goes through the writer; when its caller goes
+/// away before the answer, a new attempt it never received is ended for it, so the
+/// key's next begin does not find it open for ever.
+#[tokio::test]
+async fn a_new_attempt_its_caller_never_received_is_ended_for_it() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let key = StreamKey::new("left-early")?;
+    let first = run.journal.stream_begin(&key, stream_request(1)).await?;
+    assert!(
+        matches!(first, StreamBegin::New { attempt: 1 }),
+        "{first:?}"
+    );
+    let failed = StreamEnd::Failed {
+        reason: "upstream answered 500".to_owned(),
+    };
+    run.journal.stream_end(&key, 1, failed).await?;
+    poll_once_and_drop(run.journal.stream_begin(&key, stream_request(1))).await;
+    let mut meta = None;
+    for _ in 0..200 {
+        meta = run.journal.stream_meta(&key)?;
+        if meta
+            .as_ref()
+            .is_some_and(|m| m.attempt == 2 && m.state == StreamState::Abandoned)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let meta = meta.ok_or("no metadata")?;
+    assert_eq!((meta.attempt, meta.state), (2, StreamState::Abandoned));
+    let again = run.journal.stream_begin(&key, stream_request(1)).await?;
+    assert!(
+        matches!(again, StreamBegin::New { attempt: 3 }),
+        "{again:?}"
+    );
+    run.stop().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_stream_is_started_once_however_many_ask_at_once() -> TestResult {
     let dir = tempfile::tempdir()?;
