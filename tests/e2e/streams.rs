@@ -159,6 +159,13 @@ async fn a_journaled_stream_replays_byte_identical() {
         assert_eq!(again.body, first.body, "{d:?}: replay is byte-identical");
         assert_eq!(mock.generation_count(), generations, "not generated again");
     }
+    // A key that ends in `cancel`, its slashes not encoded, is read by `GET`, not
+    // taken for a cancel.
+    let first = send(post(&sidecar, D::OpenAi, Some("cancel"), &[])).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let read = get(&sidecar.url("/v1/streams/m/openai/cancel")).await;
+    assert_eq!(read.status, StatusCode::OK, "{}", read.text());
+    assert_eq!(read.body, first.body);
 }
 
 #[tokio::test]

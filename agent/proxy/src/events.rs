@@ -46,6 +46,8 @@ static MARKERS: LazyLock<Markers> = LazyLock::new(|| Markers {
 /// The block a choice's legacy `function_call` delta grows (OpenAI's `functions`
 /// API): one per choice, after any tool-call index a choice can have.
 const LEGACY_CALL: u64 = 999;
+/// The largest choice index whose block keys (`index * 1_000 + call`) fit in a `u64`.
+const MAX_CHOICE: u64 = u64::MAX / 1_000 - 1;
 
 /// What one event does to the turn.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -192,7 +194,9 @@ impl Turn {
         self.openai_usage(&v);
         let mut kind = Kind::Other;
         for choice in v["choices"].as_array().into_iter().flatten() {
-            let c = choice["index"].as_u64().unwrap_or(0);
+            // Clamped so that the block keys below cannot overflow (real choice
+            // indexes are small; an absurd one shares the last block range).
+            let c = choice["index"].as_u64().unwrap_or(0).min(MAX_CHOICE);
             let delta = &choice["delta"];
             if let Some(calls) = delta["tool_calls"].as_array() {
                 for tc in calls {
@@ -613,6 +617,34 @@ mod tests {
 
     fn named(name: &str, data: &Value) -> Vec<u8> {
         format!("event: {name}\ndata: {data}\n\n").into_bytes()
+    }
+
+    /// A choice index near `u64::MAX` once overflowed the block key (a panic in the
+    /// producer's task, which left the stream's hub open for ever).
+    #[test]
+    fn an_absurd_choice_index_is_a_tool_call_like_any_other() {
+        for index in [u64::MAX, u64::MAX / 1_000, MAX_CHOICE + 1] {
+            let mut g = Gate::new(Dialect::OpenAi);
+            let part = g.push(
+                ev(
+                    &json!({"choices": [{"index": index, "delta": {"tool_calls": [
+                {"index": 0, "id": "call_1", "function": {"name": "pay", "arguments": "{}"}}]}}]}),
+                )
+                .into(),
+            );
+            assert!(part.events.is_empty(), "held until the call closes");
+            let legacy = g.push(
+                ev(&json!({"choices": [{"index": index, "delta": {"function_call": {"name": "f", "arguments": "{}"}}}]}))
+                    .into(),
+            );
+            assert!(legacy.events.is_empty());
+            let end = g.push(
+                ev(&json!({"choices": [{"index": index, "delta": {}, "finish_reason": "tool_calls"}]}))
+                    .into(),
+            );
+            assert_eq!(end.events.len(), 3, "index {index}: the calls and the stop");
+            assert!(!g.turn.inside_tool_call());
+        }
     }
 
     #[test]

@@ -295,6 +295,22 @@ impl Live {
         }
     }
 
+    /// The call that started the generation no longer counts as its client (it
+    /// has attached its response, or the hub is finished).
+    pub(crate) fn release_start(&self) {
+        self.clients.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Whether the generation is over (its last event is in the hub).
+    fn is_finished(&self) -> bool {
+        self.finished.load(Ordering::Acquire)
+    }
+
+    /// How many events the hub holds.
+    fn sent(&self) -> usize {
+        self.events.lock().map_or(0, |e| e.len())
+    }
+
     fn clients(&self) -> usize {
         self.clients.load(Ordering::Acquire)
     }
@@ -304,7 +320,7 @@ impl Live {
     /// silently skip the events in between.
     pub fn resume_index(&self, seq: u64) -> Result<usize, crate::Error> {
         let from = next_index(seq);
-        let sent = self.events.lock().map_or(0, |e| e.len());
+        let sent = self.sent();
         if from > sent {
             return Err(crate::Error::BadHeader {
                 header: "Last-Event-ID",
@@ -447,6 +463,9 @@ impl Starting {
     ) -> Self {
         let live = request.stream.then(|| {
             let live = Live::new_for(&key, attempt, request.dialect, &shared.options.streams);
+            // The waiting call is a client of its hub: a repeat that attaches and
+            // leaves must not cancel it (`cancel_on_disconnect`).
+            live.clients.fetch_add(1, Ordering::AcqRel);
             shared.streams.insert(live.clone());
             live
         });
@@ -487,7 +506,8 @@ impl Starting {
 
     /// The journal and the registered hub (which names the key and attempt), for the
     /// producer: the generation has its stream (a hub is made now for a call that
-    /// did not ask for one).
+    /// did not ask for one). The call still counts as the hub's client: it attaches
+    /// its response, then calls [`Live::release_start`].
     pub(crate) fn started(mut self) -> (Journal, Arc<Live>) {
         self.armed = false;
         let live = self.live.take().unwrap_or_else(|| {
@@ -497,6 +517,7 @@ impl Starting {
                 self.dialect,
                 &self.shared.options.streams,
             );
+            live.clients.fetch_add(1, Ordering::AcqRel);
             self.shared.streams.insert(live.clone());
             live
         });
@@ -511,9 +532,13 @@ impl Starting {
         let end = StreamEnd::Failed {
             reason: reason.to_string(),
         };
-        if let Err(e) = self.journal.stream_end(&self.key, self.attempt, end).await {
-            tracing::warn!(key = %self.key, error = %e, "could not record a failed model call");
-        }
+        let _ = self.end(end).await;
+    }
+
+    /// Records the attempt's end on a task of its own: the agent going away while
+    /// it waits for the journal must not lose it (the key would stay open for ever).
+    fn end(&self, end: StreamEnd) -> tokio::task::JoinHandle<()> {
+        spawn_end(self.journal.clone(), self.key.clone(), self.attempt, end)
     }
 
     /// The generation was cancelled before it had a stream: its end is recorded
@@ -524,9 +549,7 @@ impl Starting {
         let end = StreamEnd::Abandoned {
             reason: CANCELLED.into(),
         };
-        if let Err(e) = self.journal.stream_end(&self.key, self.attempt, end).await {
-            tracing::warn!(key = %self.key, error = %e, "could not record a cancelled model call");
-        }
+        let _ = self.end(end).await;
         self.close(Some(CANCELLED));
     }
 
@@ -539,6 +562,7 @@ impl Starting {
             }
             live.finish();
             self.shared.streams.remove(&live);
+            live.release_start();
         }
     }
 }
@@ -553,20 +577,56 @@ impl Drop for Starting {
         }
         let reason = "the call ended before the model answered (the agent went away)";
         self.close(Some(reason));
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        if tokio::runtime::Handle::try_current().is_err() {
             // No runtime: the process is stopping, and the next start's recovery
             // ends the attempt.
             return;
-        };
-        let (journal, key, attempt) = (self.journal.clone(), self.key.clone(), self.attempt);
-        runtime.spawn(async move {
-            let end = StreamEnd::Abandoned {
-                reason: reason.to_string(),
-            };
-            if let Err(e) = journal.stream_end(&key, attempt, end).await {
-                tracing::debug!(%key, error = %e, "could not record a dropped model call");
-            }
+        }
+        self.end(StreamEnd::Abandoned {
+            reason: reason.to_string(),
         });
+    }
+}
+
+/// Records the end of `key`'s `attempt` on a task of its own (inside a runtime).
+fn spawn_end(
+    journal: Journal,
+    key: StreamKey,
+    attempt: u32,
+    end: StreamEnd,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        if let Err(e) = record_end(&journal, &key, attempt, end).await {
+            tracing::warn!(%key, attempt, error = %e, "could not record the end of a model call");
+        }
+    })
+}
+
+/// How long to wait before each new try of an end the journal failed to write.
+const END_RETRIES: [Duration; 3] = [
+    Duration::from_millis(50),
+    Duration::from_millis(250),
+    Duration::from_secs(1),
+];
+
+/// Records an attempt's end, trying again (three times, within about 1.3 s) when
+/// the journal failed to write it: an attempt left open has no producer, and every
+/// request with its key would be refused as in progress until a restart.
+async fn record_end(
+    journal: &Journal,
+    key: &StreamKey,
+    attempt: u32,
+    end: StreamEnd,
+) -> Result<(), outrigger_journal::Error> {
+    let mut waits = END_RETRIES.iter();
+    loop {
+        match journal.stream_end(key, attempt, end.clone()).await {
+            Err(e) if e.is_write_failure() => match waits.next() {
+                Some(wait) => tokio::time::sleep(*wait).await,
+                None => return Err(e),
+            },
+            other => return other,
+        }
     }
 }
 
@@ -634,6 +694,48 @@ struct Producer {
     held: Option<Held>,
     /// No block of the stream has been taken in yet.
     at_start: bool,
+    /// The generation's interruption event is in the hub.
+    interrupted: bool,
+    /// The hub is finished and out of the registry.
+    closed: bool,
+}
+
+/// Why a generation ends whose producer stopped without ending it (it panicked, or
+/// its runtime stopped).
+const PRODUCER_STOPPED: &str = "the sidecar stopped generating this stream";
+
+impl Drop for Producer {
+    /// A producer that stops before [`Producer::finish`] has closed the hub (a panic
+    /// on what the upstream sent, the runtime stopping) still ends the generation:
+    /// its clients get the typed error event instead of waiting for ever, the key
+    /// leaves the registry, and the attempt is recorded abandoned, so that a repeat
+    /// generates afresh.
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        let live = self.live.clone();
+        // Not after an end the clients already have (the terminal event, an error).
+        if !(self.interrupted || self.gate.turn.terminal || self.gate.closed()) {
+            // An event's place in the hub is its number.
+            let seq = live.sent() as u64;
+            let ev = interruption_event(live.dialect, PRODUCER_STOPPED);
+            live.push(with_ids(live.attempt, seq, std::slice::from_ref(&ev)));
+        }
+        live.finish();
+        self.shared.streams.remove(&live);
+        if self.end_recorded {
+            return;
+        }
+        if tokio::runtime::Handle::try_current().is_err() {
+            // The process is stopping: the next start's recovery ends the attempt.
+            return;
+        }
+        let end = StreamEnd::Abandoned {
+            reason: PRODUCER_STOPPED.into(),
+        };
+        spawn_end(self.journal.clone(), live.key.clone(), live.attempt, end);
+    }
 }
 
 /// Text deltas the producer holds before queuing them to the journal writer: each
@@ -657,31 +759,7 @@ const HOLD_MAX_EVENTS: usize = 256;
 /// nothing has to be made durable first, so that the response's first poll finds
 /// them and the first byte does not wait for the producer task to be scheduled.
 pub(crate) fn start(shared: &Arc<Shared>, production: Production, upstream: UpstreamBody) {
-    let Production {
-        journal,
-        live,
-        gate,
-        framer,
-        first_events,
-        observer,
-        permit,
-    } = production;
-    let mut producer = Producer {
-        shared: shared.clone(),
-        journal,
-        live,
-        gate,
-        framer,
-        observer,
-        permit,
-        scratch: first_events,
-        seq: 0,
-        bytes: 0,
-        journal_ok: true,
-        end_recorded: false,
-        held: None,
-        at_start: true,
-    };
+    let mut producer = Producer::new(shared, production);
     let mut batch = producer.take_in();
     let pending = if batch.durable || batch.terminal || batch.events.is_empty() {
         Some(batch)
@@ -695,6 +773,36 @@ pub(crate) fn start(shared: &Arc<Shared>, production: Production, upstream: Upst
 }
 
 impl Producer {
+    fn new(shared: &Arc<Shared>, production: Production) -> Self {
+        let Production {
+            journal,
+            live,
+            gate,
+            framer,
+            first_events,
+            observer,
+            permit,
+        } = production;
+        Self {
+            shared: shared.clone(),
+            journal,
+            live,
+            gate,
+            framer,
+            observer,
+            permit,
+            scratch: first_events,
+            seq: 0,
+            bytes: 0,
+            journal_ok: true,
+            end_recorded: false,
+            held: None,
+            at_start: true,
+            interrupted: false,
+            closed: false,
+        }
+    }
+
     /// Passes the framed events through the gate: what it releases is one batch,
     /// journaled as one append.
     fn take_in(&mut self) -> Batch {
@@ -980,6 +1088,7 @@ impl Producer {
                         .await;
                 }
                 live.push(with_ids(live.attempt, self.seq, std::slice::from_ref(&ev)));
+                self.interrupted = true;
                 StreamEnd::Abandoned {
                     reason: reason.clone(),
                 }
@@ -996,12 +1105,13 @@ impl Producer {
             }
         };
         if !self.end_recorded
-            && let Err(e) = self.journal.stream_end(&live.key, live.attempt, end).await
+            && let Err(e) = record_end(&self.journal, &live.key, live.attempt, end).await
         {
             tracing::warn!(key = %live.key, error = %e, "could not record the end of a stream");
         }
         live.finish();
         self.shared.streams.remove(&live);
+        self.closed = true;
         let outcome = match &ended {
             Ended::Completed => Ok(()),
             Ended::Failed => Err("the provider reported an error"),
@@ -1122,9 +1232,11 @@ pub(crate) async fn endpoint(
 ) -> Result<Response<Body>, crate::Error> {
     let path = req.uri().path().to_string();
     let rest = path.strip_prefix("/v1/streams/").unwrap_or_default();
+    // Only a `POST` cancels: a `GET` of a key that ends in `/cancel` (an
+    // `Idempotency-Key` of `cancel`, its slashes not encoded) reads that stream.
     let (raw_key, cancel) = match rest.strip_suffix("/cancel") {
-        Some(k) => (k, true),
-        None => (rest, false),
+        Some(k) if req.method() == http::Method::POST => (k, true),
+        _ => (rest, false),
     };
     let key = StreamKey::new(percent_decode(raw_key)).map_err(|_| crate::Error::UnknownStream {
         key: raw_key.to_string(),
@@ -1136,12 +1248,6 @@ pub(crate) async fn endpoint(
     };
     let method = req.method().clone();
     if cancel {
-        if method != http::Method::POST {
-            return Err(crate::Error::MethodNotAllowed {
-                method: method.to_string(),
-                allowed: "POST",
-            });
-        }
         return Ok(match shared.streams.get(&key) {
             Some(live) => {
                 live.cancel();
@@ -1214,7 +1320,13 @@ pub(crate) async fn serve_attempt(
             match from {
                 None => return Ok(live_response(live, 0, true)),
                 Some((a, seq)) if a == live.attempt => {
-                    return Ok(live_response(live, live.resume_index(seq)?, true));
+                    let from = live.resume_index(seq)?;
+                    // A finished generation whose last event the client has: an
+                    // empty `200` would have an event source reconnect for ever.
+                    if live.is_finished() && from >= live.sent() {
+                        return Ok(nothing_more());
+                    }
+                    return Ok(live_response(live, from, true));
                 }
                 Some((a, _)) if a > live.attempt => return Ok(nothing_more()),
                 // An earlier attempt: over, and in the journal.
@@ -1356,6 +1468,52 @@ fn percent_decode(s: &str) -> String {
 mod tests {
     use super::*;
 
+    /// A proxy over `journal`.
+    fn proxy(journal: &Journal, options: crate::Options) -> crate::Proxy {
+        crate::Proxy::new(
+            options,
+            crate::Components::new(outrigger_telemetry::Metrics::new(), Some(journal.clone())),
+        )
+    }
+
+    /// A streamed OpenAI request.
+    fn streamed() -> ModelRequest {
+        ModelRequest::parse(
+            Dialect::OpenAi,
+            Bytes::from_static(br#"{"model":"gpt","stream":true,"messages":[]}"#),
+        )
+        .expect("a request")
+    }
+
+    /// The state of `key`'s stream once it is `want`, or after 5 s whatever it is.
+    async fn state_within(
+        journal: &Journal,
+        key: &StreamKey,
+        want: outrigger_journal::StreamState,
+    ) -> Option<outrigger_journal::StreamState> {
+        let mut state = None;
+        for _ in 0..500 {
+            state = journal.stream_meta(key).expect("readable").map(|m| m.state);
+            if state == Some(want) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        state
+    }
+
+    /// What the journal records of `request` at its start.
+    fn stream_request(request: &ModelRequest) -> outrigger_journal::StreamRequest {
+        outrigger_journal::StreamRequest {
+            fingerprint: fingerprint(request),
+            task_id: None,
+            request_id: outrigger_types::RequestId::from_generated("r1".into()),
+            provider: "oa".into(),
+            model: "gpt".into(),
+            policy_versions: Vec::new(),
+        }
+    }
+
     #[test]
     fn a_last_event_id_that_is_not_ours_is_refused_not_taken_for_none() {
         let mut h = HeaderMap::new();
@@ -1386,6 +1544,218 @@ mod tests {
         );
         let e = live.resume_index(9).expect_err("not sent");
         assert!(e.to_string().contains("1:9 has not been sent"), "{e}");
+    }
+
+    /// A producer that stops without ending its generation (as a panic on what the
+    /// upstream sent unwinds it) still ends it: the clients get the typed error event
+    /// numbered after the last one sent, the key leaves the registry, and the attempt
+    /// is recorded abandoned, so that a repeat generates afresh instead of waiting.
+    #[tokio::test]
+    async fn a_producer_that_stops_mid_stream_still_ends_its_generation() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let proxy = proxy(&j.journal, crate::Options::default());
+        let shared = proxy.shared.clone();
+        let request = streamed();
+        let key = StreamKey::new("m/openai/stops".to_owned()).expect("a key");
+        let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
+        assert!(matches!(
+            begun,
+            Ok(outrigger_journal::StreamBegin::New { attempt: 1 })
+        ));
+        let starting = Starting::new(&shared, j.journal.clone(), key.clone(), 1, &request);
+        let (journal, live) = starting.started();
+        let mut producer = Producer::new(
+            &shared,
+            Production {
+                journal,
+                live: live.clone(),
+                gate: Gate::new(Dialect::OpenAi),
+                framer: Framer::new(1 << 20),
+                first_events: vec![Bytes::from_static(
+                    b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
+                )],
+                observer: Box::new(()),
+                permit: None,
+            },
+        );
+        let batch = producer.take_in();
+        assert!(!producer.settle(batch).await, "not the end");
+        assert_eq!(live.sent(), 1);
+        drop(producer);
+        assert!(live.is_finished(), "the hub is closed");
+        assert!(
+            shared.streams.get(&key).is_none(),
+            "and out of the registry"
+        );
+        let mut body = live.attach(0);
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx))
+            .await
+            .expect("a frame")
+            .expect("data")
+            .into_data()
+            .expect("data");
+        let text = String::from_utf8_lossy(&frame);
+        assert!(
+            text.starts_with("id: 1:0\n") && text.contains("id: 1:1\n"),
+            "{text}"
+        );
+        assert!(text.contains(PRODUCER_STOPPED), "{text}");
+        let state = state_within(&j.journal, &key, outrigger_journal::StreamState::Abandoned).await;
+        assert_eq!(state, Some(outrigger_journal::StreamState::Abandoned));
+    }
+
+    /// A call whose upstream failed records its attempt failed even when its agent
+    /// goes away while the journal's queue is full: the write does not go with the
+    /// agent's future, or the key would stay open (`409`) until a restart.
+    #[tokio::test]
+    async fn a_failed_start_is_recorded_even_when_its_agent_leaves_while_the_queue_is_full() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let (journal, writer, _) =
+            outrigger_journal::Journal::open(outrigger_journal::Options::new(dir.path()))
+                .expect("a journal");
+        let proxy = proxy(&journal, crate::Options::default());
+        let shared = proxy.shared.clone();
+        let request = streamed();
+        let key = StreamKey::new("m/openai/left".to_owned()).expect("a key");
+        let begun = journal.stream_begin(&key, stream_request(&request)).await;
+        assert!(matches!(
+            begun,
+            Ok(outrigger_journal::StreamBegin::New { attempt: 1 })
+        ));
+        let starting = Starting::new(&shared, journal.clone(), key.clone(), 1, &request);
+        // The writer is not running yet: starts of other keys fill its queue.
+        let mut filled = false;
+        for i in 0..100_000 {
+            let other = StreamKey::new(format!("filler-{i}")).expect("a key");
+            let mut begin = std::pin::pin!(journal.stream_begin(&other, stream_request(&request)));
+            let polled = std::future::poll_fn(|cx| Poll::Ready(begin.as_mut().poll(cx))).await;
+            if polled.is_pending() {
+                filled = true;
+                break;
+            }
+        }
+        assert!(filled, "the queue never filled");
+        // The agent goes away while the failure waits for room in the queue.
+        {
+            let mut failed = std::pin::pin!(starting.failed("upstream answered 500"));
+            let polled = std::future::poll_fn(|cx| Poll::Ready(failed.as_mut().poll(cx))).await;
+            assert!(polled.is_pending(), "the queue is full");
+        }
+        let writer = tokio::spawn(writer.run());
+        let state = state_within(&journal, &key, outrigger_journal::StreamState::Failed).await;
+        assert_eq!(state, Some(outrigger_journal::StreamState::Failed));
+        drop((proxy, shared, journal));
+        let _ = tokio::time::timeout(Duration::from_secs(10), writer).await;
+    }
+
+    /// An end the journal failed to write is tried again: written once the journal
+    /// recovers, instead of leaving the attempt open (and its key refused) until a
+    /// restart.
+    #[tokio::test]
+    async fn an_end_the_journal_failed_to_write_is_tried_again() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let request = streamed();
+        let key = StreamKey::new("m/openai/retried".to_owned()).expect("a key");
+        j.journal
+            .stream_begin(&key, stream_request(&request))
+            .await
+            .expect("begun");
+        j.journal
+            .stream_append(&key, 1, 0, vec![Bytes::from_static(b"data: {}\n\n")], true)
+            .await
+            .expect("appended");
+        j.journal
+            .set_write_fault(Some(outrigger_journal::WriteFault::FailFlush));
+        let end = StreamEnd::Failed {
+            reason: "upstream".into(),
+        };
+        let once = j.journal.stream_end(&key, 1, end.clone()).await;
+        assert!(once.is_err_and(|e| e.is_write_failure()), "the fault holds");
+        let recorded = tokio::spawn({
+            let (journal, key) = (j.journal.clone(), key.clone());
+            async move { record_end(&journal, &key, 1, end).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        j.journal.set_write_fault(None);
+        let r = tokio::time::timeout(Duration::from_secs(10), recorded)
+            .await
+            .expect("within the retries")
+            .expect("the task");
+        assert!(r.is_ok(), "{r:?}");
+        let state = j
+            .journal
+            .stream_meta(&key)
+            .expect("readable")
+            .map(|m| m.state);
+        assert_eq!(state, Some(outrigger_journal::StreamState::Failed));
+    }
+
+    /// Under `cancel_on_disconnect`, a repeat that attaches to a generation still
+    /// waiting for its first event and leaves does not cancel it: the call that
+    /// started it is a client too, until it attaches its response.
+    #[tokio::test]
+    async fn a_repeat_that_leaves_does_not_cancel_the_call_it_joined() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let options = crate::Options {
+            streams: Options {
+                cancel_on_disconnect: true,
+                ..Options::default()
+            },
+            ..crate::Options::default()
+        };
+        let proxy = proxy(&j.journal, options);
+        let shared = proxy.shared.clone();
+        let request = streamed();
+        let key = StreamKey::new("m/openai/joined".to_owned()).expect("a key");
+        let starting = Starting::new(&shared, j.journal.clone(), key.clone(), 1, &request);
+        let live = starting.live().expect("a streamed call's hub");
+        drop(live.attach(0));
+        assert!(!live.is_cancelled(), "the waiting call is still there");
+        let (_journal, live) = starting.started();
+        let own = live.attach(0);
+        live.release_start();
+        drop(live.attach(0));
+        assert!(!live.is_cancelled(), "its own response is attached");
+        drop(own);
+        assert!(live.is_cancelled(), "its last client left");
+    }
+
+    /// A generation of this process that has ended, resumed at its last event, has
+    /// nothing more: `204`, not an empty `200` (which an event source reconnects to).
+    #[tokio::test]
+    async fn an_ended_hub_resumed_at_its_last_event_is_no_content() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let proxy = proxy(&j.journal, crate::Options::default());
+        let shared = proxy.shared.clone();
+        let key = StreamKey::new("m/openai/ended".to_owned()).expect("a key");
+        let live = Live::new(key.clone(), 1, Dialect::OpenAi, false);
+        shared.streams.insert(live.clone());
+        live.push(with_ids(
+            1,
+            0,
+            &[
+                Bytes::from_static(b"data: a\n\n"),
+                Bytes::from_static(b"data: [DONE]\n\n"),
+            ],
+        ));
+        let status = |from| {
+            let (shared, journal, key) = (shared.clone(), j.journal.clone(), key.clone());
+            async move {
+                serve_attempt(&shared, &journal, &key, None, Some(from))
+                    .await
+                    .expect("an answer")
+                    .status()
+            }
+        };
+        assert_eq!(
+            status((1, 0)).await,
+            StatusCode::OK,
+            "the last event is left"
+        );
+        assert_eq!(status((1, 1)).await, StatusCode::OK, "still generating");
+        live.finish();
+        assert_eq!(status((1, 0)).await, StatusCode::OK);
+        assert_eq!(status((1, 1)).await, StatusCode::NO_CONTENT);
     }
 
     #[test]

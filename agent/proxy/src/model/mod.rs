@@ -291,6 +291,12 @@ async fn replay(
                 let events = journal
                     .stream_events(&keyed.key, attempt, None)
                     .map_err(Error::Journal)?;
+                if events.is_empty() {
+                    // A completed attempt has its terminal event (or a plain answer
+                    // its body): none means retention dropped the stream since the
+                    // begin, and the key begins again.
+                    return Ok(None);
+                }
                 if request.stream {
                     streams::correlate_replay(
                         shared,
@@ -725,6 +731,7 @@ async fn produce(
         .gathering();
     streams::start(shared, production, body);
     let mut resp = streams::live_response(&live, 0, false);
+    live.release_start();
     *resp.status_mut() = parts.status;
     Ok(resp)
 }
