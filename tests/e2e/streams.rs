@@ -16,6 +16,9 @@ use serde_json::json;
 
 use crate::support::*;
 
+/// The number of the closing error event the journal does not hold (`u64::MAX`).
+const CLOSING: u64 = u64::MAX;
+
 async fn setup(behaviour: Behaviour) -> (MockProvider, Sidecar) {
     let mock = MockProvider::start(behaviour).await.expect("mock");
     let config = format!(
@@ -583,12 +586,39 @@ async fn a_sidecar_killed_mid_stream_gives_a_fresh_generation_on_retry() {
     let whole = events(&journaled.body);
     let last = whole.last().cloned().unwrap_or_default();
     assert!(
-        last.starts_with(&format!("id: 1:{}\n", whole.len() - 1))
+        last.starts_with(&format!("id: 1:{CLOSING}\n"))
             && last.contains("stream_interrupted")
             && last.contains("restart"),
         "{last}"
     );
     assert!(!journaled.body.windows(6).any(|w| w == b"[DONE]"));
+    // Resumed after its last journaled event, or after an event the journal lost
+    // in the kill, a client gets the error event alone; after the error event
+    // itself, nothing more (an event source reconnecting is not sent it again).
+    let url = sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F")));
+    let resume = |last_id: String| {
+        let url = url.clone();
+        async move {
+            send(request(
+                Method::GET,
+                &url,
+                &[("last-event-id", last_id.as_str())],
+                Bytes::new(),
+            ))
+            .await
+        }
+    };
+    for after in [whole.len() - 2, whole.len() + 3] {
+        let tail = resume(format!("1:{after}")).await;
+        assert_eq!(tail.status, StatusCode::OK, "{}", tail.text());
+        assert_eq!(
+            events(&tail.body),
+            std::slice::from_ref(&last),
+            "after 1:{after}"
+        );
+    }
+    let nothing = resume(format!("1:{CLOSING}")).await;
+    assert_eq!(nothing.status, StatusCode::NO_CONTENT, "{}", nothing.text());
     // The open attempt was abandoned at start-up; the same request generates afresh.
     let r = send(post(&sidecar, D::OpenAi, Some("killed"), &[])).await;
     assert_eq!(r.status, StatusCode::OK);
@@ -988,7 +1018,7 @@ async fn a_stream_cancelled_before_its_first_event_drops_its_upstream_request() 
     let evs = events(&answered.body);
     assert_eq!(evs.len(), 1, "{evs:?}");
     assert!(
-        evs[0].starts_with("id: 1:0\n")
+        evs[0].starts_with(&format!("id: 1:{CLOSING}\n"))
             && evs[0].contains("stream_interrupted")
             && evs[0].contains("cancelled"),
         "{evs:?}"
@@ -1003,5 +1033,15 @@ async fn a_stream_cancelled_before_its_first_event_drops_its_upstream_request() 
     let by_key = get(&sidecar.url("/v1/streams/m%2Fopenai%2Fearly-cancel")).await;
     assert_eq!(by_key.status, StatusCode::OK, "{}", by_key.text());
     assert_eq!(by_key.body, answered.body);
+    // A client that has that error event gets nothing more: not the event again.
+    let closing = format!("1:{CLOSING}");
+    let after = send(request(
+        Method::GET,
+        &sidecar.url("/v1/streams/m%2Fopenai%2Fearly-cancel"),
+        &[("last-event-id", closing.as_str())],
+        Bytes::new(),
+    ))
+    .await;
+    assert_eq!(after.status, StatusCode::NO_CONTENT, "{}", after.text());
     upstream.abort();
 }

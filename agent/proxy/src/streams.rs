@@ -175,6 +175,22 @@ fn with_ids(attempt: u32, first_seq: u64, events: &[Bytes]) -> Vec<Bytes> {
     out
 }
 
+/// The number of a closing error event the journal does not hold (the one added to
+/// a replay of an attempt that did not complete, or sent by a generation that ended
+/// before its first event or whose producer stopped): never a real event's, so that a
+/// client resuming at it has everything and gets `204`, while one resuming at any
+/// other number of the attempt gets the event. Numbered after the last journaled
+/// event instead, it could not be told from a real event the journal lost (lazy text
+/// deltas at a crash), and a client that has it would get it again on every resume.
+pub const CLOSING_SEQ: u64 = u64::MAX;
+
+/// A closing error event with its `id:` line ([`CLOSING_SEQ`]).
+fn closing(attempt: u32, ev: &[u8]) -> Bytes {
+    let mut out = BytesMut::new();
+    push_with_id(&mut out, attempt, CLOSING_SEQ, ev);
+    out.freeze()
+}
+
 /// Parses a `Last-Event-ID` of ours (`<attempt>:<seq>`).
 pub fn parse_event_id(v: &str) -> Option<(u32, u64)> {
     let (a, s) = v.trim().split_once(':')?;
@@ -558,7 +574,7 @@ impl Starting {
         if let Some(live) = self.live.take() {
             if let Some(reason) = failure {
                 let ev = interruption_event(self.dialect, reason);
-                live.push(with_ids(self.attempt, 0, std::slice::from_ref(&ev)));
+                live.push([closing(self.attempt, &ev)]);
             }
             live.finish();
             self.shared.streams.remove(&live);
@@ -717,10 +733,8 @@ impl Drop for Producer {
         let live = self.live.clone();
         // Not after an end the clients already have (the terminal event, an error).
         if !(self.interrupted || self.gate.turn.terminal || self.gate.closed()) {
-            // An event's place in the hub is its number.
-            let seq = live.sent() as u64;
             let ev = interruption_event(live.dialect, PRODUCER_STOPPED);
-            live.push(with_ids(live.attempt, seq, std::slice::from_ref(&ev)));
+            live.push([closing(live.attempt, &ev)]);
         }
         live.finish();
         self.shared.streams.remove(&live);
@@ -1319,6 +1333,8 @@ pub(crate) async fn serve_attempt(
         if let Some(live) = &live {
             match from {
                 None => return Ok(live_response(live, 0, true)),
+                // The closing event ends the generation: nothing comes after it.
+                Some((a, CLOSING_SEQ)) if a == live.attempt => return Ok(nothing_more()),
                 Some((a, seq)) if a == live.attempt => {
                     let from = live.resume_index(seq)?;
                     // A finished generation whose last event the client has: an
@@ -1357,7 +1373,10 @@ pub(crate) async fn serve_attempt(
         let mut events = journal
             .stream_events(key, attempt, after)
             .map_err(crate::Error::Journal)?;
-        events.extend(ended_short(shared, journal, &meta, attempt)?);
+        // Not to a client that has the closing event already.
+        if after != Some(CLOSING_SEQ) {
+            events.extend(ended_short(shared, journal, &meta, attempt)?);
+        }
         if events.is_empty() {
             return Ok(nothing_more());
         }
@@ -1371,7 +1390,7 @@ pub(crate) async fn serve_attempt(
 /// The typed error event that ends the replay of `attempt` when it failed or broke
 /// off without one in the journal (the sidecar stopped while generating it, the
 /// journal lost its tail, it failed before its first event, or a later attempt
-/// replaced it), numbered after its last event: a resumed client then sees the stream
+/// replaced it), numbered [`CLOSING_SEQ`]: a resumed client then sees the stream
 /// end as interrupted, not as a silent end it could take for a whole answer. It is
 /// not journaled.
 pub(crate) fn ended_short(
@@ -1429,8 +1448,7 @@ pub(crate) fn ended_short(
     {
         return Ok(None);
     }
-    let seq = last.map_or(0, |(seq, _)| seq + 1);
-    Ok(Some((seq, interruption_event(dialect, &reason))))
+    Ok(Some((CLOSING_SEQ, interruption_event(dialect, &reason))))
 }
 
 fn json_response(status: StatusCode, v: &serde_json::Value) -> Response<Body> {
@@ -1596,7 +1614,7 @@ mod tests {
             .expect("data");
         let text = String::from_utf8_lossy(&frame);
         assert!(
-            text.starts_with("id: 1:0\n") && text.contains("id: 1:1\n"),
+            text.starts_with("id: 1:0\n") && text.contains(&format!("id: 1:{CLOSING_SEQ}\n")),
             "{text}"
         );
         assert!(text.contains(PRODUCER_STOPPED), "{text}");
