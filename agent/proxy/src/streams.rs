@@ -1328,8 +1328,12 @@ pub(crate) async fn serve_attempt(
         }
         // A generation in the hub is the key's latest attempt, served from the hub
         // first: its start may be answered (and its first events relayed) a moment
-        // before the writer has applied it.
-        let live = shared.streams.get(key);
+        // before the writer has applied it. A hub behind the journal's attempt is an
+        // earlier one's, still leaving the registry: over, and in the journal.
+        let live = shared
+            .streams
+            .get(key)
+            .filter(|live| meta.as_ref().is_none_or(|m| live.attempt >= m.attempt));
         if let Some(live) = &live {
             match from {
                 None => return Ok(live_response(live, 0, true)),
@@ -1774,6 +1778,43 @@ mod tests {
         live.finish();
         assert_eq!(status((1, 0)).await, StatusCode::OK);
         assert_eq!(status((1, 1)).await, StatusCode::NO_CONTENT);
+    }
+
+    /// A hub still in the registry for an attempt the journal has moved past is not
+    /// served as the key's current attempt.
+    #[tokio::test]
+    async fn a_hub_behind_the_journals_attempt_is_not_the_current_one() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let proxy = proxy(&j.journal, crate::Options::default());
+        let shared = proxy.shared.clone();
+        let request = streamed();
+        let key = StreamKey::new("m/openai/moved-on".to_owned()).expect("a key");
+        for attempt in 1..=2 {
+            let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
+            assert!(
+                matches!(begun, Ok(outrigger_journal::StreamBegin::New { attempt: a }) if a == attempt),
+                "{begun:?}"
+            );
+            if attempt == 1 {
+                let failed = StreamEnd::Failed {
+                    reason: "upstream".into(),
+                };
+                j.journal.stream_end(&key, 1, failed).await.expect("ended");
+            }
+        }
+        // Attempt 2's start is answered before it is written: wait until it is.
+        let state = state_within(&j.journal, &key, outrigger_journal::StreamState::Open).await;
+        assert_eq!(state, Some(outrigger_journal::StreamState::Open));
+        // Attempt 1's hub, not yet removed; attempt 2 has not registered its own.
+        shared
+            .streams
+            .insert(Live::new(key.clone(), 1, Dialect::OpenAi, false));
+        let served = serve_attempt(&shared, &j.journal, &key, None, None).await;
+        assert!(
+            matches!(served, Err(crate::Error::StreamInProgress { .. })),
+            "{:?}",
+            served.map(|r| r.status())
+        );
     }
 
     #[test]

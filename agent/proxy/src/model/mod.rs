@@ -328,7 +328,13 @@ async fn replay(
                 return Ok(Some(resp));
             }
             StreamState::Open => {
-                if let Some(live) = shared.streams.get(&keyed.key) {
+                // The hub of this attempt: an earlier one's may still be leaving the
+                // registry while the attempt that replaced it registers its own.
+                if let Some(live) = shared
+                    .streams
+                    .get(&keyed.key)
+                    .filter(|live| live.attempt == meta.attempt)
+                {
                     if !request.stream {
                         return Err(Error::StreamInProgress {
                             key: keyed.key.to_string(),
