@@ -644,7 +644,13 @@ pub(crate) fn last_seq(
     };
     let (k, v) = entry?;
     let first = first_seq_of(&k)?;
-    Ok(Some(first + chunk::count(&v)?.saturating_sub(1)))
+    first
+        .checked_add(chunk::count(&v)?.saturating_sub(1))
+        .map(Some)
+        .ok_or_else(|| Error::Decode {
+            what: "a stream event chunk".to_owned(),
+            detail: "its event numbers run past the largest".to_owned(),
+        })
 }
 
 /// The sequence number of the first event stored under an event key.

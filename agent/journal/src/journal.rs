@@ -146,7 +146,10 @@ impl Journal {
             }
             None => 0,
         };
-        let epoch = previous_epoch + 1;
+        let epoch = previous_epoch.checked_add(1).ok_or_else(|| Error::Decode {
+            what: "the journal epoch".to_owned(),
+            detail: "it is the largest there is".to_owned(),
+        })?;
         let head = load_head(&store)?;
         let shared = Arc::new(Shared::new(epoch, [0; 8]));
         let mut core = Core::new(

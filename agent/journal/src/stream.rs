@@ -220,7 +220,10 @@ pub(crate) mod chunk {
                 .checked_add(len)
                 .filter(|&end| end <= value.len())
                 .ok_or_else(|| corrupt("an event runs past the end of its chunk"))?;
-            out.push((first_seq + i, value.slice(start..end)));
+            let seq = first_seq
+                .checked_add(i)
+                .ok_or_else(|| corrupt("event numbers past the largest"))?;
+            out.push((seq, value.slice(start..end)));
             at = end;
         }
         if at != value.len() {
@@ -312,7 +315,11 @@ pub(crate) mod chunk {
             three.extend_from_slice(&3u32.to_be_bytes());
             three.extend_from_slice(&[0; 12]);
             assert_eq!(count(&three).unwrap(), 3);
-            assert_eq!(decode(0, Bytes::from(three)).unwrap().len(), 3);
+            assert_eq!(decode(0, Bytes::from(three.clone())).unwrap().len(), 3);
+            // Numbered past the largest (a damaged key): an error, not a panic or a
+            // wrapped number.
+            let e = decode(u64::MAX - 1, Bytes::from(three)).expect_err("past the largest");
+            assert!(e.to_string().contains("past the largest"), "{e}");
         }
     }
 }

@@ -777,7 +777,7 @@ impl Core {
                 });
             }
             Some(mut meta) => {
-                meta.attempt += 1;
+                meta.attempt = next_attempt(&meta.key, meta.attempt)?;
                 meta.state = StreamState::Open;
                 meta.end = None;
                 meta.epoch = self.epoch();
@@ -808,7 +808,7 @@ impl Core {
         // An attempt lost to a failed write may still be generating, unjournaled:
         // the new one gets a number of its own, so that their events never mix.
         while !self.broken.is_empty() && self.broken.contains(&(key.clone(), meta.attempt)) {
-            meta.attempt += 1;
+            meta.attempt = next_attempt(key, meta.attempt)?;
         }
         let attempt = meta.attempt;
         self.write_stream(batch, meta, false)?;
@@ -1598,6 +1598,14 @@ impl Writer {
             self.core.flush_lazy().await;
         }
     }
+}
+
+/// The attempt after `attempt` of `key`'s stream.
+fn next_attempt(key: &StreamKey, attempt: u32) -> Result<u32, Error> {
+    attempt.checked_add(1).ok_or_else(|| Error::Stream {
+        key: key.to_string(),
+        detail: format!("it has had {attempt} attempts, the most there can be"),
+    })
 }
 
 #[cfg(test)]
