@@ -788,6 +788,12 @@ async fn format_2_streams_are_read_under_their_key_and_new_streams_get_slots() -
     let fresh_slot = crate::writer::decode_stream("fresh", &raw)?
         .events_slot
         .ok_or("a new stream has a slot")?;
+    // One key's metadata found under another's is refused, not served as its.
+    let moved = crate::writer::decode_stream("begun", &raw).expect_err("another key's");
+    assert!(
+        moved.to_string().contains("holds the stream of fresh"),
+        "{moved}"
+    );
     assert!(
         fresh_slot > begun_slot,
         "slot {fresh_slot} reused (begun has {begun_slot})"

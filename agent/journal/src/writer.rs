@@ -354,10 +354,19 @@ pub(crate) fn decode_record(key: &str, bytes: &[u8]) -> Result<Record, Error> {
 }
 
 pub(crate) fn decode_stream(key: &str, bytes: &[u8]) -> Result<StreamMeta, Error> {
-    serde_json::from_slice(bytes).map_err(|e| Error::Decode {
+    let meta: StreamMeta = serde_json::from_slice(bytes).map_err(|e| Error::Decode {
         what: format!("stream {key}"),
         detail: e.to_string(),
-    })
+    })?;
+    // Stored under another key (a damaged store), it would be served, or ended at
+    // recovery, as this key's.
+    if meta.key.as_str() != key {
+        return Err(Error::Decode {
+            what: format!("stream {key}"),
+            detail: format!("its place holds the stream of {}", meta.key),
+        });
+    }
+    Ok(meta)
 }
 
 fn encode<T: serde::Serialize>(what: &str, value: &T) -> Result<Vec<u8>, Error> {
