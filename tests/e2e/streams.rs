@@ -236,6 +236,15 @@ async fn a_client_that_drops_at_any_event_boundary_resumes_byte_identical() {
             .iter()
             .all(|e| e.stream_end() == Some(StreamEnd::Completed))
     );
+    // Each resume, and each whole replay after it, is counted as what it was.
+    let resumes = mock.generation_count() - 2;
+    let metrics = get(&sidecar.admin_url("/metrics")).await.text();
+    for needle in [
+        format!("outrigger_replays_total{{kind=\"stream_resume\"}} {resumes}"),
+        format!("outrigger_replays_total{{kind=\"model_turn\"}} {resumes}"),
+    ] {
+        assert!(metrics.contains(&needle), "{needle} in {metrics}");
+    }
 }
 
 /// No client ever sees part of a tool call: for every cut, each tool call the

@@ -46,6 +46,18 @@ static MARKERS: LazyLock<Markers> = LazyLock::new(|| Markers {
 /// The block a choice's legacy `function_call` delta grows (OpenAI's `functions`
 /// API): one per choice, after any tool-call index a choice can have.
 const LEGACY_CALL: u64 = 999;
+/// The input tokens of an Anthropic `usage` object: its `input_tokens` and what the
+/// prompt cache read and wrote, which `input_tokens` leaves out (OpenAI's
+/// `prompt_tokens` counts cached tokens in). `None` without `input_tokens`.
+pub(crate) fn anthropic_input(usage: &Value) -> Option<u64> {
+    let input = usage["input_tokens"].as_u64()?;
+    Some(
+        input
+            .saturating_add(usage["cache_read_input_tokens"].as_u64().unwrap_or(0))
+            .saturating_add(usage["cache_creation_input_tokens"].as_u64().unwrap_or(0)),
+    )
+}
+
 /// The largest choice index whose block keys (`index * 1_000 + call`) fit in a `u64`.
 const MAX_CHOICE: u64 = u64::MAX / 1_000 - 1;
 
@@ -270,11 +282,17 @@ impl Turn {
         }
     }
 
-    /// Anthropic's running output count (`message_delta`).
+    /// Anthropic's running counts (`message_delta`): the output, and the input
+    /// when it says it (it grows with server tools).
     fn anthropic_usage(&mut self, v: &Value) {
-        if let Some(out) = v["usage"]["output_tokens"].as_u64() {
+        let usage = &v["usage"];
+        if let Some(out) = usage["output_tokens"].as_u64() {
             let u = self.usage.get_or_insert_with(ReportedUsage::default);
             u.output = out;
+        }
+        if let Some(input) = anthropic_input(usage) {
+            let u = self.usage.get_or_insert_with(ReportedUsage::default);
+            u.input = u.input.max(input);
         }
     }
 
@@ -311,7 +329,7 @@ impl Turn {
                 self.response_model = m["model"].as_str().map(str::to_owned);
                 self.response_id = m["id"].as_str().map(str::to_owned);
                 self.usage = Some(ReportedUsage {
-                    input: m["usage"]["input_tokens"].as_u64().unwrap_or(0),
+                    input: anthropic_input(&m["usage"]).unwrap_or(0),
                     output: m["usage"]["output_tokens"].as_u64().unwrap_or(0),
                 });
                 Kind::Other
@@ -763,6 +781,49 @@ mod tests {
             calls[1].arguments,
             crate::keys::fingerprint(&json!({"to": "amy"}))
         );
+    }
+
+    /// Anthropic's input count leaves out what the prompt cache read and wrote:
+    /// those count as input too, and a `message_delta` that reports a larger input
+    /// (server tools) raises it.
+    #[test]
+    fn anthropic_cached_prompt_tokens_count_as_input() {
+        let mut g = Gate::new(Dialect::Anthropic);
+        g.push(
+            named(
+                "message_start",
+                &json!({"type": "message_start", "message": {"id": "msg_1", "model": "c",
+                "usage": {"input_tokens": 5, "cache_read_input_tokens": 1000,
+                "cache_creation_input_tokens": 20, "output_tokens": 1}}}),
+            )
+            .into(),
+        );
+        assert_eq!(
+            g.turn.usage,
+            Some(ReportedUsage {
+                input: 1025,
+                output: 1
+            })
+        );
+        g.push(
+            named(
+                "message_delta",
+                &json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+                "usage": {"output_tokens": 9}}),
+            )
+            .into(),
+        );
+        assert_eq!(g.turn.usage.map(|u| (u.input, u.output)), Some((1025, 9)));
+        g.push(
+            named(
+                "message_delta",
+                &json!({"type": "message_delta", "delta": {},
+                "usage": {"input_tokens": 40, "cache_read_input_tokens": 1000,
+                "cache_creation_input_tokens": 20, "output_tokens": 12}}),
+            )
+            .into(),
+        );
+        assert_eq!(g.turn.usage.map(|u| (u.input, u.output)), Some((1060, 12)));
     }
 
     /// The usage chunk OpenAI sends after the finish (`stream_options.include_usage`)

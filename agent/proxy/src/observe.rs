@@ -146,11 +146,11 @@ impl ModelCall {
         self.policy_versions.clone_from(&trail.policy_versions);
     }
 
-    pub fn replayed(&mut self) {
+    /// The call was answered from the journal: a whole turn (`ModelTurn`) or the
+    /// rest of a stream after `Last-Event-ID` (`StreamResume`).
+    pub fn replayed(&mut self, kind: outrigger_telemetry::ReplayKind) {
         self.replayed = true;
-        self.shared
-            .metrics
-            .replay(outrigger_telemetry::ReplayKind::ModelTurn);
+        self.shared.metrics.replay(kind);
     }
 
     pub fn chunk(&mut self, at: Instant) {

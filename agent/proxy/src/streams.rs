@@ -1285,6 +1285,11 @@ pub(crate) async fn endpoint(
     }
     let last = last_event_id(req.headers())?;
     let resp = serve_attempt(shared, journal, &key, None, last).await?;
+    if resp.status() == StatusCode::OK {
+        shared
+            .metrics
+            .replay(outrigger_telemetry::ReplayKind::StreamResume);
+    }
     Ok(with_key(resp, &key))
 }
 

@@ -803,9 +803,11 @@ impl Tasks {
     /// Forgets one task: the one that ended longest ago, or with none ended the
     /// open task idle longest. Its stored copy goes at the next [`Tasks::persist`].
     fn make_room(&self, tasks: &mut HashMap<TaskId, Entry>) {
+        // A task with a call under way is forgotten last: its call's report would
+        // start it afresh, and its guard would count down a newer entry's calls.
         let victim = tasks
             .values()
-            .min_by_key(|e| (e.task.keep_rank(), e.seen))
+            .min_by_key(|e| (e.in_flight > 0, e.task.keep_rank(), e.seen))
             .map(|e| e.task.id.clone());
         let Some(id) = victim.and_then(|id| tasks.remove(&id).map(|e| e.task.id)) else {
             return;
@@ -1010,7 +1012,34 @@ impl Tasks {
         let at = Timestamp::from_system(now);
         match self.side_effects_if_open(id)? {
             Open::Ended(task) => Ok(self.report(*task, at)),
-            Open::Open(side_effects) => self.close(id, outcome, at, side_effects).await,
+            Open::Open(side_effects) => self
+                .close(id, outcome, at, side_effects, None)
+                .await?
+                .ok_or_else(|| Error::UnknownTask(id.clone())),
+        }
+    }
+
+    /// Ends a task the sweep found idle, if it still is when it is closed: a call
+    /// may have arrived since (`None` then).
+    async fn end_idle(
+        &self,
+        id: &TaskId,
+        now: SystemTime,
+        idle_timeout: Duration,
+    ) -> Result<Option<TaskReport>, Error> {
+        let at = Timestamp::from_system(now);
+        match self.side_effects_if_open(id)? {
+            Open::Ended(task) => Ok(Some(self.report(*task, at))),
+            Open::Open(side_effects) => {
+                self.close(
+                    id,
+                    TaskOutcome::IdleTimeout,
+                    at,
+                    side_effects,
+                    Some(idle_timeout),
+                )
+                .await
+            }
         }
     }
 
@@ -1046,19 +1075,24 @@ impl Tasks {
     }
 
     /// The second half of [`Tasks::end`]: ends the task unless another end came
-    /// first, and only then records and saves it.
+    /// first, and only then records and saves it. With `idle_for`, only a task with
+    /// no call under way and none for that long is ended (`None` otherwise).
     async fn close(
         &self,
         id: &TaskId,
         outcome: TaskOutcome,
         at: Timestamp,
         side_effects: Option<SideEffects>,
-    ) -> Result<TaskReport, Error> {
+        idle_for: Option<Duration>,
+    ) -> Result<Option<TaskReport>, Error> {
         let (task, ended_here) = {
             let mut tasks = self.lock();
             let entry = tasks
                 .get_mut(id)
                 .ok_or_else(|| Error::UnknownTask(id.clone()))?;
+            if idle_for.is_some_and(|idle| entry.in_flight > 0 || entry.seen.elapsed() <= idle) {
+                return Ok(None);
+            }
             let t = &mut entry.task;
             // Another end may have come first while the journal was read.
             let ended_here = t.ended_at.is_none();
@@ -1094,7 +1128,7 @@ impl Tasks {
                 self.save(&latest).await?;
             }
         }
-        Ok(self.report(task, at))
+        Ok(Some(self.report(task, at)))
     }
 
     fn observe_end(&self, task: &Task) {
@@ -1228,8 +1262,10 @@ impl Tasks {
         drop(saving);
         let mut ended = Vec::with_capacity(idle.len());
         for id in idle {
-            match self.end(&id, TaskOutcome::IdleTimeout, now).await {
-                Ok(report) => ended.push(report),
+            match self.end_idle(&id, now, idle_timeout).await {
+                Ok(Some(report)) => ended.push(report),
+                // A call arrived since the task was found idle.
+                Ok(None) => {}
                 // Forgotten meanwhile to make room for a new task.
                 Err(Error::UnknownTask(_)) => {}
                 Err(e) => return Err(e),
@@ -1926,10 +1962,14 @@ mod tests {
             return Err("the task was open".into());
         };
         let at = Timestamp::from_system(t(10));
-        let won = tasks.close(&id, TaskOutcome::Success, at, first).await?;
+        let won = tasks
+            .close(&id, TaskOutcome::Success, at, first, None)
+            .await?
+            .ok_or("ended")?;
         let lost = tasks
-            .close(&id, TaskOutcome::IdleTimeout, at, second)
-            .await?;
+            .close(&id, TaskOutcome::IdleTimeout, at, second, None)
+            .await?
+            .ok_or("answered")?;
         assert_eq!(lost.task, won.task, "the second end changes nothing");
         let text = metrics.encode();
         assert!(
@@ -2069,6 +2109,55 @@ mod tests {
             .sweep(t(62 * 60), Duration::from_secs(30 * 60))
             .await?;
         assert_eq!(ended.len(), 1);
+        Ok(())
+    }
+
+    /// A call that arrives after the sweep found its task idle, before the sweep
+    /// closes it, keeps the task open.
+    #[tokio::test(start_paused = true)]
+    async fn a_task_found_idle_is_not_ended_once_a_call_has_arrived() -> TestResult {
+        let tasks = tracker(None, Metrics::new())?;
+        let id = task();
+        tasks.touch(&id, "r1", t(0));
+        tokio::time::advance(Duration::from_secs(31 * 60)).await;
+        let idle = Duration::from_secs(30 * 60);
+        // Found idle; then the agent's call arrives before the close.
+        let call = tasks.arrived(&id, "r2", false, t(31 * 60));
+        let closed = tasks.end_idle(&id, std::time::UNIX_EPOCH, idle).await?;
+        assert!(closed.is_none(), "ended mid-call: {closed:?}");
+        drop(call);
+        let closed = tasks.end_idle(&id, std::time::UNIX_EPOCH, idle).await?;
+        assert!(closed.is_none(), "its call ended a moment ago");
+        tokio::time::advance(Duration::from_secs(31 * 60)).await;
+        let closed = tasks.end_idle(&id, std::time::UNIX_EPOCH, idle).await?;
+        assert_eq!(
+            closed.and_then(|r| r.task.outcome),
+            Some(TaskOutcome::IdleTimeout)
+        );
+        Ok(())
+    }
+
+    /// A full tracker forgets an open task with no call under way before one with a
+    /// call in flight, however long ago that call began.
+    #[tokio::test(start_paused = true)]
+    async fn a_full_tracker_forgets_a_task_with_a_call_under_way_last() -> TestResult {
+        let options = TasksOptions {
+            max_tasks: 2,
+            ..TasksOptions::default()
+        };
+        let tasks = Tasks::open(options, None, Metrics::new(), None, t(0))?;
+        let busy = TaskId::new("busy")?;
+        let quiet = TaskId::new("quiet")?;
+        let _call = tasks.arrived(&busy, "r1", false, t(0));
+        tokio::time::advance(Duration::from_secs(60)).await;
+        tasks.touch(&quiet, "r2", t(60));
+        tokio::time::advance(Duration::from_secs(60)).await;
+        tasks.touch(&task(), "r3", t(120));
+        assert!(
+            tasks.get(&busy, t(120)).is_some(),
+            "the task with a call was forgotten"
+        );
+        assert!(tasks.get(&quiet, t(120)).is_none());
         Ok(())
     }
 

@@ -35,7 +35,10 @@ impl Answer {
                 model: skim.model.map(Cow::into_owned),
                 usage: usage
                     .prompt_tokens
-                    .or(usage.input_tokens)
+                    .or(usage.input_tokens.map(|i| {
+                        i.saturating_add(usage.cache_read_input_tokens.unwrap_or(0))
+                            .saturating_add(usage.cache_creation_input_tokens.unwrap_or(0))
+                    }))
                     .zip(usage.completion_tokens.or(usage.output_tokens)),
                 calls: Vec::new(),
             };
@@ -49,7 +52,7 @@ impl Answer {
         let usage = &v["usage"];
         let input = usage["prompt_tokens"]
             .as_u64()
-            .or_else(|| usage["input_tokens"].as_u64());
+            .or_else(|| crate::events::anthropic_input(usage));
         let output = usage["completion_tokens"]
             .as_u64()
             .or_else(|| usage["output_tokens"].as_u64());
@@ -84,6 +87,9 @@ struct SkimUsage {
     completion_tokens: Option<u64>,
     input_tokens: Option<u64>,
     output_tokens: Option<u64>,
+    /// Anthropic's prompt-cache counts, which its `input_tokens` leaves out.
+    cache_read_input_tokens: Option<u64>,
+    cache_creation_input_tokens: Option<u64>,
 }
 
 #[cfg(test)]
@@ -115,6 +121,13 @@ mod tests {
         );
         assert_eq!(anthropic.usage, Some((7, 2)));
         assert_eq!(anthropic.id.as_deref(), Some("msg_1"));
+        // Anthropic's input count leaves out what the prompt cache read and wrote.
+        let cached = both(
+            br#"{"id":"msg_2","type":"message","model":"claude","content":[],
+                "usage":{"input_tokens":7,"output_tokens":2,"cache_read_input_tokens":900,
+                "cache_creation_input_tokens":50}}"#,
+        );
+        assert_eq!(cached.usage, Some((957, 2)));
     }
 
     #[test]

@@ -107,6 +107,9 @@ pub struct Trail {
     /// Why the loop stopped retrying, when it did.
     pub gave_up: Option<String>,
     pub retry_budget_exhausted: bool,
+    /// A request went to a provider (set before it is sent, so it holds when the
+    /// loop is dropped mid-attempt): what it generated may be billed.
+    pub sent: bool,
 }
 
 impl Trail {
@@ -199,7 +202,9 @@ pub async fn run<'a, T: Transport>(
             "POST",
             &target.name,
         );
-        let outcome = attempt(m, plan, target).instrument(span.clone()).await;
+        let outcome = attempt(m, plan, target, &mut trail.sent)
+            .instrument(span.clone())
+            .await;
         let (status, error_type) = match &outcome {
             Outcome::Ok(s) => (Some(s.parts.status.as_u16()), None),
             Outcome::Final(Ended::Answer { status, .. })
@@ -327,6 +332,7 @@ async fn attempt<'a, T: Transport>(
     m: &Mechanics<'_, T>,
     plan: &Plan<'a>,
     target: &'a Provider,
+    sent: &mut bool,
 ) -> Outcome<'a, UpstreamBody<T::Body>> {
     let pass = match m.breakers.pass(&target.name) {
         Ok(pass) => pass,
@@ -344,7 +350,7 @@ async fn attempt<'a, T: Transport>(
             );
         }
     };
-    let outcome = exchange(m, plan, target).await;
+    let outcome = exchange(m, plan, target, sent).await;
     let alive = match &outcome {
         Outcome::Ok(_) | Outcome::Final(_) => Some(true),
         Outcome::Failed(f, _) => Some(!broken(f)),
@@ -382,6 +388,7 @@ async fn exchange<'a, T: Transport>(
     m: &Mechanics<'_, T>,
     plan: &Plan<'a>,
     target: &'a Provider,
+    sent: &mut bool,
 ) -> Outcome<'a, UpstreamBody<T::Body>> {
     let limiter = m.limiters.get(&target.name);
     let permit = match limiter
@@ -423,6 +430,7 @@ async fn exchange<'a, T: Transport>(
         }
         _ => {}
     }
+    *sent = true;
     let resp = match m.transport.send(req, m.first_byte_timeout).await {
         Ok(r) => r,
         Err(e) => {

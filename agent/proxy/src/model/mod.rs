@@ -126,7 +126,7 @@ async fn call_inner(
     if let Some(last) = streams::last_event_id(&parts.headers)? {
         let resp = resume(shared, &parts.headers, &request, ctx, last).await?;
         if let Some(r) = rec.as_mut() {
-            r.replayed();
+            r.replayed(outrigger_telemetry::ReplayKind::StreamResume);
         }
         return Ok(resp);
     }
@@ -139,7 +139,7 @@ async fn call_inner(
             match begin(shared, &journal, &keyed, &request, primary, ctx).await? {
                 Begun::Replayed(resp) => {
                     if let Some(r) = rec.as_mut() {
-                        r.replayed();
+                        r.replayed(outrigger_telemetry::ReplayKind::ModelTurn);
                     }
                     return Ok(streams::with_key(resp, &keyed.key));
                 }
@@ -471,9 +471,10 @@ async fn generate(
         Run::Cancelled(live) => {
             // The request may have been generating at the provider, which bills what
             // it generated: like any call that did not complete, at least the
-            // estimate (nothing when no attempt had begun).
+            // estimate (nothing when no request was sent: cancelled in the limiter's
+            // queue, a back-off or by an open circuit).
             if let Some(r) = reservation
-                && trail.attempts > 0
+                && trail.sent
             {
                 r.settle_estimate();
             }

@@ -377,6 +377,24 @@ async fn a_probe_answered_with_a_429_closes_the_circuit_and_the_call_goes_on() {
     );
 }
 
+/// A trail says whether a request went out: not for a call the open circuit
+/// refused, which a cancel then charges nothing.
+#[tokio::test(start_paused = true)]
+async fn a_trail_says_whether_a_request_went_out() {
+    let rig = trips_at_once(limiter::Options::default());
+    let script = Script::new(vec![(503, vec![])], 200);
+    let p = provider("a", 1);
+    let mech = rig.mechanics(&script, &Never);
+    let mut first = Trail::default();
+    assert!(run(&mech, &plan(vec![&p]), &mut first).await.is_err());
+    assert!(first.sent);
+    let mut refused = Trail::default();
+    assert!(run(&mech, &plan(vec![&p]), &mut refused).await.is_err());
+    assert_eq!(refused.attempts, 1);
+    assert!(!refused.sent, "the open circuit refused it");
+    assert_eq!(script.sent.load(Ordering::SeqCst), 1);
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_probe_whose_call_is_dropped_is_given_back() {
     let rig = trips_at_once(limiter::Options::default());
