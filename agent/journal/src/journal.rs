@@ -328,30 +328,27 @@ impl Journal {
         }
     }
 
-    /// An unsafe tool's request is about to leave: the second durable write. If the
-    /// caller goes away before the answer, the request never left: the call is
-    /// recorded `failed_before_send`.
+    /// An unsafe tool's request is about to leave: the second durable write. Until
+    /// it is answered the request has not left: a caller that goes away meanwhile
+    /// (while the writer's queue is full, or the flush is slow), or a write that
+    /// fails, leaves the call recorded `failed_before_send` (queued behind the
+    /// dispatched write if that went out: one writer takes commands in order),
+    /// not in flight until a restart.
     pub async fn dispatched(&self, ticket: &Ticket) -> Result<(), Error> {
+        let mut not_sent = NotSent {
+            journal: Some(self.clone()),
+            ticket: ticket.clone(),
+            why: UNANSWERED,
+        };
         let event = Event::Dispatched {
             ticket: ticket.clone(),
         };
-        let (journal, sent) = (self.clone(), ticket.clone());
-        self.call_settled(
-            |reply| Command::Apply {
-                key: ticket.key().clone(),
-                event: Box::new(event),
-                reply,
-            },
-            move |_: (Record, Effect)| {
-                Box::pin(async move {
-                    if let Err(e) = journal.failed_before_send(&sent, UNANSWERED).await {
-                        tracing::warn!(error = %e, "could not settle a call whose caller went away");
-                    }
-                })
-            },
-        )
-        .await
-        .map(drop)
+        let r = self.event(ticket.key(), event).await.map(drop);
+        match &r {
+            Ok(()) => not_sent.journal = None,
+            Err(_) => not_sent.why = DISPATCH_FAILED,
+        }
+        r
     }
 
     /// Records the tool's answer, durably, before the proxy releases it. Returns the
@@ -828,6 +825,36 @@ const UNANSWERED: &str = "the caller went away before the journal answered; the 
 /// the journal answered.
 const UNANSWERED_START: &str =
     "the caller went away before the journal answered; the model was not called";
+
+/// Why a call is settled whose dispatched write failed.
+const DISPATCH_FAILED: &str =
+    "its dispatched write failed, so the request was not sent; a retry sends it";
+
+/// Records a claimed call `failed_before_send` when dropped armed (`journal` set):
+/// its request never left.
+struct NotSent {
+    journal: Option<Journal>,
+    ticket: Ticket,
+    why: &'static str,
+}
+
+impl Drop for NotSent {
+    fn drop(&mut self) {
+        let Some(journal) = self.journal.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // The process is stopping: the next start finds the claim and settles it.
+            return;
+        };
+        let (ticket, why) = (self.ticket.clone(), self.why);
+        runtime.spawn(async move {
+            if let Err(e) = journal.failed_before_send(&ticket, why).await {
+                tracing::warn!(key = %ticket.key(), error = %e, "could not settle a call whose request never left");
+            }
+        });
+    }
+}
 
 /// What settles an answer nobody received.
 type Settle = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;

@@ -448,6 +448,37 @@ async fn a_caller_gone_before_the_journal_answered_leaves_no_key_in_flight() -> 
     run.stop().await
 }
 
+/// Gone while an unsafe call's second write waited for room in the writer's queue:
+/// the write never went out, and the call is settled as never sent all the same
+/// (not left claimed until a restart).
+#[tokio::test]
+async fn a_dispatched_write_dropped_before_it_was_queued_settles_the_call() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let j = &run.journal;
+    let ticket = execute(j, intent("queued", ToolClass::Unsafe)).await?;
+    let before = transitions(j, "queued");
+    // New streams' starts fill the queue (the writer, a task of this thread, does not
+    // run until the test yields).
+    let mut full = false;
+    for i in 0..100_000 {
+        let key = StreamKey::new(format!("filler-{i}"))?;
+        let mut begin = std::pin::pin!(j.stream_begin(&key, stream_request(1)));
+        let polled =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(begin.as_mut().poll(cx))).await;
+        if polled.is_pending() {
+            full = true;
+            break;
+        }
+    }
+    assert!(full, "the queue never filled");
+    poll_once_and_drop(j.dispatched(&ticket)).await;
+    assert!(state_becomes(j, "queued", State::FailedBeforeSend, before).await);
+    // Never sent: a retry sends it.
+    execute(j, intent("queued", ToolClass::Unsafe)).await?;
+    run.stop().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn probe_tools_are_reconciled_before_a_resend() -> TestResult {
     let dir = tempfile::tempdir()?;
