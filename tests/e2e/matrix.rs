@@ -1435,6 +1435,32 @@ async fn t4_an_mcp_server_that_dies_mid_call_keeps_the_id_and_is_not_reinvoked()
         "{doc}"
     );
     assert_eq!(mcp.effects().len(), 1, "not re-invoked");
+    // The operator's resolution answers the next retry as a JSON-RPC response with
+    // that retry's id: a tools/call result.
+    let resolve_url = doc["result"]["structuredContent"]["resolveUrl"]
+        .as_str()
+        .expect("a resolve url")
+        .to_string();
+    let resolved = post_json(
+        &sidecar.admin_url(&resolve_url),
+        &[],
+        &json!({"action": "mark_succeeded", "body": "sent at 10:02",
+                "reason": "checked the mail server"}),
+    )
+    .await;
+    assert_eq!(resolved.status, StatusCode::OK, "{}", resolved.text());
+    let replayed = post_json(&url, &[], &mcp_call(43, "t4-key")).await;
+    assert_eq!(replayed.status, StatusCode::OK, "{}", replayed.text());
+    let doc = replayed.json();
+    assert_eq!(doc["jsonrpc"], "2.0", "{doc}");
+    assert_eq!(doc["id"], 43, "{doc}");
+    assert_eq!(doc["result"]["isError"], false, "{doc}");
+    assert_eq!(
+        doc["result"]["content"][0]["text"], "sent at 10:02",
+        "{doc}"
+    );
+    assert_eq!(replayed.header("outrigger-replayed"), Some("true"));
+    assert_eq!(mcp.effects().len(), 1, "still not re-invoked");
 }
 
 /// T6: an agent that gives up on an MCP call in flight does not cancel it (no

@@ -321,7 +321,16 @@ impl Protocol for McpCall<'_> {
     }
 
     fn replay(&self, record: &Record) -> Response<Body> {
-        replay(self.id, record.response.as_ref())
+        let resolved = record
+            .resolutions
+            .last()
+            .is_some_and(|r| matches!(r.action.as_str(), "mark_succeeded" | "mark_failed"));
+        match &record.response {
+            Some(stored) if resolved && stored.headers.get(OUTCOME_MARK).is_none() => {
+                rpc_response(self.id, &operator_outcome(stored), true)
+            }
+            stored => replay(self.id, stored.as_ref()),
+        }
     }
 
     fn in_flight(&self, record: &Record) -> Response<Body> {
@@ -521,6 +530,25 @@ fn replay(id: &Value, stored: Option<&StoredResponse>) -> Response<Body> {
         Some(outcome) => rpc_response(id, &outcome, true),
         None => tools::replay_stored(stored),
     }
+}
+
+/// An operator's resolution of a call (`mark_succeeded`, `mark_failed`) as its
+/// JSON-RPC outcome, so that the client can match it to its request: a `tools/call`
+/// result, `isError` unless its status is 2xx. A body that is already a result (an
+/// object with `content`) is the result; any other body is its text content.
+fn operator_outcome(stored: &StoredResponse) -> Value {
+    let failed = !(200..300).contains(&stored.status);
+    let body = stored.body.bytes();
+    if let Ok(mut result @ Value::Object(_)) = serde_json::from_slice::<Value>(body)
+        && result.get("content").is_some()
+    {
+        if failed {
+            result["isError"] = Value::Bool(true);
+        }
+        return json!({ "result": result });
+    }
+    let text = String::from_utf8_lossy(body);
+    json!({"result": {"content": [{"type": "text", "text": text}], "isError": failed}})
 }
 
 /// What a tool server's answer to the call with JSON-RPC `id` means.
@@ -737,6 +765,33 @@ fn journal_unavailable(id: &Value, detail: &str) -> Response<Body> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An operator's body becomes a `tools/call` result: text content, or the body
+    /// itself when it is already a result; an error unless the status is 2xx.
+    #[test]
+    fn an_operators_resolution_is_a_tool_result() {
+        let stored = |status, body: &'static [u8]| {
+            StoredResponse::new(status, json_headers(), Bytes::from_static(body))
+        };
+        assert_eq!(
+            operator_outcome(&stored(200, b"sent")),
+            json!({"result": {"content": [{"type": "text", "text": "sent"}], "isError": false}})
+        );
+        assert_eq!(
+            operator_outcome(&stored(500, br#"{"why":"bounced"}"#)),
+            json!({"result": {"content": [{"type": "text", "text": "{\"why\":\"bounced\"}"}],
+                   "isError": true}})
+        );
+        let result = br#"{"content":[{"type":"text","text":"ok"}],"structuredContent":{"n":1}}"#;
+        assert_eq!(
+            operator_outcome(&stored(200, result))["result"]["structuredContent"]["n"],
+            1
+        );
+        assert_eq!(
+            operator_outcome(&stored(502, result))["result"]["isError"],
+            true
+        );
+    }
 
     /// A `tools/call` whose params the sidecar could not forward is refused before
     /// any key is chosen; a valid one yields its name, arguments and `_meta` key.
