@@ -641,6 +641,48 @@ async fn a_probe_tool_in_doubt_is_checked_before_anything_is_resent() {
     assert_eq!(e.probe.effects().len(), 2);
 }
 
+/// A probe that cannot tell, whose return to in doubt the journal then fails to
+/// write, answers that the outcome is unknown: never that the call was not executed
+/// (its first attempt may well have been).
+#[tokio::test]
+async fn a_failed_probe_the_journal_cannot_record_is_answered_in_doubt() {
+    let e = env().await;
+    e.probe.push(ToolBehaviour {
+        fail: Some(Fail::Reset),
+        ..ToolBehaviour::default()
+    });
+    let body = json!({"sku": "Z"});
+    let path = "/tools/orders/place";
+    let first = call(&e.sidecar, path, Some("k-probe-3"), &body, &[]).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{}", first.text());
+    // The probe outlasts the tool's 2 s timeout; the journal fails meanwhile.
+    let retry = tokio::spawn({
+        let (url, body) = (e.sidecar.url(path), body.to_string());
+        async move {
+            let h = [
+                ("content-type", "application/json"),
+                ("idempotency-key", "k-probe-3"),
+                ("x-mock-tool", "delay_ms=2500"),
+            ];
+            send(request(Method::POST, &url, &h, body)).await
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let faults = e.sidecar.admin_url("/v1/faults");
+    let on = post_json(&faults, &[], &json!({"journal": "fail_flush"})).await;
+    assert_eq!(on.status, StatusCode::OK, "{}", on.text());
+    let answered = retry.await.expect("the retry");
+    let off = post_json(&faults, &[], &json!({"journal": null})).await;
+    assert_eq!(off.status, StatusCode::OK, "{}", off.text());
+    assert_eq!(
+        answered.json()["type"],
+        "urn:outrigger:problem:outcome-unknown",
+        "{}",
+        answered.text()
+    );
+    assert_eq!(e.probe.effects().len(), 1, "never re-sent");
+}
+
 /// A probe whose agent goes away (here: gives up after 200 ms of a probe that takes
 /// 800) is not cut short: what it finds is journaled, so the key's next request gets
 /// the answer it found, or (it found nothing) executes, instead of `409` until a

@@ -291,14 +291,19 @@ async fn reconcile(
             Probed::Failed(detail, failed) => {
                 tracing::warn!(tool = %tool.name, key = %ticket.key(), %detail, "probe failed; the call stays in doubt");
                 // Back to in doubt (not left reconciling): the next request probes again.
-                journal
+                match journal
                     .in_doubt(ticket, &format!("the probe failed: {detail}"))
                     .await
-                    .map(|state| Reconciled::Unknown {
+                {
+                    Ok(state) => Ok(Reconciled::Unknown {
                         detail,
                         state,
                         failed,
-                    })
+                    }),
+                    // Not recorded, the call may still have executed: the answer is
+                    // the in-doubt one, never "not executed".
+                    Err(e) => Ok(Reconciled::Unrecorded(e)),
+                }
             }
         }
     };
