@@ -1104,6 +1104,14 @@ async fn keys_are_derived_from_the_models_tool_call_ids() {
     );
     assert_eq!(e.tool.effects().len(), 2);
     assert_eq!(e.model.generation_count(), 1);
+    // One that is there but empty is refused, not taken for no id (which would match
+    // the call to another, or leave it unprotected).
+    let mut h = task.to_vec();
+    h.push(("outrigger-tool-call-id", " "));
+    let d = call(&e.sidecar, "/tools/payments/weather", None, &args, &h).await;
+    assert_eq!(d.status, StatusCode::BAD_REQUEST, "{}", d.text());
+    assert!(d.text().contains("Outrigger-Tool-Call-Id"), "{}", d.text());
+    assert_eq!(e.tool.effects().len(), 2);
 }
 
 #[tokio::test]

@@ -197,8 +197,13 @@ impl Correlator {
             return;
         };
         if tasks.len() >= TASKS && !tasks.contains_key(task) {
-            // Forget an arbitrary task rather than grow without bound.
-            if let Some(k) = tasks.keys().next().cloned() {
+            // Forget the task whose last model turn is oldest rather than grow
+            // without bound (a busy task keeps the calls its retries match).
+            let oldest = tasks
+                .iter()
+                .min_by_key(|(_, q)| q.back().map_or(0, |(turn, _)| *turn))
+                .map(|(k, _)| k.clone());
+            if let Some(k) = oldest {
                 tasks.remove(&k);
             }
         }
@@ -384,6 +389,32 @@ mod tests {
         let mail = fingerprint(&serde_json::json!({"to": "amy"}));
         assert_eq!(c.find(&t, Some("mail"), &mail).as_deref(), Some("toolu_2"));
         assert_eq!(c.find(&TaskId::new("u").unwrap(), None, &mail), None);
+    }
+
+    /// Full, the correlator forgets the task whose last turn is oldest, not one
+    /// that has just been active.
+    #[test]
+    fn a_full_correlator_forgets_the_task_idle_longest() {
+        let c = Correlator::default();
+        let call = |id: &str| IssuedCall::new(id, "f", &serde_json::json!({"n": id}));
+        let task = |n: usize| TaskId::new(format!("t{n}")).unwrap();
+        for n in 0..TASKS {
+            c.record(&task(n), vec![call(&format!("c{n}"))]);
+        }
+        // The first task is active again; the second is now idle longest.
+        c.record(&task(0), vec![call("again")]);
+        c.record(&task(TASKS), vec![call("new")]);
+        let found = |n: usize, id: &str| {
+            c.find(&task(n), None, &fingerprint(&serde_json::json!({"n": id})))
+        };
+        assert_eq!(
+            found(0, "c0").as_deref(),
+            Some("c0"),
+            "the active task kept"
+        );
+        assert_eq!(found(1, "c1"), None, "the task idle longest forgotten");
+        assert_eq!(found(2, "c2").as_deref(), Some("c2"));
+        assert_eq!(found(TASKS, "new").as_deref(), Some("new"));
     }
 
     #[test]

@@ -357,12 +357,21 @@ pub(crate) fn choose_key(
     let Some(task) = &ctx.task_id else {
         return Ok(KeyChoice::None);
     };
-    let explicit = h
-        .get(TOOL_CALL_ID)
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(str::to_owned);
+    // A header that is there but unreadable is refused, as a bad `Idempotency-Key`
+    // is: taken for no id, the call would match another call's, or go unprotected.
+    let explicit = match h.get(TOOL_CALL_ID) {
+        None => None,
+        Some(v) => {
+            let id = v.to_str().map(str::trim).unwrap_or_default();
+            if id.is_empty() {
+                return Err(Error::BadHeader {
+                    header: "Outrigger-Tool-Call-Id",
+                    detail: "it is empty or not visible ASCII; send the model's tool_call_id, or leave the header out".into(),
+                });
+            }
+            Some(id.to_owned())
+        }
+    };
     let call_id = match explicit {
         Some(id) => Some(id),
         None => match &mcp {
