@@ -160,6 +160,13 @@ async fn a_task_is_tracked_traced_and_counted() {
     assert_eq!(ended.status, StatusCode::OK, "{}", ended.text());
     let report = ended.json();
     assert_eq!(report["outcome"], "success");
+    // What the budget charged (kept for a restart): each model call once, at least
+    // what the provider reported.
+    assert_eq!(report["charged"]["calls"], 3, "{report}");
+    assert!(
+        report["charged"]["tokens_in"].as_u64() >= report["tokens_in"].as_u64(),
+        "{report}"
+    );
     assert_eq!(report["faults"]["agent_replays"], 1, "{report}");
     assert_eq!(report["recovery"]["succeeded"], true, "{report}");
     assert_eq!(

@@ -252,6 +252,9 @@ impl ModelCall {
                     // went wrong upstream: not a `stream_interrupted` fault (the SLOs
                     // count it as a client cancel).
                     interrupted: end.aborted && !end.client_cancelled,
+                    // Settled before the call is finished (or dropped), so this
+                    // call's charge is in it.
+                    charged: self.shared.ledger.charged(task.as_str()),
                 },
             );
         }

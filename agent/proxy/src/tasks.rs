@@ -192,6 +192,8 @@ pub struct ModelCallSummary<'a> {
     pub ok: bool,
     /// A stream that broke before its terminal event (recorded as a fault).
     pub interrupted: bool,
+    /// What the budget ledger has charged the task so far, this call included.
+    pub charged: Option<outrigger_types::Usage>,
 }
 
 /// What became of a tool call.
@@ -386,6 +388,10 @@ pub struct Task {
     /// Every policy version that decided one of the task's model calls.
     #[serde(default)]
     pub policy_versions: Vec<PolicyVersion>,
+    /// What the budget ledger charged the task (estimates for calls whose usage the
+    /// provider did not report, retries): what its budget counts after a restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub charged: Option<outrigger_types::Usage>,
     pub recovery: Option<RecoveryVerdict>,
     pub timeline: Vec<TimelineEvent>,
     /// Timeline entries dropped to keep the last [`TIMELINE_CAP`].
@@ -423,6 +429,7 @@ impl Task {
             open_faults: 0,
             model_revision: None,
             policy_versions: Vec::new(),
+            charged: None,
             recovery: None,
             timeline: Vec::new(),
             timeline_dropped: 0,
@@ -939,6 +946,9 @@ impl Tasks {
             t.cost_micros = t.cost_micros.saturating_add(cost);
             t.retries = t.retries.saturating_add(call.retries);
             t.fallbacks = t.fallbacks.saturating_add(call.fallbacks);
+            if let Some(charged) = call.charged {
+                t.charged = Some(charged);
+            }
             if let Some(m) = call.response_model {
                 t.model_revision = Some(m.to_owned());
             }
@@ -1364,14 +1374,16 @@ impl Tasks {
             .filter(|e| e.task.ended_at.is_none())
             .map(|e| {
                 let t = &e.task;
-                let usage = outrigger_types::Usage {
+                // What the ledger charged; a task stored before it was kept, what
+                // the provider reported.
+                let usage = t.charged.unwrap_or(outrigger_types::Usage {
                     tokens_in: t.tokens_in,
                     tokens_out: t.tokens_out,
                     cost_micros: t.cost_micros,
                     calls: t.model_calls,
                     retries: t.retries,
                     ..outrigger_types::Usage::default()
-                };
+                });
                 (t.id.clone(), usage, t.wall_clock(now))
             })
             .collect()
@@ -1529,6 +1541,7 @@ mod tests {
             replayed,
             ok,
             interrupted,
+            charged: None,
         }
     }
 
@@ -2007,6 +2020,40 @@ mod tests {
             ),
             "{text}"
         );
+        Ok(())
+    }
+
+    /// What the ledger charged a task (an estimate where the provider reported no
+    /// usage) is what its budget counts after a restart, not the reported tokens.
+    #[tokio::test]
+    async fn a_restarted_task_keeps_what_the_ledger_charged_it() -> TestResult {
+        let j = TempJournal::open()?;
+        let first = tracker(Some(j.journal.clone()), Metrics::new())?;
+        let id = task();
+        let charged = outrigger_types::Usage {
+            tokens_in: 4000,
+            tokens_out: 1024,
+            cost_micros: 20_240,
+            calls: 2,
+            retries: 1,
+            ..outrigger_types::Usage::default()
+        };
+        // No usage reported: the call's tokens are unknown, its estimate charged.
+        first.model_call(
+            &id,
+            &ModelCallSummary {
+                tokens_in: 0,
+                tokens_out: 0,
+                charged: Some(charged),
+                ..model(t(0), true, false, false)
+            },
+        );
+        first.persist().await?;
+        drop(first);
+        let second = tracker(Some(j.journal.clone()), Metrics::new())?;
+        let spent = second.spent(t(1));
+        assert_eq!(spent.len(), 1);
+        assert_eq!(spent[0].1, charged);
         Ok(())
     }
 

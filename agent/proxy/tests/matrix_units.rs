@@ -51,6 +51,7 @@ fn call(at: SystemTime, request_id: &str) -> ModelCallSummary<'_> {
         replayed: false,
         ok: true,
         interrupted: false,
+        charged: None,
     }
 }
 

@@ -127,6 +127,12 @@ impl Ledger {
             .unwrap_or_default()
     }
 
+    /// What `task` has been charged, if it has an account (a budget decided one of
+    /// its calls, or it was seeded).
+    pub fn charged(&self, task: &str) -> Option<Usage> {
+        self.find(task).map(|acc| lock(&acc).committed)
+    }
+
     /// Usage that has really happened (without reservations).
     pub fn committed(&self, task: &str) -> Usage {
         self.find(task)
