@@ -192,7 +192,8 @@ where
 }
 
 /// Passes a body through unchanged while keeping a copy of its first `limit` bytes;
-/// when the body ends cleanly, `done` gets the copy (if it was not cut short).
+/// when the body ends, `done` gets the copy, or why there is none. A body dropped
+/// before its end (its reader went away) drops `done` uncalled.
 pub struct Tee<B, F> {
     inner: B,
     copy: Vec<u8>,
@@ -213,12 +214,23 @@ impl<B, F> Tee<B, F> {
     }
 }
 
-impl<B, F: FnOnce(&[u8])> Tee<B, F> {
+/// Why a [`Tee`] has no copy for `done`.
+#[derive(Debug)]
+pub enum TeeEnd {
+    /// The body ended whole, longer than the limit.
+    TooLong,
+    /// The body broke off (the error's message).
+    Broke(String),
+}
+
+impl<B, F: FnOnce(Result<&[u8], TeeEnd>)> Tee<B, F> {
     fn finish(&mut self) {
-        if let Some(done) = self.done.take()
-            && !self.overflow
-        {
-            done(&self.copy);
+        if let Some(done) = self.done.take() {
+            if self.overflow {
+                done(Err(TeeEnd::TooLong));
+            } else {
+                done(Ok(&self.copy));
+            }
         }
     }
 }
@@ -227,7 +239,7 @@ impl<B, F> HttpBody for Tee<B, F>
 where
     B: HttpBody<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
-    F: FnOnce(&[u8]) + Unpin,
+    F: FnOnce(Result<&[u8], TeeEnd>) + Unpin,
 {
     type Data = Bytes;
     type Error = BoxError;
@@ -254,8 +266,11 @@ where
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
-                this.done = None;
-                Poll::Ready(Some(Err(e.into())))
+                let e: BoxError = e.into();
+                if let Some(done) = this.done.take() {
+                    done(Err(TeeEnd::Broke(e.to_string())));
+                }
+                Poll::Ready(Some(Err(e)))
             }
             Poll::Ready(None) => {
                 this.finish();
@@ -323,5 +338,43 @@ mod tests {
             .await
             .expect_err("too large");
         assert!(matches!(err, ReadError::TooLarge { limit: 6 }), "{err:?}");
+    }
+
+    /// A tee tells how its body ended: the copy, too long for one, or broken off
+    /// (which its reader must not take for a reader that went away).
+    #[tokio::test]
+    async fn a_tee_says_how_its_body_ended() {
+        let ended = |chunks: Vec<Result<&'static str, &'static str>>, limit| async move {
+            let frames = futures_util::stream::iter(chunks.into_iter().map(|c| {
+                c.map(|s| Frame::data(Bytes::from_static(s.as_bytes())))
+                    .map_err(BoxError::from)
+            }));
+            let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+            let tee = Tee::new(StreamBody::new(frames), limit, {
+                let seen = seen.clone();
+                move |copy: Result<&[u8], TeeEnd>| {
+                    let what = match copy {
+                        Ok(bytes) => format!("copy {}", String::from_utf8_lossy(bytes)),
+                        Err(TeeEnd::TooLong) => "too long".to_owned(),
+                        Err(TeeEnd::Broke(e)) => format!("broke: {e}"),
+                    };
+                    *seen.lock().unwrap() = Some(what);
+                }
+            });
+            let _ = tee.collect().await;
+            seen.lock().unwrap().take()
+        };
+        assert_eq!(
+            ended(vec![Ok("ab"), Ok("c")], 8).await.as_deref(),
+            Some("copy abc")
+        );
+        assert_eq!(
+            ended(vec![Ok("ab"), Ok("cd")], 3).await.as_deref(),
+            Some("too long")
+        );
+        assert_eq!(
+            ended(vec![Ok("ab"), Err("reset")], 8).await.as_deref(),
+            Some("broke: reset")
+        );
     }
 }

@@ -665,6 +665,10 @@ async fn produce(
                 if let Some(r) = reservation {
                     r.settle_estimate();
                 }
+                // A failure upstream, not the agent's cancel.
+                if let Some(rec) = rec {
+                    rec.finish_error(&e);
+                }
                 return Err(e);
             }
         };
@@ -972,14 +976,24 @@ fn relay(
                 // Scrubbing may change the length.
                 parts.headers.remove(header::CONTENT_LENGTH);
             }
-            body::Tee::new(body, limit, move |bytes: &[u8]| {
-                let mut answer = Answer::read(bytes, observed.task.is_some());
-                if let Some(task) = &observed.task {
-                    let calls = std::mem::take(&mut answer.calls);
-                    observed.shared.correlator.record(task, calls);
-                }
-                observed.finish_plain(answer);
-            })
+            body::Tee::new(
+                body,
+                limit,
+                move |copy: Result<&[u8], body::TeeEnd>| match copy {
+                    Ok(bytes) => {
+                        let mut answer = Answer::read(bytes, observed.task.is_some());
+                        if let Some(task) = &observed.task {
+                            let calls = std::mem::take(&mut answer.calls);
+                            observed.shared.correlator.record(task, calls);
+                        }
+                        observed.finish_plain(answer);
+                    }
+                    // Whole, but too long to read: its usage is unknown (the estimate).
+                    Err(body::TeeEnd::TooLong) => observed.finish_plain(Answer::default()),
+                    // A failure upstream, not the agent's cancel.
+                    Err(body::TeeEnd::Broke(reason)) => observed.end(Err(&reason), None),
+                },
+            )
             .boxed_unsync()
         }
     };
