@@ -19,8 +19,8 @@ use http::{Method, Request, Response, header};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use outrigger_types::{
-    BudgetDecision, BudgetRequest, Candidate, DowngradeOption, FallbackRequest, GpuState, TaskId,
-    Usage,
+    BudgetDecision, BudgetRequest, Candidate, DowngradeOption, Failure, FallbackRequest, GpuState,
+    TaskId, Usage,
 };
 
 pub use list::list;
@@ -579,6 +579,7 @@ async fn generate(
                     ..ModelEnd::default()
                 });
             }
+            charge_broken_attempts(reservation, &trail);
             end_failed(journaled, &format!("upstream answered {status}")).await;
             // A faithful pass-through of the last answer (read scrubbed of the key).
             headers::strip_hop_by_hop(&mut parts.headers);
@@ -610,9 +611,31 @@ async fn generate(
                     ..ModelEnd::default()
                 });
             }
+            charge_broken_attempts(reservation, &trail);
             end_failed(journaled, &error.to_string()).await;
             Err(error)
         }
+    }
+}
+
+/// Charges a call that ended without an answer the estimate when one of its
+/// attempts broke inside a tool call it had streamed (held back from the agent, so
+/// retried as if nothing had come): the provider generated, and bills, those tokens.
+/// Otherwise its reservation is released (nothing was generated).
+fn charge_broken_attempts(reservation: Option<Reservation>, trail: &Trail) {
+    let generated = trail.history.iter().any(|a| {
+        matches!(
+            a.failure,
+            Failure::StreamInterrupted {
+                inside_tool_call: true,
+                ..
+            }
+        )
+    });
+    if let Some(r) = reservation
+        && generated
+    {
+        r.settle_estimate();
     }
 }
 
@@ -1276,6 +1299,39 @@ mod tests {
         drop(relay);
         assert_eq!(shared.ledger.committed("t"), estimate);
         assert_eq!(shared.ledger.usage("t"), estimate, "nothing left reserved");
+    }
+
+    /// A call whose attempts all failed costs nothing, unless one broke inside a
+    /// tool call it had streamed: the provider generated those tokens.
+    #[test]
+    fn a_call_whose_attempt_broke_inside_a_tool_call_costs_its_estimate() {
+        let estimate = Usage {
+            tokens_in: 100,
+            tokens_out: 50,
+            calls: 1,
+            ..Usage::default()
+        };
+        let failed = |failure: Failure| {
+            let ledger = crate::resilience::Ledger::default();
+            let (reservation, ()) = ledger.reserve_if("t", estimate, |_| (true, ()));
+            let trail = Trail {
+                history: vec![outrigger_types::AttemptRecord {
+                    target: "oa".into(),
+                    failure,
+                    elapsed: std::time::Duration::ZERO,
+                }],
+                ..Trail::default()
+            };
+            charge_broken_attempts(reservation, &trail);
+            (ledger.committed("t"), ledger.usage("t"))
+        };
+        let broke = Failure::StreamInterrupted {
+            events_delivered: 0,
+            inside_tool_call: true,
+        };
+        assert_eq!(failed(broke), (estimate, estimate));
+        let refused = failed(Failure::Connect { sent: false });
+        assert_eq!(refused, (Usage::default(), Usage::default()), "released");
     }
 
     /// The budget policy downgrades a call: the task's reservation is the cheaper
