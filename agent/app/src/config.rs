@@ -836,9 +836,41 @@ fn journal_options(
             d.stream_retention,
             "a journaled stream would be dropped before a client could resume it",
         ),
-        cache_capacity_bytes: raw.cache_bytes.unwrap_or(d.cache_capacity_bytes),
+        cache_capacity_bytes: match raw.cache_bytes {
+            Some(b) if b < MIN_CACHE_BYTES => {
+                p.add(
+                    "journal.cache_bytes",
+                    format!("{b} is below the journal's minimum of {MIN_CACHE_BYTES} (1 MiB)"),
+                );
+                d.cache_capacity_bytes
+            }
+            Some(b) => b,
+            None => d.cache_capacity_bytes,
+        },
         ..d
     }
+}
+
+/// The most memory one policy instance may be given (4 GiB: a 32-bit guest's
+/// address space).
+const MAX_POLICY_MEMORY_MB: usize = 4096;
+
+/// The least `journal.cache_bytes` the journal opens with.
+const MIN_CACHE_BYTES: u64 = 1 << 20;
+
+/// A provider's API key as read from the environment: trimmed (a key mounted from a
+/// secret file ends in a newline, which no header may carry), and refused when what
+/// is left could not be sent in a header (it would silently not be sent).
+fn api_key(p: &mut Problems, at: &str, raw: &str) -> Option<Secret> {
+    let key = raw.trim();
+    if key.is_empty() || !key.bytes().all(|b| b.is_ascii_graphic()) {
+        p.add(
+            at,
+            "the API key is empty or holds characters a header cannot carry (spaces, control or non-ASCII characters inside it)",
+        );
+        return None;
+    }
+    Some(Secret::new(key.to_owned()))
 }
 
 fn providers(raw: &raw::Config, env: &[(String, String)], p: &mut Problems) -> Vec<Provider> {
@@ -864,13 +896,14 @@ fn providers(raw: &raw::Config, env: &[(String, String)], p: &mut Problems) -> V
             let Some(key) = env_var(env, key_env) else {
                 continue;
             };
+            let api_key = api_key(p, &format!("({key_env})"), key);
             let base = env_var(env, base_env).unwrap_or(default_base);
             if let Some(base_url) = url(p, &format!("({base_env})"), base) {
                 out.push(Provider {
                     name: name.into(),
                     dialect,
                     base_url,
-                    api_key: Some(Secret::new(key.to_string())),
+                    api_key,
                     models: vec![ModelPattern::Any],
                     caps: Capabilities::permissive(),
                 });
@@ -903,7 +936,7 @@ fn providers(raw: &raw::Config, env: &[(String, String)], p: &mut Problems) -> V
         let api_key = match &rp.api_key_env {
             None => None,
             Some(var) => match env_var(env, var) {
-                Some(v) => Some(Secret::new(v.to_string())),
+                Some(v) => api_key(p, &at("api_key_env"), v),
                 None => {
                     p.add(
                         at("api_key_env"),
@@ -1077,10 +1110,19 @@ fn policies(raw: &raw::Policies, data_dir: &Path, p: &mut Problems) -> outrigger
             d.deadline,
             "every policy call would overrun its deadline",
         ),
-        memory_limit_bytes: raw
-            .memory_limit_mb
-            .map(|m| m << 20)
-            .unwrap_or(d.memory_limit_bytes),
+        memory_limit_bytes: match raw.memory_limit_mb {
+            Some(m) if (1..=MAX_POLICY_MEMORY_MB).contains(&m) => m << 20,
+            Some(m) => {
+                p.add(
+                    "policies.memory_limit_mb",
+                    format!(
+                        "{m} is out of range: 1 to {MAX_POLICY_MEMORY_MB} (a policy instance needs some memory to run at all, the built-ins included)"
+                    ),
+                );
+                d.memory_limit_bytes
+            }
+            None => d.memory_limit_bytes,
+        },
         max_retry_delay: {
             let max = positive_duration(
                 p,
@@ -1352,6 +1394,18 @@ fn tools(raw: &raw::Config, p: &mut Problems) -> Vec<Tool> {
             p.add(
                 at("probe_path"),
                 "a probe tool needs probe_path (e.g. \"/status/{key}\")",
+            );
+        }
+        // A probe sent to the wrong path reads a 404 as "it never happened" and
+        // executes the call again.
+        if let Some(path) = &rt.probe_path
+            && (!path.starts_with('/') || path.contains(['?', '#']) || !path.contains("{key}"))
+        {
+            p.add(
+                at("probe_path"),
+                format!(
+                    "{path:?} must be a path that starts with \"/\" and names the key, \"{{key}}\", with no query or fragment (e.g. \"/status/{{key}}\")"
+                ),
             );
         }
         let base_url = url(p, &at("base_url"), &rt.base_url);

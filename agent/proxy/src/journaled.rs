@@ -896,7 +896,7 @@ fn probed(status: StatusCode, h: &HeaderMap, bytes: Bytes) -> Probed {
 
 /// Percent-encodes what may not appear in an RFC 3986 path segment (`/`, `?`, `#`,
 /// `%`, spaces…), so any key stays one segment of the probe URL.
-fn encode_segment(s: &str) -> String {
+pub(crate) fn encode_segment(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for b in s.bytes() {
         let pchar = b.is_ascii_alphanumeric()

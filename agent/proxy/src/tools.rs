@@ -451,7 +451,14 @@ fn with_key(mut resp: Response<Body>, key: &IdempotencyKey) -> Response<Body> {
 }
 
 pub(crate) fn resolve_url(key: &IdempotencyKey) -> String {
-    format!("/v1/journal/{key}/resolve")
+    // The admin plane decodes the key: each of its `/`-separated parts is encoded
+    // (a `?`, `#` or `%` in a key would otherwise end the path or name another key).
+    let path: Vec<String> = key
+        .as_str()
+        .split('/')
+        .map(crate::journaled::encode_segment)
+        .collect();
+    format!("/v1/journal/{}/resolve", path.join("/"))
 }
 
 /// An HTTP tool call: problem documents for refusals, the tool's own answer
@@ -712,6 +719,12 @@ mod tests {
             &["is safe"],
         );
         assert_eq!(held["resolve_url"], "/v1/journal/payments/k/resolve");
+        // A key with what would end the path (or name another key) is encoded.
+        let odd = IdempotencyKey::new("payments/inv?7#%62").expect("a key");
+        assert_eq!(
+            resolve_url(&odd),
+            "/v1/journal/payments/inv%3F7%23%2562/resolve"
+        );
         check(
             "the probe answered 500 Internal Server Error",
             "in_doubt",

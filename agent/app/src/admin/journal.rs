@@ -153,7 +153,16 @@ async fn resolve(journal: &Journal, key: &str, body: &[u8]) -> Result<Response<B
     }
     let actor = doc["actor"].as_str().unwrap_or("admin-api");
     let stored = |default_status: u16| -> Result<StoredResponse, Problem> {
-        let status = doc["status"].as_u64().unwrap_or(u64::from(default_status));
+        // A status that is there but no integer is refused, not taken for the
+        // default: recorded as 500 (or 200), it would replay as something else.
+        let status = match &doc["status"] {
+            Value::Null => u64::from(default_status),
+            v => v.as_u64().ok_or_else(|| {
+                bad(format!(
+                    "status must be an HTTP status as a JSON integer (e.g. 409), not {v}"
+                ))
+            })?,
+        };
         let status = u16::try_from(status).map_err(|_| bad("status must be an HTTP status"))?;
         let body = match &doc["body"] {
             Value::Null => Bytes::new(),
@@ -301,6 +310,31 @@ fn percent_decode(s: &str, plus_is_space: bool) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A resolution whose status is not a JSON integer is refused before anything
+    /// is recorded, not taken for the default status.
+    #[tokio::test]
+    async fn a_status_that_is_no_integer_is_refused() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let (journal, writer, _) =
+            Journal::open(outrigger_journal::Options::new(dir.path())).expect("a journal");
+        let writer = tokio::spawn(writer.run());
+        for status in [r#""409""#, "404.0", "-1"] {
+            let body =
+                format!(r#"{{"action": "mark_failed", "status": {status}, "reason": "checked"}}"#);
+            let refused = resolve(&journal, "payments/k", body.as_bytes())
+                .await
+                .expect_err("refused");
+            assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{status}");
+            assert!(
+                refused.detail.contains("JSON integer"),
+                "{}",
+                refused.detail
+            );
+        }
+        drop(journal);
+        let _ = writer.await;
+    }
 
     #[test]
     fn decoding() {

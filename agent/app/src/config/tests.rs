@@ -250,6 +250,41 @@ probe_path = "/status/{key}"
     .unwrap_err();
     assert_eq!(paths(&err), ["tools[0].class"]);
     assert!(err.to_string().contains("MCP"), "{err}");
+    // A probe path that is not a path naming the key would probe the wrong place,
+    // and a 404 there executes the call again.
+    for bad in [
+        "status/{key}",
+        "/status?key={key}",
+        "/status/{key}#x",
+        "/status",
+    ] {
+        let err = load_str(
+            &format!(
+                "[[tools]]\nname = \"x\"\nkind = \"http\"\nbase_url = \"http://127.0.0.1:1/api/\"\nclass = \"probe\"\nprobe_path = {bad:?}\n"
+            ),
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(paths(&err), ["tools[0].probe_path"], "{bad}");
+    }
+}
+
+#[test]
+fn out_of_range_sizes_and_unsendable_api_keys_are_refused() {
+    let err = load_str("[journal]\ncache_bytes = 500000\n", &[]).unwrap_err();
+    assert_eq!(paths(&err), ["journal.cache_bytes"]);
+    for mb in ["0", "5000"] {
+        let err = load_str(&format!("[policies]\nmemory_limit_mb = {mb}\n"), &[]).unwrap_err();
+        assert_eq!(paths(&err), ["policies.memory_limit_mb"], "{mb}");
+    }
+    // A key mounted from a secret file ends in a newline: trimmed, and sent.
+    let env = [("OPENAI_API_KEY".to_string(), "sk-test\n".to_string())];
+    let c = load_str("", &env).unwrap();
+    let key = c.proxy.providers[0].api_key.as_ref().expect("a key");
+    assert_eq!(key.expose(), "sk-test");
+    let env = [("OPENAI_API_KEY".to_string(), "sk test".to_string())];
+    let err = load_str("", &env).unwrap_err();
+    assert_eq!(paths(&err), ["(OPENAI_API_KEY)"]);
 }
 
 #[test]
