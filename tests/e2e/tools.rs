@@ -1205,6 +1205,17 @@ async fn the_audit_cli_reads_directly_or_through_the_admin_api() {
     assert!(ok && out.contains("intact"), "{out}");
     let (ok, _, err) = run(&["list", "--state", "sideways"]);
     assert!(!ok && err.contains("unknown state"), "{err}");
+    // An export to a file that fails leaves the file an earlier one wrote as it was.
+    let file = e.sidecar.dir.path().join("export.jsonl");
+    let file_arg = file.to_string_lossy().into_owned();
+    let (ok, _, err) = run(&["export", "--tool", "payments", "--out", &file_arg]);
+    assert!(ok, "{err}");
+    let before = std::fs::read_to_string(&file).expect("the export");
+    assert_eq!(before.lines().count(), 3, "{before}");
+    let (ok, _, err) = run(&["export", "--state", "sideways", "--out", &file_arg]);
+    assert!(!ok && err.contains("unknown state"), "{err}");
+    assert_eq!(std::fs::read_to_string(&file).expect("kept"), before);
+    assert!(!e.sidecar.dir.path().join("export.jsonl.partial").exists());
 }
 
 /// Randomized concurrent workload with duplicate keys: the checker finds nothing

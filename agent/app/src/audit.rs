@@ -291,28 +291,55 @@ fn dispatch(cmd: Command) -> anyhow::Result<ExitCode> {
             filters,
             out,
         } => {
-            let mut sink: Box<dyn Write> = match &out {
-                Some(p) => Box::new(
+            // Written beside `--out` and renamed over it once whole: an export that
+            // fails (a wrong directory, a refused token, a page that broke off)
+            // leaves an earlier export at that path as it was.
+            let partial = out.as_ref().map(|p| {
+                let mut name = p.file_name().unwrap_or_default().to_os_string();
+                name.push(".partial");
+                p.with_file_name(name)
+            });
+            let mut sink: Box<dyn Write> = match &partial {
+                Some(p) => Box::new(std::io::BufWriter::new(
                     std::fs::File::create(p)
                         .with_context(|| format!("cannot create {}", p.display()))?,
-                ),
+                )),
                 None => Box::new(std::io::stdout().lock()),
             };
-            let n = match open(&common)? {
-                Source::Direct(a) => a.export(&to_filter(&filters)?, &mut sink)?,
-                source @ Source::Admin { .. } => {
-                    let mut n = 0;
-                    each_page(&source, &filters, |records| {
-                        for r in &records {
-                            writeln!(sink, "{}", serde_json::to_string(r)?)?;
-                        }
-                        n += records.len();
-                        Ok(())
+            let exported = (|| -> anyhow::Result<usize> {
+                let n = match open(&common)? {
+                    Source::Direct(a) => a.export(&to_filter(&filters)?, &mut sink)?,
+                    source @ Source::Admin { .. } => {
+                        let mut n = 0;
+                        each_page(&source, &filters, |records| {
+                            for r in &records {
+                                writeln!(sink, "{}", serde_json::to_string(r)?)?;
+                            }
+                            n += records.len();
+                            Ok(())
+                        })?;
+                        n
+                    }
+                };
+                sink.flush()?;
+                Ok(n)
+            })();
+            drop(sink);
+            let n = match (exported, &partial, &out) {
+                (Ok(n), Some(partial), Some(out)) => {
+                    std::fs::rename(partial, out).with_context(|| {
+                        format!("cannot move {} to {}", partial.display(), out.display())
                     })?;
                     n
                 }
+                (Ok(n), _, _) => n,
+                (Err(e), partial, _) => {
+                    if let Some(partial) = partial {
+                        let _ = std::fs::remove_file(partial);
+                    }
+                    return Err(e);
+                }
             };
-            sink.flush()?;
             eprintln!(
                 "exported {n} record(s){}",
                 out.map(|p| format!(" to {}", p.display()))
