@@ -271,6 +271,29 @@ async fn with_a_token_every_admin_route_but_health_needs_it() {
             r.text()
         );
     }
+    // A route asked with a method it does not answer says which it does.
+    let wrong: [(Method, &str, &str); 6] = [
+        (Method::POST, "/v1/policies", "GET"),
+        (Method::GET, "/v1/policies/reload", "POST"),
+        (Method::POST, "/v1/gpu", "GET"),
+        (Method::DELETE, "/v1/journal", "GET"),
+        (Method::POST, "/v1/journal/some-key", "GET"),
+        (Method::PUT, "/v1/journal/some-key/resolve", "GET, POST"),
+    ];
+    for (method, path, allow) in wrong {
+        let r = send(with(method.clone(), path, Some(&bearer), "")).await;
+        assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}");
+        assert_eq!(r.header("allow"), Some(allow), "{method} {path}");
+    }
+    for path in ["/healthz", "/readyz"] {
+        let r = send(with(Method::HEAD, path, None, "")).await;
+        assert!(
+            matches!(r.status, StatusCode::OK | StatusCode::SERVICE_UNAVAILABLE),
+            "HEAD {path}: {}",
+            r.status
+        );
+        assert!(r.body.is_empty(), "HEAD {path} has no body");
+    }
     let logs = sidecar.logs();
     assert!(!logs.contains(&token), "the admin token is in the log");
 }

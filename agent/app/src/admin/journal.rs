@@ -56,12 +56,11 @@ pub async fn handle(
             let key = decode_path(&r[1..]);
             show(journal, &key)
         }
-        _ => Err(Problem::new(
-            StatusCode::NOT_FOUND,
-            "no-route",
-            "No such journal route",
-            "Use GET /v1/journal, GET /v1/journal/{key} or POST /v1/journal/{key}/resolve.",
-        )),
+        // Every other path under /v1/journal is a route; its method is not.
+        (_, r) if r.ends_with("/resolve") && r.len() > "/resolve".len() + 1 => {
+            Ok(super::method_not_allowed("GET, POST"))
+        }
+        _ => Ok(super::method_not_allowed("GET")),
     };
     result.unwrap_or_else(Problem::into_response)
 }

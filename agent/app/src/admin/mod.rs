@@ -148,6 +148,8 @@ impl Admin {
                 return json_response(StatusCode::OK, &json!(*snap));
             }
             (_, "/v1/slo") => return tasks::slo(&self.slos, &method),
+            (_, "/v1/policies" | "/v1/gpu") => return method_not_allowed("GET"),
+            (_, "/v1/policies/reload") => return method_not_allowed("POST"),
             _ => {}
         }
         if path == "/v1/tasks" || path.starts_with("/v1/tasks/") {
@@ -170,14 +172,7 @@ impl Admin {
                     Ok(body) => self.faults.set(self.journal.as_ref(), &body),
                     Err(problem) => problem.into_response(),
                 },
-                _ => Problem::new(
-                    StatusCode::METHOD_NOT_ALLOWED,
-                    "method-not-allowed",
-                    "Method not allowed",
-                    "Use GET or POST.",
-                )
-                .header(header::ALLOW, HeaderValue::from_static("GET, POST"))
-                .into_response(),
+                _ => method_not_allowed("GET, POST"),
             };
         }
         if path == "/v1/journal" || path.starts_with("/v1/journal/") {
@@ -188,9 +183,12 @@ impl Admin {
             };
             return journal::handle(self.journal.as_ref(), &method, &path, &query, body).await;
         }
+        // A `HEAD` is answered as its `GET` (hyper leaves out the body).
         match (method, path.as_str()) {
-            (Method::GET, "/healthz") => json_response(StatusCode::OK, &json!({"status": "ok"})),
-            (Method::GET, "/readyz") => {
+            (Method::GET | Method::HEAD, "/healthz") => {
+                json_response(StatusCode::OK, &json!({"status": "ok"}))
+            }
+            (Method::GET | Method::HEAD, "/readyz") => {
                 let (mut ready, mut reasons) = self.readiness.check();
                 if self
                     .journal
@@ -228,14 +226,8 @@ impl Admin {
                 );
                 resp
             }
-            (_, "/healthz" | "/readyz" | "/metrics") => Problem::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                "method-not-allowed",
-                "Method not allowed",
-                format!("{path} only answers GET."),
-            )
-            .header(header::ALLOW, HeaderValue::from_static("GET"))
-            .into_response(),
+            (_, "/healthz" | "/readyz") => method_not_allowed("GET, HEAD"),
+            (_, "/metrics") => method_not_allowed("GET"),
             _ => Problem::new(
                 StatusCode::NOT_FOUND,
                 "no-route",
@@ -340,6 +332,18 @@ pub fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<
         HeaderValue::from_static("application/json"),
     );
     resp
+}
+
+/// `405` for a route that answers other methods (`allowed`, also sent as `Allow`).
+pub(crate) fn method_not_allowed(allowed: &'static str) -> Response<Body> {
+    Problem::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method-not-allowed",
+        "Method not allowed",
+        format!("Use {allowed}."),
+    )
+    .header(header::ALLOW, HeaderValue::from_static(allowed))
+    .into_response()
 }
 
 #[cfg(test)]

@@ -22,6 +22,8 @@ use outrigger_proxy::problem::Problem;
 use outrigger_proxy::tasks::{self, TaskOutcome, Tasks};
 use outrigger_telemetry::slo::Slos;
 use outrigger_types::TaskId;
+
+use super::method_not_allowed;
 use serde::Deserialize;
 use serde_json::json;
 
@@ -216,17 +218,6 @@ fn unknown(id: &TaskId) -> Response<Body> {
         "Unknown task",
         format!("No task {id} is known: it never made a call through this sidecar, or it ended longer ago than tasks.retention."),
     )
-    .into_response()
-}
-
-fn method_not_allowed(allowed: &'static str) -> Response<Body> {
-    Problem::new(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "method-not-allowed",
-        "Method not allowed",
-        format!("Use {allowed}."),
-    )
-    .header(http::header::ALLOW, http::HeaderValue::from_static(allowed))
     .into_response()
 }
 
