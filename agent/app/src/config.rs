@@ -711,7 +711,18 @@ fn validate(
     Some(Config {
         data_addr,
         admin_addr,
-        workers: raw.listen.workers.unwrap_or(0),
+        workers: match raw.listen.workers {
+            Some(n) if n > MAX_WORKERS => {
+                p.add(
+                    "listen.workers",
+                    format!(
+                        "{n} is more than {MAX_WORKERS} worker threads; use 0 for one per core"
+                    ),
+                );
+                0
+            }
+            n => n.unwrap_or(0),
+        },
         admin_token,
         data_dir,
         journal,
@@ -850,6 +861,9 @@ fn journal_options(
         ..d
     }
 }
+
+/// The most data-plane worker threads `listen.workers` may ask for.
+const MAX_WORKERS: usize = 1024;
 
 /// The most memory one policy instance may be given (4 GiB: a 32-bit guest's
 /// address space).
@@ -1253,14 +1267,21 @@ fn budget(raw: &raw::Budget, providers: &[Provider], p: &mut Problems) -> popts:
         }
     });
     let wall = raw.wall_clock.as_ref().map(|_| {
-        positive_duration(
+        let wall = positive_duration(
             p,
             "budget.wall_clock",
             &raw.wall_clock,
             Duration::ZERO,
             "every task would be over its budget at its first call; leave it unset for no limit",
-        )
-        .as_millis() as u64
+        );
+        // Budgets count whole milliseconds: less would be a limit of 0.
+        if !wall.is_zero() && wall < Duration::from_millis(1) {
+            p.add(
+                "budget.wall_clock",
+                format!("{wall:?} is under a millisecond, the unit task budgets count in"),
+            );
+        }
+        u64::try_from(wall.as_millis()).unwrap_or(u64::MAX)
     });
     for (i, m) in raw.downgrade_models.iter().enumerate() {
         if !providers
@@ -1296,7 +1317,9 @@ fn gpu(raw: &raw::Gpu, p: &mut Problems) -> outrigger_gpu::Options {
             toml::Value::String(s) if s.starts_with("GPU-") || s.starts_with("MIG-") => {
                 uuids.push(s.clone())
             }
-            toml::Value::Integer(n) if *n >= 0 => indices.push(*n as u32),
+            toml::Value::Integer(n) if u32::try_from(*n).is_ok() => {
+                indices.push(u32::try_from(*n).unwrap_or_default());
+            }
             other => p.add(
                 format!("gpu.watch[{i}]"),
                 format!(

@@ -270,6 +270,20 @@ probe_path = "/status/{key}"
 }
 
 #[test]
+fn out_of_range_counts_and_durations_are_refused() {
+    for (toml, path) in [
+        ("[listen]\nworkers = 100000\n", "listen.workers"),
+        ("[gpu]\nwatch = [4294967296]\n", "gpu.watch[0]"),
+        ("[budget]\nwall_clock = \"500us\"\n", "budget.wall_clock"),
+    ] {
+        let err = load_str(toml, &[]).unwrap_err();
+        assert_eq!(paths(&err), [path], "{toml}");
+    }
+    assert!(load_str("[gpu]\nwatch = [4294967295]\n", &[]).is_ok());
+    assert!(load_str("[budget]\nwall_clock = \"1ms\"\n", &[]).is_ok());
+}
+
+#[test]
 fn out_of_range_sizes_and_unsendable_api_keys_are_refused() {
     let err = load_str("[journal]\ncache_bytes = 500000\n", &[]).unwrap_err();
     assert_eq!(paths(&err), ["journal.cache_bytes"]);
