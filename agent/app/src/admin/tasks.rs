@@ -62,7 +62,8 @@ pub async fn handle(
         Some((id, action)) => (id, Some(action)),
         None => (rest, None),
     };
-    let id = match TaskId::new(id) {
+    // Percent-decoded, as journal keys are: a client library encodes `:` and the like.
+    let id = match TaskId::new(super::journal::decode_path(id)) {
         Ok(id) => id,
         Err(e) => {
             return Problem::new(
@@ -224,6 +225,25 @@ fn unknown(id: &TaskId) -> Response<Body> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A task id in the path is percent-decoded, as a client library encodes it.
+    #[tokio::test]
+    async fn an_encoded_task_id_names_the_task() {
+        let tasks = Tasks::open(
+            tasks::TasksOptions::default(),
+            None,
+            outrigger_telemetry::Metrics::new(),
+            None,
+            SystemTime::now(),
+        )
+        .expect("a tracker");
+        let id = TaskId::new("run:1").expect("an id");
+        tasks.touch(&id, "req-1", SystemTime::now());
+        for path in ["/v1/tasks/run:1", "/v1/tasks/run%3A1"] {
+            let resp = handle(Some(&tasks), &Method::GET, path, Bytes::new()).await;
+            assert_eq!(resp.status(), StatusCode::OK, "{path}");
+        }
+    }
 
     #[test]
     fn end_bodies() {
