@@ -51,11 +51,18 @@ const LEGACY_CALL: u64 = 999;
 /// `prompt_tokens` counts cached tokens in). `None` without `input_tokens`.
 pub(crate) fn anthropic_input(usage: &Value) -> Option<u64> {
     let input = usage["input_tokens"].as_u64()?;
-    Some(
-        input
-            .saturating_add(usage["cache_read_input_tokens"].as_u64().unwrap_or(0))
-            .saturating_add(usage["cache_creation_input_tokens"].as_u64().unwrap_or(0)),
-    )
+    Some(with_cache(
+        input,
+        usage["cache_read_input_tokens"].as_u64(),
+        usage["cache_creation_input_tokens"].as_u64(),
+    ))
+}
+
+/// Anthropic's `input_tokens` with what the prompt cache read and wrote.
+pub(crate) fn with_cache(input: u64, read: Option<u64>, created: Option<u64>) -> u64 {
+    input
+        .saturating_add(read.unwrap_or(0))
+        .saturating_add(created.unwrap_or(0))
 }
 
 /// The largest choice index whose block keys (`index * 1_000 + call`) fit in a `u64`.

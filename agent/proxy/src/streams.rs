@@ -441,7 +441,9 @@ impl Registry {
         }
     }
 
-    fn remove(&self, live: &Live) {
+    /// Ends `live` (its clients see the end) and takes it out of the registry.
+    fn close(&self, live: &Live) {
+        live.finish();
         if let Ok(mut m) = self.live.lock()
             && m.get(&live.key).is_some_and(|l| l.attempt == live.attempt)
         {
@@ -576,8 +578,7 @@ impl Starting {
                 let ev = interruption_event(self.dialect, reason);
                 live.push([closing(self.attempt, &ev)]);
             }
-            live.finish();
-            self.shared.streams.remove(&live);
+            self.shared.streams.close(&live);
             live.release_start();
         }
     }
@@ -712,8 +713,6 @@ struct Producer {
     at_start: bool,
     /// The generation's interruption event is in the hub.
     interrupted: bool,
-    /// The hub is finished and out of the registry.
-    closed: bool,
 }
 
 /// Why a generation ends whose producer stopped without ending it (it panicked, or
@@ -721,13 +720,13 @@ struct Producer {
 const PRODUCER_STOPPED: &str = "the sidecar stopped generating this stream";
 
 impl Drop for Producer {
-    /// A producer that stops before [`Producer::finish`] has closed the hub (a panic
+    /// A producer that stops before [`Producer::finish`] has finished the hub (a panic
     /// on what the upstream sent, the runtime stopping) still ends the generation:
     /// its clients get the typed error event instead of waiting for ever, the key
     /// leaves the registry, and the attempt is recorded abandoned, so that a repeat
     /// generates afresh.
     fn drop(&mut self) {
-        if self.closed {
+        if self.live.is_finished() {
             return;
         }
         let live = self.live.clone();
@@ -736,8 +735,7 @@ impl Drop for Producer {
             let ev = interruption_event(live.dialect, PRODUCER_STOPPED);
             live.push([closing(live.attempt, &ev)]);
         }
-        live.finish();
-        self.shared.streams.remove(&live);
+        self.shared.streams.close(&live);
         if self.end_recorded {
             return;
         }
@@ -813,7 +811,6 @@ impl Producer {
             held: None,
             at_start: true,
             interrupted: false,
-            closed: false,
         }
     }
 
@@ -1123,9 +1120,7 @@ impl Producer {
         {
             tracing::warn!(key = %live.key, error = %e, "could not record the end of a stream");
         }
-        live.finish();
-        self.shared.streams.remove(&live);
-        self.closed = true;
+        self.shared.streams.close(&live);
         let outcome = match &ended {
             Ended::Completed => Ok(()),
             Ended::Failed => Err("the provider reported an error"),

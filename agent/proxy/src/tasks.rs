@@ -1019,14 +1019,9 @@ impl Tasks {
         outcome: TaskOutcome,
         now: SystemTime,
     ) -> Result<TaskReport, Error> {
-        let at = Timestamp::from_system(now);
-        match self.side_effects_if_open(id)? {
-            Open::Ended(task) => Ok(self.report(*task, at)),
-            Open::Open(side_effects) => self
-                .close(id, outcome, at, side_effects, None)
-                .await?
-                .ok_or_else(|| Error::UnknownTask(id.clone())),
-        }
+        self.end_if(id, outcome, now, None)
+            .await?
+            .ok_or_else(|| Error::UnknownTask(id.clone()))
     }
 
     /// Ends a task the sweep found idle, if it still is when it is closed: a call
@@ -1037,19 +1032,23 @@ impl Tasks {
         now: SystemTime,
         idle_timeout: Duration,
     ) -> Result<Option<TaskReport>, Error> {
+        self.end_if(id, TaskOutcome::IdleTimeout, now, Some(idle_timeout))
+            .await
+    }
+
+    /// [`Tasks::end`], only if the task is still idle for `idle_for` when given
+    /// (see [`Tasks::close`]).
+    async fn end_if(
+        &self,
+        id: &TaskId,
+        outcome: TaskOutcome,
+        now: SystemTime,
+        idle_for: Option<Duration>,
+    ) -> Result<Option<TaskReport>, Error> {
         let at = Timestamp::from_system(now);
         match self.side_effects_if_open(id)? {
             Open::Ended(task) => Ok(Some(self.report(*task, at))),
-            Open::Open(side_effects) => {
-                self.close(
-                    id,
-                    TaskOutcome::IdleTimeout,
-                    at,
-                    side_effects,
-                    Some(idle_timeout),
-                )
-                .await
-            }
+            Open::Open(side_effects) => self.close(id, outcome, at, side_effects, idle_for).await,
         }
     }
 

@@ -36,8 +36,11 @@ impl Answer {
                 usage: usage
                     .prompt_tokens
                     .or(usage.input_tokens.map(|i| {
-                        i.saturating_add(usage.cache_read_input_tokens.unwrap_or(0))
-                            .saturating_add(usage.cache_creation_input_tokens.unwrap_or(0))
+                        crate::events::with_cache(
+                            i,
+                            usage.cache_read_input_tokens,
+                            usage.cache_creation_input_tokens,
+                        )
                     }))
                     .zip(usage.completion_tokens.or(usage.output_tokens)),
                 calls: Vec::new(),
