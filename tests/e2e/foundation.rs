@@ -411,3 +411,104 @@ async fn admin_plane_serves_health_and_metrics() {
         StatusCode::NOT_FOUND
     );
 }
+
+/// Kills a child process when dropped, so a failed assertion leaves none behind.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The admin plane answers from the moment its port is bound. A second sidecar on a
+/// journal the first one holds waits for the lock (`[journal] lock_wait`): meanwhile
+/// `/healthz` is up, `/readyz` says what it waits for, and the other routes say it
+/// is starting. Once the first exits, the second opens the journal and serves.
+#[tokio::test]
+async fn the_admin_plane_answers_while_start_up_waits_for_the_journal_lock() {
+    let mut first = Sidecar::start("", &[]).await;
+    let data_dir = first.dir.path().join("data");
+    let admin_port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let config = dir.path().join("outrigger.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[listen]\ndata = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:{admin_port}\"\n\
+             [journal]\ndir = {:?}\nlock_wait = \"60s\"\n",
+            data_dir.display().to_string()
+        ),
+    )
+    .expect("write config");
+    let ready_file = dir.path().join("ready.json");
+    let log = dir.path().join("outrigger.log");
+    let second = Reaped(
+        std::process::Command::new(outrigger_bin())
+            .arg("serve")
+            .arg("--config")
+            .arg(&config)
+            .arg("--ready-file")
+            .arg(&ready_file)
+            .env_remove("OPENAI_API_KEY")
+            .env_remove("ANTHROPIC_API_KEY")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("spawn outrigger"),
+    );
+    let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+    let admin = |path: &str| format!("http://127.0.0.1:{admin_port}{path}");
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let ready = loop {
+        if let Some(r) = try_get(&admin("/readyz")).await
+            && r.text().contains("locked by another process")
+        {
+            break r;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the waiting sidecar's readiness never named the lock:\n{}",
+            logs()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(ready.json()["ready"], false);
+    assert!(
+        ready.json()["reasons"][0]
+            .as_str()
+            .is_some_and(|r| r.starts_with("starting: the journal") && r.contains("lock_wait")),
+        "{}",
+        ready.text()
+    );
+    let health = get(&admin("/healthz")).await;
+    assert_eq!(health.status, StatusCode::OK, "{}", health.text());
+    let journal = get(&admin("/v1/journal")).await;
+    assert_eq!(journal.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(journal.json()["type"], "urn:outrigger:problem:starting");
+    assert_eq!(journal.header("retry-after"), Some("1"));
+    assert!(
+        !ready_file.exists(),
+        "not started while the journal is held"
+    );
+
+    first.sigterm();
+    assert!(first.wait_exit(Duration::from_secs(30)).await.success());
+    assert!(
+        eventually(Duration::from_secs(30), || ready_file.exists()).await,
+        "started once the lock was let go:\n{}",
+        logs()
+    );
+    let ready = get(&admin("/readyz")).await;
+    assert_eq!(ready.status, StatusCode::OK, "{}", ready.text());
+    let journal = get(&admin("/v1/journal?view=stats")).await;
+    assert_eq!(journal.status, StatusCode::OK, "{}", journal.text());
+    drop(second);
+}

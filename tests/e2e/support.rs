@@ -294,6 +294,22 @@ pub async fn get(url: &str) -> Reply {
     send(request(Method::GET, url, &[], Bytes::new())).await
 }
 
+/// A GET that may find nothing listening yet.
+pub async fn try_get(url: &str) -> Option<Reply> {
+    let req = request(Method::GET, url, &[], Bytes::new());
+    let resp = tokio::time::timeout(Duration::from_secs(5), client().request(req))
+        .await
+        .ok()?
+        .ok()?;
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.ok()?.to_bytes();
+    Some(Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    })
+}
+
 /// Opens a request and returns the response head with the body still streaming.
 pub async fn open(req: Request<Full<Bytes>>) -> http::Response<Incoming> {
     tokio::time::timeout(Duration::from_secs(30), client().request(req))

@@ -54,6 +54,9 @@ pub struct Config {
     pub journal: outrigger_journal::Options,
     /// `[journal] on_corrupt`.
     pub on_corrupt: OnCorrupt,
+    /// `[journal] lock_wait`: how long start-up waits for a journal another process
+    /// holds locked before it goes on without one.
+    pub journal_lock_wait: Duration,
     pub proxy: popts::Options,
     pub policies: outrigger_policy::Options,
     pub gpu: outrigger_gpu::Options,
@@ -404,6 +407,17 @@ fn env_var<'a>(env: &'a [(String, String)], name: &str) -> Option<&'a str> {
         .filter(|v| !v.is_empty())
 }
 
+/// Whether two listeners would fight over one port: the same port (not 0, which
+/// picks a free one) on the same address, or where one is the unspecified address of
+/// its family and covers the other (`[::]` covers IPv4 too, as Linux binds it
+/// dual-stack by default).
+fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
+    let covers = |any: SocketAddr, other: SocketAddr| {
+        any.ip().is_unspecified() && (any.is_ipv6() || other.is_ipv4())
+    };
+    a.port() == b.port() && a.port() != 0 && (a.ip() == b.ip() || covers(a, b) || covers(b, a))
+}
+
 pub(crate) fn duration(
     p: &mut Problems,
     path: &str,
@@ -498,10 +512,13 @@ fn validate(
 ) -> Option<Config> {
     let data_addr = addr(p, "listen.data", &raw.listen.data, "127.0.0.1:7070");
     let admin_addr = addr(p, "listen.admin", &raw.listen.admin, "127.0.0.1:7071");
-    if data_addr == admin_addr && data_addr.port() != 0 {
+    if overlap(data_addr, admin_addr) {
         p.add(
             "listen.admin",
-            "the admin plane must not share the data plane's address",
+            format!(
+                "{admin_addr} and listen.data's {data_addr} cannot both be bound: the admin \
+                 plane needs a port of its own"
+            ),
         );
     }
     let admin_token = admin_token(raw.admin.token.as_deref(), p);
@@ -533,6 +550,12 @@ fn validate(
             OnCorrupt::FailClosed
         }
     };
+    let journal_lock_wait = duration(
+        p,
+        "journal.lock_wait",
+        &raw.journal.lock_wait,
+        Duration::from_secs(60),
+    );
 
     let limits = Limits {
         max_body_bytes: raw.limits.max_body_bytes.unwrap_or(8 << 20),
@@ -727,6 +750,7 @@ fn validate(
         data_dir,
         journal,
         on_corrupt,
+        journal_lock_wait,
         proxy,
         policies,
         gpu,

@@ -66,6 +66,36 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
     let data_addr = data.local_addr()?;
     let admin_addr = admin.local_addr()?;
 
+    // The admin plane answers from here on: while the journal opens (or waits for
+    // another process's lock on it) and policies compile, `/healthz` is up and
+    // `/readyz` says what start-up waits for.
+    let plane = Arc::new(crate::admin::Plane::starting(
+        readiness.clone(),
+        config.admin_token.clone(),
+    ));
+    let (admin_stop_tx, admin_stop_rx) = watch::channel(false);
+    // Probes and operators get the data plane's read limit; a slow reader of the
+    // admin plane holds nothing upstream.
+    let admin_limits = outrigger_proxy::server::ConnLimits {
+        write_stall: None,
+        read: Some(config.proxy.limits.client_read_timeout),
+    };
+    let admin_task = tokio::spawn(serve_with_limits(
+        admin,
+        {
+            let plane = plane.clone();
+            move |req, peer| {
+                let plane = plane.clone();
+                async move { plane.handle(req, peer).await }
+            }
+        },
+        wait_for(admin_stop_rx),
+        std::time::Duration::from_secs(1),
+        admin_limits,
+        None,
+        std::future::ready(()),
+    ));
+
     for p in &config.proxy.providers {
         tracing::info!(
             provider = %p.name,
@@ -82,8 +112,15 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
         );
     }
 
-    let journal = open_journal(&config.journal, config.on_corrupt, &readiness).await;
+    let journal = open_journal(
+        &config.journal,
+        config.on_corrupt,
+        config.journal_lock_wait,
+        &readiness,
+    )
+    .await;
 
+    readiness.set_phase("loading the policies");
     let policy_options = config.policies.clone();
     let registry = tokio::task::spawn_blocking(move || crate::policies::start(policy_options))
         .await
@@ -157,7 +194,6 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
     });
 
     let (drain_tx, drain_rx) = watch::channel(false);
-    let (admin_stop_tx, admin_stop_rx) = watch::channel(false);
 
     let conn_limits = outrigger_proxy::server::ConnLimits {
         write_stall: Some(config.proxy.limits.client_stall_timeout),
@@ -180,25 +216,7 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
         Some(workers),
         detached,
     ));
-    // Probes and operators get the same read limit; a slow reader of the admin plane
-    // holds nothing upstream.
-    let admin_limits = outrigger_proxy::server::ConnLimits {
-        write_stall: None,
-        ..conn_limits
-    };
-    let admin_task = tokio::spawn(serve_with_limits(
-        admin,
-        move |req, peer| {
-            let admin = admin_state.clone();
-            async move { admin.handle(req, peer).await }
-        },
-        wait_for(admin_stop_rx),
-        std::time::Duration::from_secs(1),
-        admin_limits,
-        None,
-        std::future::ready(()),
-    ));
-
+    plane.serve(admin_state);
     readiness.started.store(true, Ordering::Release);
     tracing::info!(data = %data_addr, admin = %admin_addr, source = %config.source, "outrigger ready");
     if let Some(path) = &args.ready_file {
@@ -357,27 +375,37 @@ fn follow_gpu(
     });
 }
 
-/// How long a start-up waits for a journal another process holds (an `outrigger
-/// journal` command holding its lock while it copies the journal, or a previous
-/// sidecar still exiting) before it goes on without one.
-const LOCKED_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 const LOCKED_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
-/// Calls `attempt` again while it answers `Locked`, for up to `wait`.
-async fn retry_locked<T>(
+/// Calls `attempt` again while it answers `Locked`, for up to `wait` (`[journal]
+/// lock_wait`: an `outrigger journal` command holding the lock while it copies the
+/// journal, or a previous sidecar still exiting), saying so on `/readyz`.
+async fn retry_locked<T, F>(
     wait: std::time::Duration,
     pause: std::time::Duration,
-    mut attempt: impl FnMut() -> Result<T, outrigger_journal::Error>,
-) -> Result<T, outrigger_journal::Error> {
+    readiness: &Readiness,
+    mut attempt: impl FnMut() -> F,
+) -> Result<T, outrigger_journal::Error>
+where
+    F: std::future::Future<Output = Result<T, outrigger_journal::Error>>,
+{
     let started = std::time::Instant::now();
     let mut warned = false;
     loop {
-        match attempt() {
+        match attempt().await {
             Err(outrigger_journal::Error::Locked { dir }) if started.elapsed() < wait => {
                 if !warned {
                     tracing::warn!(dir = %dir.display(),
                         "the journal is locked by another process (an `outrigger journal` command, \
-                         or a sidecar still exiting): trying again for up to {wait:?}");
+                         or a sidecar still exiting): trying again for up to {wait:?} \
+                         ([journal] lock_wait)");
+                    readiness.set_phase(format!(
+                        "the journal {} is locked by another process (an `outrigger journal` \
+                         command, or a sidecar still exiting); waiting up to {} for it \
+                         ([journal] lock_wait)",
+                        dir.display(),
+                        humantime::format_duration(wait)
+                    ));
                     warned = true;
                 }
                 tokio::time::sleep(pause).await;
@@ -385,6 +413,16 @@ async fn retry_locked<T>(
             other => return other,
         }
     }
+}
+
+/// Runs a journal call that reads or moves files off the async threads, so that the
+/// admin plane keeps answering while a large journal opens.
+async fn blocking<T: Send + 'static>(
+    call: impl FnOnce() -> Result<T, outrigger_journal::Error> + Send + 'static,
+) -> Result<T, outrigger_journal::Error> {
+    tokio::task::spawn_blocking(call)
+        .await
+        .unwrap_or_else(|e| Err(outrigger_journal::Error::Storage(e.to_string())))
 }
 
 /// Opens the journal and starts its writer and its retention sweeper. A journal that
@@ -398,11 +436,16 @@ async fn retry_locked<T>(
 async fn open_journal(
     options: &outrigger_journal::Options,
     on_corrupt: OnCorrupt,
+    lock_wait: std::time::Duration,
     readiness: &Arc<Readiness>,
 ) -> Option<outrigger_journal::Journal> {
     use outrigger_journal::{Error, Journal};
-    let open = || Journal::open(options.clone());
-    let opened = match retry_locked(LOCKED_WAIT, LOCKED_PAUSE, open).await {
+    readiness.set_phase(format!("opening the journal {}", options.dir.display()));
+    let open = || {
+        let options = options.clone();
+        blocking(move || Journal::open(options))
+    };
+    let opened = match retry_locked(lock_wait, LOCKED_PAUSE, readiness, open).await {
         Err(e @ Error::Corrupt { .. }) if on_corrupt == OnCorrupt::FailClosed => {
             tracing::error!(error = %e,
                 "the journal is corrupt: it is left as it is, and side-effecting tool calls are \
@@ -419,13 +462,17 @@ async fn open_journal(
                 "the journal is corrupt: moving it aside and starting a fresh one \
                  ([journal] on_corrupt = \"quarantine\"); every call it knew is unknown to \
                  the new journal, so an agent's retry of one executes again");
-            match retry_locked(LOCKED_WAIT, LOCKED_PAUSE, || Journal::quarantine(&dir)).await {
+            let quarantine = || {
+                let dir = dir.clone();
+                blocking(move || Journal::quarantine(&dir))
+            };
+            match retry_locked(lock_wait, LOCKED_PAUSE, readiness, quarantine).await {
                 Ok(moved) => {
                     tracing::error!(quarantined = %moved.display(),
                         "journal quarantined: review the calls it knew with `outrigger journal \
                          list --journal-dir {0}` and `outrigger journal verify --journal-dir {0}`",
                         moved.display());
-                    retry_locked(LOCKED_WAIT, LOCKED_PAUSE, open).await
+                    retry_locked(lock_wait, LOCKED_PAUSE, readiness, open).await
                 }
                 Err(e) => Err(e),
             }
@@ -434,6 +481,19 @@ async fn open_journal(
     };
     let (journal, writer, recovery) = match opened {
         Ok(o) => o,
+        Err(e @ Error::Locked { .. }) => {
+            tracing::error!(error = %e, wait = ?lock_wait,
+                "the journal is still locked by another process: going on without it; \
+                 side-effecting calls will be refused until the sidecar restarts");
+            if let Ok(mut problem) = readiness.journal_problem.lock() {
+                *problem = Some(format!(
+                    "still locked by another process after {} ([journal] lock_wait); \
+                     side-effecting tool calls are refused until the sidecar restarts. {e}",
+                    humantime::format_duration(lock_wait)
+                ));
+            }
+            return None;
+        }
         Err(e) => {
             tracing::error!(error = %e, "the journal cannot be opened: side-effecting calls will be refused");
             return None;
@@ -569,6 +629,7 @@ mod tests {
     use outrigger_journal::Error;
 
     use super::retry_locked;
+    use crate::admin::Readiness;
 
     fn locked() -> Error {
         Error::Locked {
@@ -578,22 +639,38 @@ mod tests {
 
     #[tokio::test]
     async fn a_locked_journal_is_tried_again_for_a_bounded_time() {
+        let readiness = Readiness::default();
         let mut calls = 0;
-        let opened = retry_locked(Duration::from_secs(5), Duration::from_millis(1), || {
-            calls += 1;
-            if calls < 3 { Err(locked()) } else { Ok(calls) }
-        })
+        let opened = retry_locked(
+            Duration::from_secs(5),
+            Duration::from_millis(1),
+            &readiness,
+            || {
+                calls += 1;
+                std::future::ready(if calls < 3 { Err(locked()) } else { Ok(calls) })
+            },
+        )
         .await;
         assert_eq!(opened.ok(), Some(3), "opened once the lock was let go");
+        let (ready, reasons) = readiness.check();
+        assert!(!ready);
+        assert!(
+            reasons[0].starts_with("starting: the journal j is locked by another process"),
+            "{reasons:?}"
+        );
 
         let mut calls = 0;
         let started = std::time::Instant::now();
-        let opened: Result<(), Error> =
-            retry_locked(Duration::from_millis(50), Duration::from_millis(5), || {
+        let opened: Result<(), Error> = retry_locked(
+            Duration::from_millis(50),
+            Duration::from_millis(5),
+            &readiness,
+            || {
                 calls += 1;
-                Err(locked())
-            })
-            .await;
+                std::future::ready(Err(locked()))
+            },
+        )
+        .await;
         assert!(matches!(opened, Err(Error::Locked { .. })));
         assert!(calls > 1, "tried again");
         assert!(
@@ -602,12 +679,16 @@ mod tests {
         );
 
         let mut calls = 0;
-        let opened: Result<(), Error> =
-            retry_locked(Duration::from_secs(5), Duration::from_millis(1), || {
+        let opened: Result<(), Error> = retry_locked(
+            Duration::from_secs(5),
+            Duration::from_millis(1),
+            &readiness,
+            || {
                 calls += 1;
-                Err(Error::Storage("disk".into()))
-            })
-            .await;
+                std::future::ready(Err(Error::Storage("disk".into())))
+            },
+        )
+        .await;
         assert!(matches!(opened, Err(Error::Storage(_))));
         assert_eq!(calls, 1, "only a lock is waited for");
     }

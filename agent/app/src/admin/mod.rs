@@ -28,6 +28,8 @@ pub use journal::{MAX_PAGE, filter_from, parse_time};
 #[derive(Debug, Default)]
 pub struct Readiness {
     pub started: AtomicBool,
+    /// What start-up is doing while `started` is false.
+    pub phase: std::sync::Mutex<String>,
     pub draining: AtomicBool,
     /// Set while the journal is open and its writer runs.
     pub journal: AtomicBool,
@@ -40,11 +42,26 @@ pub struct Readiness {
 }
 
 impl Readiness {
+    /// Says what start-up is doing now (`/readyz` reports it until started).
+    pub fn set_phase(&self, phase: impl Into<String>) {
+        if let Ok(mut p) = self.phase.lock() {
+            *p = phase.into();
+        }
+    }
+
     /// The verdict and the reasons it is not ready, if any.
     pub fn check(&self) -> (bool, Vec<String>) {
         let mut reasons = Vec::new();
         if !self.started.load(Ordering::Acquire) {
-            reasons.push("starting".to_string());
+            let phase = self.phase.lock().map(|p| p.clone()).unwrap_or_default();
+            reasons.push(if phase.is_empty() {
+                "starting".to_string()
+            } else {
+                format!("starting: {phase}")
+            });
+            // The journal and the policies are not up yet by design; what start-up
+            // does now says more than their flags.
+            return (false, reasons);
         }
         if self.draining.load(Ordering::Acquire) {
             reasons.push("draining: shutting down".to_string());
@@ -241,40 +258,113 @@ impl Admin {
     }
 
     fn authorize<B>(&self, req: &Request<B>, peer: SocketAddr) -> Option<Problem> {
-        let mutating = !matches!(*req.method(), Method::GET | Method::HEAD);
-        if mutating && !is_loopback(peer) {
-            return Some(Problem::new(
-                StatusCode::FORBIDDEN,
-                "admin-loopback-only",
-                "Loopback only",
-                "Routes that change state are only served to clients on the same host (loopback).",
-            ));
+        authorize(self.token.as_ref(), req, peer)
+    }
+}
+
+/// The admin plane from the moment its port is bound: while the sidecar starts (the
+/// journal opening, or waiting for another process's lock on it; policies
+/// compiling) it answers `/healthz` and `/readyz` (not ready: `starting`, and why),
+/// and every other route `503 starting` after the same authorization; once started,
+/// every route is the [`Admin`]'s.
+pub struct Plane {
+    readiness: Arc<Readiness>,
+    token: Option<Secret>,
+    serving: std::sync::OnceLock<Arc<Admin>>,
+}
+
+impl Plane {
+    pub fn starting(readiness: Arc<Readiness>, token: Option<Secret>) -> Self {
+        Self {
+            readiness,
+            token,
+            serving: std::sync::OnceLock::new(),
         }
-        let token = self.token.as_ref()?;
-        let presented = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                // The scheme is case-insensitive (RFC 9110 §11.1).
-                let (scheme, token) = v.split_once(' ')?;
-                scheme
-                    .eq_ignore_ascii_case("bearer")
-                    .then_some(token.trim())
-            });
-        if presented.is_some_and(|p| constant_time_eq(p.as_bytes(), token.expose().as_bytes())) {
-            None
-        } else {
-            Some(
+    }
+
+    /// Hands every route to `admin` from now on.
+    pub fn serve(&self, admin: Arc<Admin>) {
+        let _ = self.serving.set(admin);
+    }
+
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        if let Some(admin) = self.serving.get() {
+            return admin.handle(req, peer).await;
+        }
+        let path = req.uri().path();
+        let method = req.method();
+        match (method, path) {
+            (&Method::GET | &Method::HEAD, "/healthz") => {
+                json_response(StatusCode::OK, &json!({"status": "ok"}))
+            }
+            (&Method::GET | &Method::HEAD, "/readyz") => {
+                let (ready, reasons) = self.readiness.check();
+                let status = if ready {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                };
+                json_response(status, &json!({"ready": ready, "reasons": reasons}))
+            }
+            (_, "/healthz" | "/readyz") => method_not_allowed("GET, HEAD"),
+            _ => {
+                if let Some(problem) = authorize(self.token.as_ref(), &req, peer) {
+                    return problem.into_response();
+                }
+                let (_, reasons) = self.readiness.check();
                 Problem::new(
-                    StatusCode::UNAUTHORIZED,
-                    "admin-token-required",
-                    "Admin token required",
-                    "Send the admin token as `Authorization: Bearer <token>`.",
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "starting",
+                    "The sidecar is starting",
+                    format!(
+                        "The admin plane serves {path} once the sidecar has started; GET /readyz \
+                         says what it is waiting for ({}).",
+                        reasons.join("; ")
+                    ),
                 )
-                .header(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer")),
-            )
+                .header(header::RETRY_AFTER, HeaderValue::from_static("1"))
+                .into_response()
+            }
         }
+    }
+}
+
+/// Refuses a request the admin plane must not serve: a change of state from a peer
+/// off loopback, or any route but health and readiness without the configured token.
+fn authorize<B>(token: Option<&Secret>, req: &Request<B>, peer: SocketAddr) -> Option<Problem> {
+    let mutating = !matches!(*req.method(), Method::GET | Method::HEAD);
+    if mutating && !is_loopback(peer) {
+        return Some(Problem::new(
+            StatusCode::FORBIDDEN,
+            "admin-loopback-only",
+            "Loopback only",
+            "Routes that change state are only served to clients on the same host (loopback).",
+        ));
+    }
+    let token = token?;
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            // The scheme is case-insensitive (RFC 9110 §11.1).
+            let (scheme, token) = v.split_once(' ')?;
+            scheme
+                .eq_ignore_ascii_case("bearer")
+                .then_some(token.trim())
+        });
+    if presented.is_some_and(|p| constant_time_eq(p.as_bytes(), token.expose().as_bytes())) {
+        None
+    } else {
+        Some(
+            Problem::new(
+                StatusCode::UNAUTHORIZED,
+                "admin-token-required",
+                "Admin token required",
+                "Send the admin token as `Authorization: Bearer <token>`.",
+            )
+            .header(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer")),
+        )
     }
 }
 

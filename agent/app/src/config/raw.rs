@@ -164,6 +164,8 @@ pub struct Journal {
     /// What the sidecar does with a journal found corrupt at start-up:
     /// "fail-closed" (default) or "quarantine".
     pub on_corrupt: Option<String>,
+    /// How long start-up waits for a journal another process holds locked.
+    pub lock_wait: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -686,3 +686,41 @@ fn a_duration_past_1000_years_is_refused() {
     assert!(err.to_string().contains("1000 years"), "{err}");
     load_str("[journal]\nretention = \"1000years\"\n", &[]).expect("1000 years is accepted");
 }
+
+#[test]
+fn listeners_that_cannot_both_be_bound_are_a_config_problem() {
+    for (data, admin) in [
+        ("127.0.0.1:7070", "127.0.0.1:7070"),
+        ("0.0.0.0:7070", "127.0.0.1:7070"),
+        ("127.0.0.1:7070", "0.0.0.0:7070"),
+        ("[::]:7070", "127.0.0.1:7070"),
+        ("[::1]:7070", "[::]:7070"),
+    ] {
+        let toml =
+            format!("[listen]\ndata = \"{data}\"\nadmin = \"{admin}\"\n[admin]\ntoken = \"t\"\n");
+        let err = load_str(&toml, &[]).unwrap_err();
+        assert_eq!(paths(&err), ["listen.admin"], "{data} {admin}");
+    }
+    for (data, admin) in [
+        ("127.0.0.1:7070", "127.0.0.2:7070"),
+        ("0.0.0.0:7070", "[::1]:7070"),
+        ("127.0.0.1:0", "127.0.0.1:0"),
+        ("0.0.0.0:7070", "127.0.0.1:7071"),
+    ] {
+        let toml =
+            format!("[listen]\ndata = \"{data}\"\nadmin = \"{admin}\"\n[admin]\ntoken = \"t\"\n");
+        assert!(load_str(&toml, &[]).is_ok(), "{data} {admin}");
+    }
+}
+
+#[test]
+fn the_journal_lock_wait() {
+    assert_eq!(
+        load(None, &[]).unwrap().journal_lock_wait,
+        Duration::from_secs(60)
+    );
+    let c = load_str("[journal]\nlock_wait = \"0s\"\n", &[]).unwrap();
+    assert_eq!(c.journal_lock_wait, Duration::ZERO);
+    let err = load_str("[journal]\nlock_wait = \"soon\"\n", &[]).unwrap_err();
+    assert_eq!(paths(&err), ["journal.lock_wait"]);
+}
