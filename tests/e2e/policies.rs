@@ -578,3 +578,76 @@ models = ["gpt-mock"]
     assert!(r.text().contains("budget"), "{}", r.text());
     assert_eq!(mock.exchanges().len(), 1, "the refused call was not sent");
 }
+
+/// An attempt that broke inside a tool call it had streamed is held back from the
+/// agent and retried, but the provider generated, and bills, its tokens: the task is
+/// charged them on top of the retry's usage, though the agent made one call.
+#[tokio::test]
+async fn a_retried_attempt_that_broke_inside_a_tool_call_is_charged_too() {
+    let mock = MockProvider::start(Behaviour {
+        chunks: 0,
+        tool_calls: 1,
+        ..Behaviour::default()
+    })
+    .await
+    .expect("mock");
+    let config = format!(
+        r#"
+[budget]
+tokens_total = 10000000
+
+[[providers]]
+name = "mock"
+kind = "openai"
+base_url = "{}"
+models = ["gpt-mock"]
+"#,
+        mock.openai_base()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let body = json!({"model": "gpt-mock", "stream": true,
+                      "stream_options": {"include_usage": true},
+                      "messages": [{"role": "user", "content": "weather?"}]});
+    let call = |task: &'static str| {
+        let body = body.clone();
+        let url = sidecar.url("/v1/chat/completions");
+        async move { post_json(&url, &[("outrigger-task-id", task)], &body).await }
+    };
+    // The role event, the tool call's head and one piece of its arguments; then cut.
+    mock.push(Behaviour {
+        chunks: 0,
+        tool_calls: 1,
+        cut_after: Some(3),
+        // Apart, so that the events arrive before the cut resets the connection.
+        chunk_delay: Duration::from_millis(20),
+        ..Behaviour::default()
+    });
+    let r = call("broke-then-ok").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert!(
+        r.text().contains("[DONE]"),
+        "the retry's whole stream: {}",
+        r.text()
+    );
+    assert_eq!(mock.exchanges().len(), 2, "retried once");
+    let r = call("ok-at-once").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(mock.exchanges().len(), 3);
+
+    let charged = |task: &str| {
+        let url = sidecar.admin_url(&format!("/v1/tasks/{task}"));
+        async move { get(&url).await.json()["charged"].clone() }
+    };
+    let broke = charged("broke-then-ok").await;
+    let once = charged("ok-at-once").await;
+    assert_eq!(broke["calls"], 1, "{broke}");
+    assert_eq!(once["calls"], 1, "{once}");
+    let tokens = |c: &serde_json::Value| {
+        c["tokens_in"].as_u64().unwrap_or(0) + c["tokens_out"].as_u64().unwrap_or(0)
+    };
+    assert!(tokens(&once) > 0, "{once}");
+    assert!(
+        tokens(&broke) > tokens(&once),
+        "the broken attempt's tokens are charged: {broke} against {once}"
+    );
+}

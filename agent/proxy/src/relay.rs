@@ -42,7 +42,7 @@ impl StreamObserver for () {
     fn on_end(&mut self, _: Result<(), &str>, _: Option<&Turn>) {}
 }
 
-pub struct SseRelay<B, O> {
+pub struct SseRelay<B, O: StreamObserver> {
     upstream: B,
     framer: Framer,
     ready: VecDeque<Bytes>,
@@ -54,7 +54,7 @@ pub struct SseRelay<B, O> {
     gate: Option<Gate>,
 }
 
-impl<B, O> SseRelay<B, O> {
+impl<B, O: StreamObserver> SseRelay<B, O> {
     pub fn new(upstream: B, max_event: usize, observer: O) -> Self {
         Self {
             upstream,
@@ -73,10 +73,7 @@ impl<B, O> SseRelay<B, O> {
         self
     }
 
-    fn release(&mut self, events: Vec<Bytes>, now: Instant)
-    where
-        O: StreamObserver,
-    {
+    fn release(&mut self, events: Vec<Bytes>, now: Instant) {
         for ev in events {
             match &mut self.gate {
                 Some(gate) => {
@@ -95,10 +92,7 @@ impl<B, O> SseRelay<B, O> {
 
     /// Ends an interrupted stream: the gate's held parts are dropped and a typed error
     /// event closes the stream; without a gate the error goes to the client as is.
-    fn interrupt(&mut self, detail: &str, e: BoxError) -> Option<BoxError>
-    where
-        O: StreamObserver,
-    {
+    fn interrupt(&mut self, detail: &str, e: BoxError) -> Option<BoxError> {
         self.done = true;
         self.observer
             .on_end(Err(detail), self.gate.as_ref().map(|g| &g.turn));
@@ -111,6 +105,23 @@ impl<B, O> SseRelay<B, O> {
             }
             Some(_) => None,
             None => Some(e),
+        }
+    }
+}
+
+impl<B, O: StreamObserver> Drop for SseRelay<B, O> {
+    /// An agent that leaves after its turn's terminal event reached it, before the
+    /// upstream's end of the body, had the whole turn: it ends as complete, with the
+    /// usage the turn reported, not as a stream cut short.
+    fn drop(&mut self) {
+        if !self.done
+            && self.ready.is_empty()
+            && let Some(gate) = &self.gate
+            && gate.turn.terminal
+            && !gate.turn.errored
+        {
+            self.done = true;
+            self.observer.on_end(Ok(()), Some(&gate.turn));
         }
     }
 }

@@ -76,7 +76,8 @@ fn named(name: &str, data: &serde_json::Value) -> String {
     format!("event: {name}\ndata: {data}\n\n")
 }
 
-/// An OpenAI chat-completions stream, one string per SSE event.
+/// An OpenAI chat-completions stream, one string per SSE event. A turn of tool calls
+/// alone opens, as OpenAI's do, with the first call in the chunk that names the role.
 pub fn openai_stream(g: &Generation) -> Vec<String> {
     let id = format!("chatcmpl-mock-{}", g.n);
     let chunk = |delta: serde_json::Value, finish: serde_json::Value| {
@@ -86,19 +87,25 @@ pub fn openai_stream(g: &Generation) -> Vec<String> {
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
         }))
     };
-    let mut out = vec![chunk(
-        json!({"role": "assistant", "content": ""}),
-        json!(null),
-    )];
+    let calls_only = g.chunks == 0 && g.tool_calls > 0;
+    let mut out = Vec::new();
+    if !calls_only {
+        out.push(chunk(
+            json!({"role": "assistant", "content": ""}),
+            json!(null),
+        ));
+    }
     for i in 0..g.chunks {
         out.push(chunk(json!({"content": g.text_piece(i)}), json!(null)));
     }
     for t in 0..g.tool_calls {
-        out.push(chunk(
-            json!({"tool_calls": [{"index": t, "id": g.tool_call_id(t, Dialect::OpenAi), "type": "function",
-                    "function": {"name": "get_weather", "arguments": ""}}]}),
-            json!(null),
-        ));
+        let mut head = json!({"tool_calls": [{"index": t, "id": g.tool_call_id(t, Dialect::OpenAi), "type": "function",
+                "function": {"name": "get_weather", "arguments": ""}}]});
+        if calls_only && t == 0 {
+            head["role"] = json!("assistant");
+            head["content"] = json!(null);
+        }
+        out.push(chunk(head, json!(null)));
         for piece in g.tool_arguments(t).1 {
             out.push(chunk(
                 json!({"tool_calls": [{"index": t, "function": {"arguments": piece}}]}),
@@ -267,6 +274,15 @@ mod tests {
         assert!(events.iter().all(|e| e.ends_with("\n\n")));
         assert!(events[events.len() - 3].contains("\"finish_reason\":\"tool_calls\""));
         assert_eq!(events.last().map(String::as_str), Some("data: [DONE]\n\n"));
+        // Tool calls alone: the first call comes in the chunk that names the role.
+        let calls_only = openai_stream(&Generation { chunks: 0, ..g(1) });
+        assert_eq!(calls_only.len(), 5 + 1 + 1 + 1);
+        assert!(
+            calls_only[0].contains("\"role\":\"assistant\"")
+                && calls_only[0].contains("\"tool_calls\""),
+            "{}",
+            calls_only[0]
+        );
     }
 
     #[test]

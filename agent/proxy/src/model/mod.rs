@@ -498,6 +498,11 @@ async fn generate(
     };
     match result {
         Ok(success) => {
+            // Attempts before this one that broke inside a tool call are billed on
+            // top of what this one reports.
+            if let Some(r) = &reservation {
+                r.charge_generated(generated_unseen(&trail));
+            }
             *routed = Some(Routed {
                 provider: success.provider.name.clone(),
             });
@@ -618,12 +623,24 @@ async fn generate(
     }
 }
 
-/// Charges a call that ended without an answer the estimate when one of its
-/// attempts broke inside a tool call it had streamed (held back from the agent, so
-/// retried as if nothing had come): the provider generated, and bills, those tokens.
-/// Otherwise its reservation is released (nothing was generated).
+/// Charges a call that ended without an answer the estimate for each of its
+/// attempts that broke inside a tool call it had streamed (held back from the
+/// agent, so retried as if nothing had come): the provider generated, and bills,
+/// those tokens. Otherwise its reservation is released (nothing was generated).
 fn charge_broken_attempts(reservation: Option<Reservation>, trail: &Trail) {
-    let generated = trail.history.iter().any(|a| {
+    let broken = generated_unseen(trail);
+    if let Some(r) = reservation
+        && broken > 0
+    {
+        r.charge_generated(broken - 1);
+        r.settle_estimate();
+    }
+}
+
+/// How many of a call's attempts broke inside a tool call they had streamed: what
+/// the provider generated for them never reached the agent, and is billed.
+fn generated_unseen(trail: &Trail) -> u32 {
+    let broken = trail.history.iter().filter(|a| {
         matches!(
             a.failure,
             Failure::StreamInterrupted {
@@ -632,11 +649,7 @@ fn charge_broken_attempts(reservation: Option<Reservation>, trail: &Trail) {
             }
         )
     });
-    if let Some(r) = reservation
-        && generated
-    {
-        r.settle_estimate();
-    }
+    u32::try_from(broken.count()).unwrap_or(u32::MAX)
 }
 
 /// How the attempt loop of a call that can be cancelled ended.
@@ -1301,6 +1314,61 @@ mod tests {
         assert_eq!(shared.ledger.usage("t"), estimate, "nothing left reserved");
     }
 
+    /// An agent that leaves after the turn's terminal event reached it, while the
+    /// upstream has not yet ended its body, had the whole turn: the task is charged
+    /// the usage the turn reported, not the estimate.
+    #[tokio::test]
+    async fn a_relayed_call_its_agent_left_after_the_terminal_event_costs_its_usage() {
+        let proxy = crate::Proxy::new(
+            crate::Options::default(),
+            crate::Components::new(outrigger_telemetry::Metrics::new(), None),
+        );
+        let shared = proxy.shared.clone();
+        let estimate = Usage {
+            tokens_in: 100,
+            tokens_out: 50,
+            calls: 1,
+            ..Usage::default()
+        };
+        let relay_until = |events: &'static [&'static [u8]], task: &str| {
+            let (reservation, ()) = shared.ledger.reserve_if(task, estimate, |_| (true, ()));
+            let observed = Observed {
+                rec: None,
+                task: Some(TaskId::new(task).expect("a task id")),
+                shared: shared.clone(),
+                reservation,
+                price: (0, 0),
+            };
+            let first = events.iter().map(|e| Bytes::from_static(e)).collect();
+            SseRelay::resume(Waiting, Framer::default(), first, observed).gated(Dialect::OpenAi)
+        };
+        let whole: &[&[u8]] = &[
+            b"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":null}]}\n\n",
+            b"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n",
+            b"data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3,\"total_tokens\":10}}\n\n",
+            b"data: [DONE]\n\n",
+        ];
+        for (task, delivered, charged) in [
+            // Every event reached the agent, [DONE] included.
+            ("whole", 4, actual((0, 0), 7, 3)),
+            // The agent left before [DONE] reached it: not the whole turn.
+            ("short", 3, estimate),
+        ] {
+            let mut relay = relay_until(whole, task);
+            for _ in 0..delivered {
+                let got = std::future::poll_fn(|cx| Pin::new(&mut relay).poll_frame(cx)).await;
+                assert!(got.is_some_and(|f| f.is_ok()), "{task}");
+            }
+            drop(relay);
+            assert_eq!(shared.ledger.committed(task), charged, "{task}");
+            assert_eq!(
+                shared.ledger.usage(task),
+                charged,
+                "{task}: nothing left reserved"
+            );
+        }
+    }
+
     /// A call whose attempts all failed costs nothing, unless one broke inside a
     /// tool call it had streamed: the provider generated those tokens.
     #[test]
@@ -1311,15 +1379,18 @@ mod tests {
             calls: 1,
             ..Usage::default()
         };
-        let failed = |failure: Failure| {
+        let failed = |failures: Vec<Failure>| {
             let ledger = crate::resilience::Ledger::default();
             let (reservation, ()) = ledger.reserve_if("t", estimate, |_| (true, ()));
             let trail = Trail {
-                history: vec![outrigger_types::AttemptRecord {
-                    target: "oa".into(),
-                    failure,
-                    elapsed: std::time::Duration::ZERO,
-                }],
+                history: failures
+                    .into_iter()
+                    .map(|failure| outrigger_types::AttemptRecord {
+                        target: "oa".into(),
+                        failure,
+                        elapsed: std::time::Duration::ZERO,
+                    })
+                    .collect(),
                 ..Trail::default()
             };
             charge_broken_attempts(reservation, &trail);
@@ -1329,8 +1400,20 @@ mod tests {
             events_delivered: 0,
             inside_tool_call: true,
         };
-        assert_eq!(failed(broke), (estimate, estimate));
-        let refused = failed(Failure::Connect { sent: false });
+        assert_eq!(failed(vec![broke.clone()]), (estimate, estimate));
+        // Each broken attempt was generated: two cost the estimate's tokens twice,
+        // still one call.
+        let twice = Usage {
+            tokens_in: 200,
+            tokens_out: 100,
+            calls: 1,
+            ..Usage::default()
+        };
+        assert_eq!(
+            failed(vec![broke.clone(), Failure::Connect { sent: false }, broke]),
+            (twice, twice)
+        );
+        let refused = failed(vec![Failure::Connect { sent: false }]);
         assert_eq!(refused, (Usage::default(), Usage::default()), "released");
     }
 

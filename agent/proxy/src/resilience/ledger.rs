@@ -209,6 +209,26 @@ impl Ledger {
 }
 
 impl Reservation {
+    /// Charges now, on top of this call's own cost, `attempts` attempts that the
+    /// provider generated for and the agent never received (each broke inside a tool
+    /// call it had streamed and was retried): each costs the estimate's tokens and
+    /// cost, not a call of its own.
+    pub fn charge_generated(&self, attempts: u32) {
+        if attempts == 0 {
+            return;
+        }
+        let n = u64::from(attempts);
+        let e = &self.estimate;
+        let generated = Usage {
+            tokens_in: e.tokens_in.saturating_mul(n),
+            tokens_out: e.tokens_out.saturating_mul(n),
+            cost_micros: e.cost_micros.saturating_mul(n),
+            ..Usage::default()
+        };
+        let mut acc = lock(&self.account);
+        acc.committed = acc.committed.plus(&generated);
+    }
+
     /// Charges the estimate itself (the real usage is unknown).
     pub fn settle_estimate(self) {
         let estimate = self.estimate;
