@@ -1374,21 +1374,47 @@ pub(crate) async fn serve_attempt(
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         }
-        let mut events = journal
-            .stream_events(key, attempt, after)
-            .map_err(crate::Error::Journal)?;
-        // Not to a client that has the closing event already.
-        if after != Some(CLOSING_SEQ) {
-            events.extend(ended_short(shared, journal, &meta, attempt)?);
-        }
-        if events.is_empty() {
-            return Ok(nothing_more());
-        }
-        return Ok(journal_response(events, attempt));
+        return from_journal(shared, journal, &meta, attempt, after);
     }
     Err(crate::Error::StreamInProgress {
         key: key.to_string(),
     })
+}
+
+/// Attempt `attempt` of the stream `meta` describes after its event `after`, from
+/// the journal, ended by the typed error event of an attempt that did not complete;
+/// `204` when nothing is left. Retention drops a stream's events and its metadata
+/// in one commit: a stream dropped since `meta` was read is `404 unknown-stream`,
+/// as it would have been a moment later, not a silent end.
+fn from_journal(
+    shared: &Shared,
+    journal: &Journal,
+    meta: &outrigger_journal::StreamMeta,
+    attempt: u32,
+    after: Option<u64>,
+) -> Result<Response<Body>, crate::Error> {
+    let key = &meta.key;
+    let mut events = journal
+        .stream_events(key, attempt, after)
+        .map_err(crate::Error::Journal)?;
+    if events.is_empty()
+        && journal
+            .stream_meta(key)
+            .map_err(crate::Error::Journal)?
+            .is_none()
+    {
+        return Err(crate::Error::UnknownStream {
+            key: key.to_string(),
+        });
+    }
+    // Not to a client that has the closing event already.
+    if after != Some(CLOSING_SEQ) {
+        events.extend(ended_short(shared, journal, meta, attempt)?);
+    }
+    if events.is_empty() {
+        return Ok(nothing_more());
+    }
+    Ok(journal_response(events, attempt))
 }
 
 /// The typed error event that ends the replay of `attempt` when it failed or broke
@@ -1815,6 +1841,58 @@ mod tests {
             "{:?}",
             served.map(|r| r.status())
         );
+    }
+
+    /// A completed stream that retention drops between the read of its metadata and
+    /// the read of its events is unknown (`404`), not over (`204`).
+    #[tokio::test]
+    async fn a_stream_dropped_between_two_reads_is_unknown_not_over() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let proxy = proxy(&j.journal, crate::Options::default());
+        let shared = proxy.shared.clone();
+        let request = streamed();
+        let key = StreamKey::new("m/openai/dropped".to_owned()).expect("a key");
+        let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
+        assert!(
+            matches!(
+                begun,
+                Ok(outrigger_journal::StreamBegin::New { attempt: 1 })
+            ),
+            "{begun:?}"
+        );
+        let state = state_within(&j.journal, &key, outrigger_journal::StreamState::Open).await;
+        assert_eq!(state, Some(outrigger_journal::StreamState::Open));
+        let events = vec![
+            Bytes::from_static(b"data: a\n\n"),
+            Bytes::from_static(b"data: [DONE]\n\n"),
+        ];
+        j.journal
+            .stream_append(&key, 1, 0, events, true)
+            .await
+            .expect("appended");
+        let done = StreamEnd::Completed {
+            usage: serde_json::Value::Null,
+        };
+        j.journal.stream_end(&key, 1, done).await.expect("ended");
+        let meta = j
+            .journal
+            .stream_meta(&key)
+            .expect("readable")
+            .expect("known");
+        let served = from_journal(&shared, &j.journal, &meta, 1, Some(0)).expect("served");
+        assert_eq!(served.status(), StatusCode::OK, "the last event is left");
+
+        let later = std::time::SystemTime::now() + Duration::from_secs(400 * 24 * 3600);
+        let reaped = j.journal.reap(later).await.expect("reaped");
+        assert_eq!(reaped.streams_dropped, 1, "{reaped:?}");
+        for after in [None, Some(0)] {
+            let served = from_journal(&shared, &j.journal, &meta, 1, after);
+            assert!(
+                matches!(served, Err(crate::Error::UnknownStream { .. })),
+                "{after:?}: {:?}",
+                served.map(|r| r.status())
+            );
+        }
     }
 
     #[test]
