@@ -199,16 +199,22 @@ pub struct Tee<B, F> {
     copy: Vec<u8>,
     limit: usize,
     overflow: bool,
+    /// Bytes that have passed, and how many the body declared (`Content-Length`).
+    seen: u64,
+    length: Option<u64>,
     done: Option<F>,
 }
 
-impl<B, F> Tee<B, F> {
+impl<B: HttpBody, F> Tee<B, F> {
     pub fn new(inner: B, limit: usize, done: F) -> Self {
+        let length = inner.size_hint().exact();
         Self {
             inner,
             copy: Vec::new(),
             limit,
             overflow: false,
+            seen: 0,
+            length,
             done: Some(done),
         }
     }
@@ -252,6 +258,7 @@ where
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
+                    this.seen = this.seen.saturating_add(data.len() as u64);
                     if this.copy.len() + data.len() <= this.limit {
                         this.copy.extend_from_slice(data);
                     } else {
@@ -260,7 +267,10 @@ where
                 }
                 // With a known length the last frame is recognisable: finish before
                 // handing it on, so whoever reads the body to its end sees the effect.
-                if this.inner.is_end_stream() {
+                // The declared length counts too: a server that has written that many
+                // bytes drops the body without polling it for its end, and an HTTP/2
+                // upstream may send its end of stream in a frame of its own, later.
+                if this.inner.is_end_stream() || this.length.is_some_and(|n| this.seen >= n) {
                     this.finish();
                 }
                 Poll::Ready(Some(Ok(frame)))
@@ -376,5 +386,49 @@ mod tests {
             ended(vec![Ok("ab"), Err("reset")], 8).await.as_deref(),
             Some("broke: reset")
         );
+    }
+
+    /// A body of declared length whose end comes later (an HTTP/2 upstream's end of
+    /// stream in a frame of its own) is whole once that many bytes have passed:
+    /// a server that wrote them drops it without asking for its end.
+    #[tokio::test]
+    async fn a_tee_of_a_declared_length_ends_with_its_last_byte() {
+        type Frames =
+            futures_util::stream::Iter<std::vec::IntoIter<Result<Frame<Bytes>, BoxError>>>;
+        struct Declared(StreamBody<Frames>, u64);
+        impl HttpBody for Declared {
+            type Data = Bytes;
+            type Error = BoxError;
+            fn poll_frame(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+                Pin::new(&mut self.0).poll_frame(cx)
+            }
+            fn size_hint(&self) -> SizeHint {
+                SizeHint::with_exact(self.1)
+            }
+        }
+        let frames: Vec<Result<Frame<Bytes>, BoxError>> = vec![
+            Ok(Frame::data(Bytes::from_static(b"ab"))),
+            Ok(Frame::data(Bytes::from_static(b"cd"))),
+        ];
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let mut tee = Tee::new(
+            Declared(StreamBody::new(futures_util::stream::iter(frames)), 4),
+            8,
+            {
+                let seen = seen.clone();
+                move |copy: Result<&[u8], TeeEnd>| {
+                    *seen.lock().unwrap() = copy.ok().map(<[u8]>::to_vec);
+                }
+            },
+        );
+        for _ in 0..2 {
+            let frame = tee.frame().await;
+            assert!(frame.is_some_and(|f| f.is_ok()));
+        }
+        drop(tee);
+        assert_eq!(seen.lock().unwrap().as_deref(), Some(&b"abcd"[..]));
     }
 }

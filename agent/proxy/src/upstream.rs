@@ -85,21 +85,15 @@ impl Upstream {
         let target = req.uri().authority().cloned();
         let authority = || target.as_ref().map(|a| a.to_string()).unwrap_or_default();
         // Set once the request has a connection (new or pooled): before that, not a
-        // byte of it can have left. Only a timeout within `connect_timeout` can end
-        // during a connect (a longer one finds the connect failed first), so only
-        // then is it worth its allocations.
-        let connection = (timeout <= self.connect_timeout).then(|| capture_connection(&mut req));
+        // byte of it can have left. `connect_timeout` bounds only the TCP connect, not
+        // the DNS lookup before it or the TLS handshake after it, so a timeout of any
+        // length can end before there is a connection.
+        let connection = capture_connection(&mut req);
         match tokio::time::timeout(timeout, self.client().request(req)).await {
-            Err(_)
-                if connection
-                    .as_ref()
-                    .is_some_and(|c| c.connection_metadata().is_none()) =>
-            {
-                Err(Error::Connect {
-                    authority: authority(),
-                    detail: format!("no connection within {timeout:?}"),
-                })
-            }
+            Err(_) if connection.connection_metadata().is_none() => Err(Error::Connect {
+                authority: authority(),
+                detail: format!("no connection within {timeout:?}"),
+            }),
             Err(_) => Err(Error::Timeout {
                 authority: authority(),
                 timeout,
@@ -130,6 +124,9 @@ fn pooled(connect_timeout: Duration) -> Pooled {
         .enable_http2()
         .wrap_connector(http);
     Client::builder(TokioExecutor::new())
+        // Without a timer the idle timeout is never enforced: idle connections
+        // would only be dropped when a checkout happened to find them expired.
+        .pool_timer(hyper_util::rt::TokioTimer::new())
         .pool_idle_timeout(Duration::from_secs(90))
         .pool_max_idle_per_host(256)
         .build(https)
@@ -211,5 +208,32 @@ mod tests {
         assert!(e.may_have_been_sent());
         accepting.abort();
         drop((full, held));
+    }
+
+    /// `connect_timeout` bounds the TCP connect only: a TLS handshake that never
+    /// finishes outlasts it, and a timeout that ends there, however long, is a
+    /// connect failure (nothing was sent).
+    #[tokio::test]
+    async fn a_handshake_that_never_finishes_is_a_connect_failure() {
+        let silent = TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .await
+            .expect("listening");
+        let addr = silent.local_addr().expect("an address");
+        let accepting = tokio::spawn(async move {
+            let mut kept = Vec::new();
+            while let Ok((stream, _)) = silent.accept().await {
+                kept.push(stream);
+            }
+        });
+        let upstream = Upstream::new(Duration::from_millis(100));
+        let mut req = get(addr);
+        *req.uri_mut() = format!("https://{addr}/").parse().expect("a URI");
+        let e = upstream
+            .send(req, Duration::from_millis(400))
+            .await
+            .expect_err("no handshake");
+        assert!(matches!(e, Error::Connect { .. }), "{e:?}");
+        assert!(!e.may_have_been_sent());
+        accepting.abort();
     }
 }
