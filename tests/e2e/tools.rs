@@ -592,7 +592,7 @@ async fn a_probe_tool_in_doubt_is_checked_before_anything_is_resent() {
         "/tools/orders/place",
         Some("k-probe"),
         &body,
-        &[("x-tenant", "acme")],
+        &[("x-tenant", "acme"), ("content-encoding", "identity")],
     )
     .await;
     assert_eq!(again.status, StatusCode::OK, "{}", again.text());
@@ -605,6 +605,11 @@ async fn a_probe_tool_in_doubt_is_checked_before_anything_is_resent() {
         again.json()["tenant"],
         "acme",
         "the probe goes with the agent's headers: {}",
+        again.text()
+    );
+    assert!(
+        again.json()["content_encoding"].is_null(),
+        "but not those that described the call's body: {}",
         again.text()
     );
     assert_eq!(e.probe.effects().len(), 1);
@@ -891,9 +896,24 @@ async fn mcp_tool_calls_are_journaled_and_everything_else_passes_through() {
     assert_eq!(ran.json()["result"]["isError"], false, "{}", ran.text());
     assert_eq!(ran.header("outrigger-replayed"), None);
     assert_eq!(e.mcp.effects().len(), 3);
-    // A JSON-RPC batch holding a tools/call is refused, not passed on unjournaled.
-    let batch = post_json(&url, &[], &json!([call3])).await;
-    assert_eq!(batch.json()["error"]["code"], -32600, "{}", batch.text());
+    // A JSON-RPC batch holding a tools/call is refused, not passed on unjournaled:
+    // each request in it gets its error, so the client can match every id.
+    let list = json!({"jsonrpc": "2.0", "id": 13, "method": "tools/list"});
+    let note = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+    let batch = post_json(&url, &[], &json!([call3, list, note])).await;
+    assert_eq!(batch.status, StatusCode::OK, "{}", batch.text());
+    let answers = batch.json();
+    let ids: Vec<&serde_json::Value> = answers
+        .as_array()
+        .map(|a| a.iter().map(|m| &m["id"]).collect())
+        .unwrap_or_default();
+    assert_eq!(ids, [&json!(12), &json!(13)], "{answers}");
+    assert!(
+        answers
+            .as_array()
+            .is_some_and(|a| a.iter().all(|m| m["error"]["code"] == -32600)),
+        "{answers}"
+    );
     assert_eq!(e.mcp.effects().len(), 3);
 }
 

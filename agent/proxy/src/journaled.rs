@@ -831,7 +831,13 @@ async fn probe(
     for h in [
         http::header::CONTENT_LENGTH,
         http::header::CONTENT_TYPE,
+        http::header::CONTENT_ENCODING,
+        http::header::CONTENT_LANGUAGE,
         http::header::EXPECT,
+        http::HeaderName::from_static("content-digest"),
+        http::HeaderName::from_static("repr-digest"),
+        http::HeaderName::from_static("digest"),
+        http::HeaderName::from_static("content-md5"),
     ] {
         agent.remove(h);
     }
@@ -928,14 +934,20 @@ pub(crate) fn encode_segment(s: &str) -> String {
     out
 }
 
-/// `Prefer: wait=N` (RFC 7240), capped at 60 s.
+/// `Prefer: wait=N` (RFC 7240: the name case-insensitive, space allowed around
+/// `=`), capped at 60 s.
 pub(crate) fn prefer_wait(h: &HeaderMap) -> Option<Duration> {
     h.get_all("prefer")
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .filter_map(|p| p.trim().strip_prefix("wait="))
-        .filter_map(|n| n.trim().parse::<u64>().ok())
+        .filter_map(|p| {
+            let (name, value) = p.split_once('=')?;
+            // A preference's parameters follow `;`; only its value is the time.
+            let value = value.split(';').next()?.trim().trim_matches('"');
+            name.trim().eq_ignore_ascii_case("wait").then_some(value)
+        })
+        .filter_map(|n| n.parse::<u64>().ok())
         .map(|n| Duration::from_secs(n.min(60)))
         .next()
 }
@@ -1037,5 +1049,18 @@ mod tests {
         assert_eq!(prefer_wait(&h), Some(Duration::from_secs(5)));
         h.insert("prefer", http::HeaderValue::from_static("wait=9999"));
         assert_eq!(prefer_wait(&h), Some(Duration::from_secs(60)));
+        for spelled in [
+            "Wait=7",
+            "WAIT = 7",
+            "handling=lenient, wait=\"7\"",
+            "wait=7;x=1",
+        ] {
+            h.insert("prefer", http::HeaderValue::from_static(spelled));
+            assert_eq!(prefer_wait(&h), Some(Duration::from_secs(7)), "{spelled}");
+        }
+        for not in ["await=7", "wait=soon", "wait"] {
+            h.insert("prefer", http::HeaderValue::from_static(not));
+            assert_eq!(prefer_wait(&h), None, "{not}");
+        }
     }
 }

@@ -165,14 +165,25 @@ impl IssuedCall {
     /// string, Anthropic an object).
     pub fn new(id: &str, name: &str, arguments: &Value) -> Self {
         let parsed = match arguments {
+            Value::String(s) if s.trim().is_empty() => Value::Null,
             Value::String(s) => serde_json::from_str(s).unwrap_or_else(|_| arguments.clone()),
             other => other.clone(),
         };
         Self {
             id: id.to_string(),
             name: name.to_string(),
-            arguments: fingerprint(&parsed),
+            arguments: arguments_fingerprint(&parsed),
         }
+    }
+}
+
+/// The fingerprint of a call's arguments, as issued and as received: no arguments
+/// (`null`, or left out, as MCP clients do for a tool that takes none) are the
+/// empty object a model writes for such a call.
+pub fn arguments_fingerprint(arguments: &Value) -> Fingerprint {
+    match arguments {
+        Value::Null => fingerprint(&Value::Object(serde_json::Map::new())),
+        other => fingerprint(other),
     }
 }
 
@@ -389,6 +400,39 @@ mod tests {
         let mail = fingerprint(&serde_json::json!({"to": "amy"}));
         assert_eq!(c.find(&t, Some("mail"), &mail).as_deref(), Some("toolu_2"));
         assert_eq!(c.find(&TaskId::new("u").unwrap(), None, &mail), None);
+    }
+
+    /// A call that takes no arguments is issued as `{}` (or `""`, streamed) and
+    /// received without them (an MCP client leaves `arguments` out): they match.
+    #[test]
+    fn no_arguments_match_the_empty_object() {
+        let c = Correlator::default();
+        let t = TaskId::new("t").unwrap();
+        let empty = serde_json::json!({});
+        c.record(
+            &t,
+            vec![IssuedCall::new(
+                "call_1",
+                "restart",
+                &serde_json::json!("{}"),
+            )],
+        );
+        c.record(
+            &t,
+            vec![IssuedCall::new("call_2", "reboot", &serde_json::json!(""))],
+        );
+        for received in [serde_json::Value::Null, empty.clone()] {
+            let args = arguments_fingerprint(&received);
+            assert_eq!(
+                c.find(&t, Some("restart"), &args).as_deref(),
+                Some("call_1")
+            );
+            assert_eq!(c.find(&t, Some("reboot"), &args).as_deref(), Some("call_2"));
+        }
+        assert_ne!(
+            arguments_fingerprint(&serde_json::json!({"n": 1})),
+            arguments_fingerprint(&serde_json::Value::Null)
+        );
     }
 
     /// Full, the correlator forgets the task whose last turn is oldest, not one

@@ -106,12 +106,7 @@ pub async fn call(
     if let Some(Value::Array(batch)) = &message
         && batch.iter().any(|m| m["method"] == "tools/call")
     {
-        return Ok(rpc_error(
-            &Value::Null,
-            -32600,
-            "a JSON-RPC batch holding tools/call is not accepted: send each tools/call as a message of its own, so that it is journaled",
-            None,
-        ));
+        return Ok(batch_refused(batch));
     }
     let is_tool_call = message
         .as_ref()
@@ -176,13 +171,8 @@ async fn tool_call(
         &bytes,
     ) {
         Ok(c) => c,
-        Err(Error::BadHeader { detail, .. }) => {
-            return refused(rpc_error(
-                &id,
-                -32602,
-                &format!("Idempotency-Key: {detail}"),
-                None,
-            ));
+        Err(Error::BadHeader { header, detail }) => {
+            return refused(rpc_error(&id, -32602, &format!("{header}: {detail}"), None));
         }
         Err(e) => return Err(e),
     };
@@ -684,6 +674,37 @@ fn rpc_response(id: &Value, outcome: &Value, replayed: bool) -> Response<Body> {
         resp.headers_mut()
             .insert(headers::REPLAYED, HeaderValue::from_static("true"));
     }
+    resp
+}
+
+/// A batch holding a `tools/call`, refused whole: a batch's answer is an array
+/// with an error for each request in it (JSON-RPC 2.0 §6), so that the client can
+/// match every id it waits on. A batch of nothing but notifications gets `400`.
+fn batch_refused(batch: &[Value]) -> Response<Body> {
+    let message = "a JSON-RPC batch holding tools/call is not accepted: send each tools/call \
+                   as a message of its own, so that it is journaled";
+    let answers: Vec<Value> = batch
+        .iter()
+        .filter(|m| m.get("method").is_some())
+        .filter_map(|m| m.get("id"))
+        .map(
+            |id| json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32600, "message": message}}),
+        )
+        .collect();
+    let (status, doc) = if answers.is_empty() {
+        (
+            StatusCode::BAD_REQUEST,
+            json!({"jsonrpc": "2.0", "id": null, "error": {"code": -32600, "message": message}}),
+        )
+    } else {
+        (StatusCode::OK, Value::Array(answers))
+    };
+    let mut resp = Response::new(body::full(doc.to_string()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     resp
 }
 

@@ -60,14 +60,22 @@ pub fn request_headers(h: &HeaderMap, tool: &Redactions) -> Headers {
 }
 
 /// The request body as journaled: with the tool's JSON Pointers, each value they
-/// reach is replaced by `"<redacted>"`. A body that is not JSON, or a pointer that
-/// reaches nothing, leaves it as it is.
+/// reach is replaced by `"<redacted>"`. A pointer that reaches nothing leaves the
+/// body as it is. A body the pointers cannot be applied to (not JSON to this
+/// parser: compressed, too deeply nested, a lone surrogate) could hold what they
+/// name, so it is not kept: a placeholder with its size and SHA-256 stands for it.
 pub fn request_body(body: &Bytes, tool: &Redactions) -> Bytes {
     if tool.json.is_empty() {
         return body.clone();
     }
     let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(body) else {
-        return body.clone();
+        use sha2::Digest;
+        return Bytes::from(format!(
+            "<not journaled: {} bytes that redact_json could not be applied to (not JSON); \
+             sha256 {}>",
+            body.len(),
+            crate::keys::hex(&sha2::Sha256::digest(body))
+        ));
     };
     let mut changed = false;
     for pointer in &tool.json {
@@ -173,11 +181,28 @@ mod tests {
                 "a/b": "<redacted>",
             })
         );
-        // Not JSON, or nothing pointed at: the bytes as they were.
-        let text = Bytes::from_static(b"card=4111");
-        assert_eq!(request_body(&text, &tool), text);
+        // Nothing pointed at: the bytes as they were.
         let other = Bytes::from_static(br#"{ "x" : 1 }"#);
         assert_eq!(request_body(&other, &tool), other);
+        // What the pointers cannot be applied to is not kept: its size and digest.
+        for body in [
+            &b"card=4111"[..],
+            br#"{"card":{"number":"4111"},"note":"\ud83d"}"#,
+            b"\x1f\x8b\x08\x00card",
+        ] {
+            let out = request_body(&Bytes::copy_from_slice(body), &tool);
+            let out = String::from_utf8(out.to_vec()).expect("text");
+            assert!(!out.contains("4111"), "{out}");
+            assert!(
+                out.starts_with(&format!("<not journaled: {} bytes", body.len()))
+                    && out.contains("sha256 "),
+                "{out}"
+            );
+        }
+        // Without pointers nothing is redacted, whatever the body.
+        let none = Redactions::default();
+        let text = Bytes::from_static(b"card=4111");
+        assert_eq!(request_body(&text, &none), text);
     }
 
     #[test]

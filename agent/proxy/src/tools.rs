@@ -378,7 +378,7 @@ pub(crate) fn choose_key(
             Some((_, name, args)) => {
                 shared
                     .correlator
-                    .find(task, Some(name), &keys::fingerprint(args))
+                    .find(task, Some(name), &keys::arguments_fingerprint(args))
             }
             None => serde_json::from_slice::<serde_json::Value>(body)
                 .ok()
