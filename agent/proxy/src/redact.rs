@@ -13,19 +13,44 @@ use crate::headers;
 /// What replaces a redacted JSON value in the journaled request body.
 pub const REDACTED: &str = "<redacted>";
 
-/// Words that make a request header's name look like it carries a secret.
+/// Words that make a request header's (or query parameter's) name look like it
+/// carries a secret. `key` covers `x-api-key`, `api_key`, `x-functions-key` and
+/// `ocp-apim-subscription-key` alike.
 const SECRET_WORDS: [&str; 10] = [
     "auth",
     "token",
     "secret",
     "password",
     "passwd",
-    "api-key",
-    "apikey",
+    "key",
+    "credential",
     "cookie",
     "session",
     "signature",
 ];
+
+/// The request's target as journaled: the tool's base URL and the path, with the
+/// value of each query parameter whose name looks like it carries a secret (a
+/// [`SECRET_WORDS`] word, or a signature's `sig`) replaced by `<redacted>`.
+pub fn target(base: &str, rest: &str) -> String {
+    let base = base.trim_end_matches('/');
+    let Some((path, query)) = rest.split_once('?') else {
+        return format!("{base}{rest}");
+    };
+    let params: Vec<String> = query
+        .split('&')
+        .map(|param| match param.split_once('=') {
+            Some((name, _)) if secret_parameter(name) => format!("{name}={REDACTED}"),
+            _ => param.to_owned(),
+        })
+        .collect();
+    format!("{base}{path}?{}", params.join("&"))
+}
+
+fn secret_parameter(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    name == "sig" || SECRET_WORDS.iter().any(|w| name.contains(w))
+}
 
 /// A tool's own redactions, on top of the built-in ones.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -142,6 +167,10 @@ mod tests {
             ("x-client-secret", "e"),
             ("x-session-id", "f"),
             ("x-hub-signature-256", "g"),
+            ("ocp-apim-subscription-key", "i"),
+            ("x-functions-key", "j"),
+            ("api_key", "k"),
+            ("x-credential", "l"),
             ("x-tenant", "h"),
             ("x-trace", "keep"),
         ]);
@@ -156,6 +185,22 @@ mod tests {
                 ("x-trace".to_owned(), "keep".to_owned()),
             ]
         );
+    }
+
+    #[test]
+    fn secret_looking_query_parameters_are_not_journaled() {
+        assert_eq!(
+            target(
+                "https://maps.example/",
+                "/geocode?q=paris&key=AIza1&Sig=abc&limit=5"
+            ),
+            "https://maps.example/geocode?q=paris&key=<redacted>&Sig=<redacted>&limit=5"
+        );
+        assert_eq!(
+            target("http://t", "/a?access_token=x&flag&page=2"),
+            "http://t/a?access_token=<redacted>&flag&page=2"
+        );
+        assert_eq!(target("http://t/", "/plain"), "http://t/plain");
     }
 
     #[test]

@@ -287,11 +287,7 @@ async fn journal_call(
         tool: tool.name.clone(),
         class: tool.class,
         method: method.to_string(),
-        target: format!(
-            "{}{}",
-            tool.base_url.to_string().trim_end_matches('/'),
-            addr.rest
-        ),
+        target: redact::target(&tool.base_url.to_string(), &addr.rest),
         task_id: ctx.task_id.clone(),
         request_id: ctx.request_id.clone(),
         downstream_key: downstream,
