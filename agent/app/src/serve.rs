@@ -445,7 +445,10 @@ async fn open_journal(
         let options = options.clone();
         blocking(move || Journal::open(options))
     };
-    let opened = match retry_locked(lock_wait, LOCKED_PAUSE, readiness, open).await {
+    // One wait for the whole start: the open, a quarantine and the open after it.
+    let deadline = std::time::Instant::now() + lock_wait;
+    let left = || deadline.saturating_duration_since(std::time::Instant::now());
+    let opened = match retry_locked(left(), LOCKED_PAUSE, readiness, open).await {
         Err(e @ Error::Corrupt { .. }) if on_corrupt == OnCorrupt::FailClosed => {
             tracing::error!(error = %e,
                 "the journal is corrupt: it is left as it is, and side-effecting tool calls are \
@@ -466,19 +469,20 @@ async fn open_journal(
                 let dir = dir.clone();
                 blocking(move || Journal::quarantine(&dir))
             };
-            match retry_locked(lock_wait, LOCKED_PAUSE, readiness, quarantine).await {
+            match retry_locked(left(), LOCKED_PAUSE, readiness, quarantine).await {
                 Ok(moved) => {
                     tracing::error!(quarantined = %moved.display(),
                         "journal quarantined: review the calls it knew with `outrigger journal \
                          list --journal-dir {0}` and `outrigger journal verify --journal-dir {0}`",
                         moved.display());
-                    retry_locked(lock_wait, LOCKED_PAUSE, readiness, open).await
+                    retry_locked(left(), LOCKED_PAUSE, readiness, open).await
                 }
                 Err(e) => Err(e),
             }
         }
         other => other,
     };
+    readiness.set_phase("starting the journal's writer");
     let (journal, writer, recovery) = match opened {
         Ok(o) => o,
         Err(e @ Error::Locked { .. }) => {

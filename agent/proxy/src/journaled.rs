@@ -826,9 +826,17 @@ async fn probe(
         );
     };
     let rest = path.replace("{key}", &encode_segment(downstream));
-    // What described the call's own body does not describe the probe's (none).
+    // What described the call's own body does not describe the probe's (none), and
+    // the call's conditions are not the probe's: a `304` or `412` would leave it
+    // unable to tell.
     let mut agent = agent.clone();
     for h in [
+        http::header::IF_MATCH,
+        http::header::IF_NONE_MATCH,
+        http::header::IF_MODIFIED_SINCE,
+        http::header::IF_UNMODIFIED_SINCE,
+        http::header::IF_RANGE,
+        http::header::RANGE,
         http::header::CONTENT_LENGTH,
         http::header::CONTENT_TYPE,
         http::header::CONTENT_ENCODING,

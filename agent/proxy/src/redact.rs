@@ -30,8 +30,8 @@ const SECRET_WORDS: [&str; 10] = [
 ];
 
 /// The request's target as journaled: the tool's base URL and the path, with the
-/// value of each query parameter whose name looks like it carries a secret (a
-/// [`SECRET_WORDS`] word, or a signature's `sig`) replaced by `<redacted>`.
+/// value of each query parameter whose name looks like it carries a secret
+/// replaced by `<redacted>` (see [`secret_parameter`]).
 pub fn target(base: &str, rest: &str) -> String {
     let base = base.trim_end_matches('/');
     let Some((path, query)) = rest.split_once('?') else {
@@ -47,9 +47,32 @@ pub fn target(base: &str, rest: &str) -> String {
     format!("{base}{path}?{}", params.join("&"))
 }
 
+/// A query parameter's name that looks like it carries a secret, word by word (a
+/// parameter such as `author` or `keyword` is data): a word that is `sig`, `auth`,
+/// `authorization`, `signature`, `password`, `passwd`, `credential(s)`, `cookie`
+/// or `session`, or that ends in `key`, `token` or `secret` (`api_key`, `apiKey`,
+/// `access_token`, `X-Amz-Security-Token`, `client_secret`).
 fn secret_parameter(name: &str) -> bool {
-    let name = name.to_ascii_lowercase();
-    name == "sig" || SECRET_WORDS.iter().any(|w| name.contains(w))
+    const WORDS: [&str; 10] = [
+        "sig",
+        "auth",
+        "authorization",
+        "signature",
+        "password",
+        "passwd",
+        "credential",
+        "credentials",
+        "cookie",
+        "session",
+    ];
+    name.to_ascii_lowercase()
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .any(|word| {
+            WORDS.contains(&word)
+                || ["key", "token", "secret"]
+                    .iter()
+                    .any(|end| word.ends_with(end))
+        })
 }
 
 /// A tool's own redactions, on top of the built-in ones.
@@ -90,7 +113,7 @@ pub fn request_headers(h: &HeaderMap, tool: &Redactions) -> Headers {
 /// parser: compressed, too deeply nested, a lone surrogate) could hold what they
 /// name, so it is not kept: a placeholder with its size and SHA-256 stands for it.
 pub fn request_body(body: &Bytes, tool: &Redactions) -> Bytes {
-    if tool.json.is_empty() {
+    if tool.json.is_empty() || body.trim_ascii().is_empty() {
         return body.clone();
     }
     let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(body) else {
@@ -201,6 +224,14 @@ mod tests {
             "http://t/a?access_token=<redacted>&flag&page=2"
         );
         assert_eq!(target("http://t/", "/plain"), "http://t/plain");
+        // Data whose names only contain such a word is kept.
+        assert_eq!(
+            target(
+                "http://t",
+                "/s?author=tolstoy&keyword=rust&apiKey=k&X-Amz-Security-Token=t"
+            ),
+            "http://t/s?author=tolstoy&keyword=rust&apiKey=<redacted>&X-Amz-Security-Token=<redacted>"
+        );
     }
 
     #[test]
@@ -244,6 +275,8 @@ mod tests {
                 "{out}"
             );
         }
+        // No body (a keyed GET or DELETE) is no body.
+        assert_eq!(request_body(&Bytes::new(), &tool), Bytes::new());
         // Without pointers nothing is redacted, whatever the body.
         let none = Redactions::default();
         let text = Bytes::from_static(b"card=4111");

@@ -202,12 +202,14 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
                 .and_then(|e| e.iter().find(|e| e.key.as_deref() == Some(key)).cloned());
             return match found {
                 // `tenant` echoes the caller's `x-tenant`: which of the agent's headers
-                // reached the probe (and `content_encoding`, one that must not).
+                // reached the probe (and `content_encoding` and `if_none_match`, ones
+                // that must not).
                 Some(e) => json_response(
                     200,
                     &json!({"ok": true, "effect": e.n, "key": key,
                             "tenant": header(&req, "x-tenant"),
-                            "content_encoding": header(&req, "content-encoding")}),
+                            "content_encoding": header(&req, "content-encoding"),
+                            "if_none_match": header(&req, "if-none-match")}),
                 ),
                 None => json_response(404, &json!({"ok": false, "key": key})),
             };

@@ -476,6 +476,7 @@ async fn generate(
             if let Some(r) = reservation
                 && trail.sent
             {
+                r.charge_generated(generated_unseen(&trail).saturating_sub(1));
                 r.settle_estimate();
             }
             if let Some(r) = rec.take() {
