@@ -579,11 +579,9 @@ models = ["gpt-mock"]
     assert_eq!(mock.exchanges().len(), 1, "the refused call was not sent");
 }
 
-/// An attempt that broke inside a tool call it had streamed is held back from the
-/// agent and retried, but the provider generated, and bills, its tokens: the task is
-/// charged them on top of the retry's usage, though the agent made one call.
-#[tokio::test]
-async fn a_retried_attempt_that_broke_inside_a_tool_call_is_charged_too() {
+/// A mock whose turns are one tool call each, behind a sidecar with a token budget
+/// (so that every task's charges are kept).
+async fn budgeted_tool_caller() -> (MockProvider, Sidecar) {
     let mock = MockProvider::start(Behaviour {
         chunks: 0,
         tool_calls: 1,
@@ -605,6 +603,27 @@ models = ["gpt-mock"]
         mock.openai_base()
     );
     let sidecar = Sidecar::start(&config, &[]).await;
+    (mock, sidecar)
+}
+
+/// The role event, the tool call's head and one piece of its arguments; then a cut.
+fn broken_inside_a_tool_call() -> Behaviour {
+    Behaviour {
+        chunks: 0,
+        tool_calls: 1,
+        cut_after: Some(3),
+        // Apart, so that the events arrive before the cut resets the connection.
+        chunk_delay: Duration::from_millis(20),
+        ..Behaviour::default()
+    }
+}
+
+/// An attempt that broke inside a tool call it had streamed is held back from the
+/// agent and retried, but the provider generated, and bills, its tokens: the task is
+/// charged them on top of the retry's usage, though the agent made one call.
+#[tokio::test]
+async fn a_retried_attempt_that_broke_inside_a_tool_call_is_charged_too() {
+    let (mock, sidecar) = budgeted_tool_caller().await;
     let body = json!({"model": "gpt-mock", "stream": true,
                       "stream_options": {"include_usage": true},
                       "messages": [{"role": "user", "content": "weather?"}]});
@@ -613,15 +632,7 @@ models = ["gpt-mock"]
         let url = sidecar.url("/v1/chat/completions");
         async move { post_json(&url, &[("outrigger-task-id", task)], &body).await }
     };
-    // The role event, the tool call's head and one piece of its arguments; then cut.
-    mock.push(Behaviour {
-        chunks: 0,
-        tool_calls: 1,
-        cut_after: Some(3),
-        // Apart, so that the events arrive before the cut resets the connection.
-        chunk_delay: Duration::from_millis(20),
-        ..Behaviour::default()
-    });
+    mock.push(broken_inside_a_tool_call());
     let r = call("broke-then-ok").await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.text());
     assert!(
@@ -649,5 +660,84 @@ models = ["gpt-mock"]
     assert!(
         tokens(&broke) > tokens(&once),
         "the broken attempt's tokens are charged: {broke} against {once}"
+    );
+}
+
+/// A call cancelled (`POST /v1/streams/{key}/cancel`) while its retry waits for a
+/// first byte is charged its estimate once for the cancelled attempt and once more
+/// for the attempt before it that broke inside a tool call: the provider generated
+/// both.
+#[tokio::test]
+async fn a_cancelled_call_is_charged_for_the_attempt_that_broke_before_it() {
+    let (mock, sidecar) = budgeted_tool_caller().await;
+    let body = json!({"model": "gpt-mock", "stream": true,
+                      "messages": [{"role": "user", "content": "weather?"}]});
+    // Sends the call under `key` and cancels it once the mock has had `attempts`
+    // requests (the last one waits far longer than the test for its first byte).
+    let cancelled = |key: &'static str, task: &'static str, attempts: u64| {
+        let (body, sidecar, mock) = (body.clone(), &sidecar, &mock);
+        async move {
+            let url = sidecar.url("/v1/chat/completions");
+            let call = tokio::spawn(async move {
+                post_json(
+                    &url,
+                    &[("idempotency-key", key), ("outrigger-task-id", task)],
+                    &body,
+                )
+                .await
+            });
+            assert!(
+                eventually(Duration::from_secs(10), || mock.received() == attempts).await,
+                "{} requests reached the mock, not {attempts}",
+                mock.received()
+            );
+            let cancel = send(request(
+                http::Method::POST,
+                &sidecar.url(&format!("/v1/streams/m%2Fopenai%2F{key}/cancel")),
+                &[],
+                bytes::Bytes::new(),
+            ))
+            .await;
+            assert_eq!(cancel.status, StatusCode::ACCEPTED, "{}", cancel.text());
+            let answered = tokio::time::timeout(Duration::from_secs(10), call)
+                .await
+                .expect("the call ends at the cancel")
+                .expect("the call");
+            assert!(
+                answered.text().contains("cancelled") && !answered.text().contains("[DONE]"),
+                "{}",
+                answered.text()
+            );
+        }
+    };
+    let waits = Behaviour {
+        chunks: 0,
+        tool_calls: 1,
+        first_byte_delay: Duration::from_secs(60),
+        ..Behaviour::default()
+    };
+    mock.push(waits.clone());
+    cancelled("once", "cancelled-once", 1).await;
+    mock.push(broken_inside_a_tool_call());
+    mock.push(waits);
+    cancelled("broke-first", "broke-then-cancelled", 3).await;
+
+    let tokens = |task: &'static str| {
+        let url = sidecar.admin_url(&format!("/v1/tasks/{task}"));
+        async move {
+            let c = get(&url).await.json()["charged"].clone();
+            c["tokens_in"].as_u64().unwrap_or(0) + c["tokens_out"].as_u64().unwrap_or(0)
+        }
+    };
+    let once = tokens("cancelled-once").await;
+    let twice = tokens("broke-then-cancelled").await;
+    assert!(
+        once > 0,
+        "a cancelled call that was sent costs its estimate"
+    );
+    assert_eq!(
+        twice,
+        2 * once,
+        "the attempt that broke inside a tool call is charged on top"
     );
 }

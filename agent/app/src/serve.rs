@@ -399,11 +399,15 @@ where
                         "the journal is locked by another process (an `outrigger journal` command, \
                          or a sidecar still exiting): trying again for up to {wait:?} \
                          ([journal] lock_wait)");
+                    // Worded to stay true once the lock is let go: the attempt that
+                    // then opens the journal (a long read for a large one) runs
+                    // under this phase too.
                     readiness.set_phase(format!(
-                        "the journal {} is locked by another process (an `outrigger journal` \
-                         command, or a sidecar still exiting); waiting up to {} for it \
-                         ([journal] lock_wait)",
+                        "opening the journal {}, locked by another process when last tried \
+                         (an `outrigger journal` command, or a sidecar still exiting); trying \
+                         again every {} for up to {} ([journal] lock_wait)",
                         dir.display(),
+                        humantime::format_duration(pause),
                         humantime::format_duration(wait)
                     ));
                     warned = true;
@@ -659,7 +663,7 @@ mod tests {
         let (ready, reasons) = readiness.check();
         assert!(!ready);
         assert!(
-            reasons[0].starts_with("starting: the journal j is locked by another process"),
+            reasons[0].starts_with("starting: opening the journal j, locked by another process"),
             "{reasons:?}"
         );
 

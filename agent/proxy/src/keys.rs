@@ -118,10 +118,15 @@ pub fn http_fingerprint(
 /// The fingerprint of an MCP `tools/call`: server, tool name and arguments (not the
 /// JSON-RPC id: a retry carries a new one). The canonical form of
 /// `{"arguments", "method": "tools/call", "name", "server"}`, written in key order.
+/// A call without arguments (absent or `null`) is the same call as one with `{}`, as
+/// in [`arguments_fingerprint`]: a retry may send either.
 pub fn mcp_fingerprint(server: &str, name: &str, arguments: &Value) -> Fingerprint {
     let mut out = Vec::with_capacity(256);
     out.extend_from_slice(b"{\"arguments\":");
-    canonical_into(arguments, &mut out);
+    match arguments {
+        Value::Null => out.extend_from_slice(b"{}"),
+        other => canonical_into(other, &mut out),
+    }
     fields(
         &mut out,
         [("method", "tools/call"), ("name", name), ("server", server)],
@@ -381,6 +386,16 @@ mod tests {
             }))
         );
         assert_eq!(fingerprint(&args), whole(&args));
+        let empty = serde_json::json!({});
+        assert_eq!(
+            mcp_fingerprint("srv", "send", &Value::Null),
+            mcp_fingerprint("srv", "send", &empty),
+            "a call without arguments is the call with {{}}"
+        );
+        assert_ne!(
+            mcp_fingerprint("srv", "send", &empty),
+            mcp_fingerprint("srv", "send", &serde_json::json!({"to": "bob"}))
+        );
     }
 
     #[test]

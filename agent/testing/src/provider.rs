@@ -153,6 +153,8 @@ struct State {
     /// Exchanges are not kept (the binary, which nobody asks for them).
     unlogged: bool,
     generations: AtomicU64,
+    /// Requests read whole, counted before any `first_byte_delay`.
+    received: AtomicU64,
 }
 
 /// A running mock provider.
@@ -226,6 +228,12 @@ impl MockProvider {
     pub fn generation_count(&self) -> u64 {
         self.state.generations.load(Ordering::SeqCst)
     }
+
+    /// Requests read whole, on any path, including those still waiting out their
+    /// `first_byte_delay` (which [`MockProvider::exchanges`] does not list yet).
+    pub fn received(&self) -> u64 {
+        self.state.received.load(Ordering::SeqCst)
+    }
 }
 
 async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
@@ -247,6 +255,7 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     let body = read_body(req.into_body()).await;
+    state.received.fetch_add(1, Ordering::SeqCst);
     let response = Arc::new(Mutex::new(Vec::new()));
     let stream_end = Arc::new(Mutex::new(None));
     let record = |status: u16| Exchange {

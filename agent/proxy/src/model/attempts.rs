@@ -107,9 +107,13 @@ pub struct Trail {
     /// Why the loop stopped retrying, when it did.
     pub gave_up: Option<String>,
     pub retry_budget_exhausted: bool,
-    /// A request went to a provider (set before it is sent, so it holds when the
-    /// loop is dropped mid-attempt): what it generated may be billed.
+    /// A request went to a provider and its attempt ended: what it generated may
+    /// be billed.
     pub sent: bool,
+    /// A request went to a provider and its attempt has not ended (set before it
+    /// is sent, so it holds when the loop is dropped mid-attempt, as a cancel
+    /// does): it may be generating, and is billed at least its estimate.
+    pub in_flight: bool,
 }
 
 impl Trail {
@@ -202,9 +206,10 @@ pub async fn run<'a, T: Transport>(
             "POST",
             &target.name,
         );
-        let outcome = attempt(m, plan, target, &mut trail.sent)
+        let outcome = attempt(m, plan, target, &mut trail.in_flight)
             .instrument(span.clone())
             .await;
+        trail.sent |= std::mem::take(&mut trail.in_flight);
         let (status, error_type) = match &outcome {
             Outcome::Ok(s) => (Some(s.parts.status.as_u16()), None),
             Outcome::Final(Ended::Answer { status, .. })
@@ -332,7 +337,7 @@ async fn attempt<'a, T: Transport>(
     m: &Mechanics<'_, T>,
     plan: &Plan<'a>,
     target: &'a Provider,
-    sent: &mut bool,
+    in_flight: &mut bool,
 ) -> Outcome<'a, UpstreamBody<T::Body>> {
     let pass = match m.breakers.pass(&target.name) {
         Ok(pass) => pass,
@@ -350,7 +355,7 @@ async fn attempt<'a, T: Transport>(
             );
         }
     };
-    let outcome = exchange(m, plan, target, sent).await;
+    let outcome = exchange(m, plan, target, in_flight).await;
     let alive = match &outcome {
         Outcome::Ok(_) | Outcome::Final(_) => Some(true),
         Outcome::Failed(f, _) => Some(!broken(f)),
@@ -388,7 +393,7 @@ async fn exchange<'a, T: Transport>(
     m: &Mechanics<'_, T>,
     plan: &Plan<'a>,
     target: &'a Provider,
-    sent: &mut bool,
+    in_flight: &mut bool,
 ) -> Outcome<'a, UpstreamBody<T::Body>> {
     let limiter = m.limiters.get(&target.name);
     let permit = match limiter
@@ -430,7 +435,7 @@ async fn exchange<'a, T: Transport>(
         }
         _ => {}
     }
-    *sent = true;
+    *in_flight = true;
     let resp = match m.transport.send(req, m.first_byte_timeout).await {
         Ok(r) => r,
         Err(e) => {

@@ -472,11 +472,13 @@ async fn generate(
             // The request may have been generating at the provider, which bills what
             // it generated: like any call that did not complete, at least the
             // estimate (nothing when no request was sent: cancelled in the limiter's
-            // queue, a back-off or by an open circuit).
+            // queue, a back-off or by an open circuit). On top, each attempt before
+            // it that broke inside a tool call.
             if let Some(r) = reservation
-                && trail.sent
+                && (trail.sent || trail.in_flight)
             {
-                r.charge_generated(generated_unseen(&trail).saturating_sub(1));
+                let generated = generated_unseen(&trail) + u32::from(trail.in_flight);
+                r.charge_generated(generated.saturating_sub(1));
                 r.settle_estimate();
             }
             if let Some(r) = rec.take() {
