@@ -113,6 +113,8 @@ where
             .header_read_timeout(read);
     }
     tokio::pin!(shutdown);
+    // Connections served on this runtime (no workers), cut at the drain deadline.
+    let mut conns = tokio::task::JoinSet::new();
     loop {
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -143,7 +145,8 @@ where
             }
         };
         let Some(workers) = &workers else {
-            tokio::spawn(serve_one(stream));
+            while conns.try_join_next().is_some() {}
+            conns.spawn(serve_one(stream));
             continue;
         };
         // The socket leaves this runtime's reactor and joins the worker's.
@@ -168,8 +171,13 @@ where
         settled.await;
     };
     let complete = tokio::time::timeout(drain_deadline, drained).await.is_ok();
-    // What is left past the deadline is cut with the workers.
-    drop(workers);
+    // What is left past the deadline is cut: here, and with the workers (whose
+    // threads are waited for off this runtime's threads).
+    conns.abort_all();
+    while conns.join_next().await.is_some() {}
+    if let Some(workers) = workers {
+        let _ = tokio::task::spawn_blocking(move || drop(workers)).await;
+    }
     Drained {
         complete,
         took: started.elapsed(),
@@ -333,6 +341,65 @@ mod tests {
     use tokio::io::AsyncWriteExt;
 
     use super::*;
+
+    /// A request still running at the drain deadline is cut there: its handler is
+    /// dropped and its client sees the connection close, for connections served
+    /// on the caller's runtime (the admin plane) as for the workers'.
+    #[tokio::test]
+    async fn a_request_still_running_at_the_drain_deadline_is_cut() {
+        use tokio::io::AsyncReadExt;
+        for workers in [None, Some(Workers::start(1).expect("a worker"))] {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+            let addr = listener.local_addr().expect("an address");
+            let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+            let started_tx = std::sync::Mutex::new(Some(started_tx));
+            let (dropped_tx, dropped_rx) = std::sync::mpsc::channel::<()>();
+            let dropped_tx = std::sync::Mutex::new(dropped_tx);
+            let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+            let server = tokio::spawn(serve_with_limits(
+                listener,
+                move |_req, _peer| {
+                    if let Some(tx) = started_tx.lock().expect("lock").take() {
+                        let _ = tx.send(());
+                    }
+                    // Disconnected once the handler is dropped.
+                    let held = dropped_tx.lock().expect("lock").clone();
+                    async move {
+                        let _held = held;
+                        std::future::pending::<Response<Body>>().await
+                    }
+                },
+                async move {
+                    let _ = stop_rx.await;
+                },
+                Duration::from_millis(100),
+                ConnLimits::default(),
+                workers,
+                std::future::ready(()),
+            ));
+            let mut client = TcpStream::connect(addr).await.expect("connect");
+            client
+                .write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+                .await
+                .expect("write");
+            started_rx.await.expect("the request reached the handler");
+            let _ = stop_tx.send(());
+            let drained = tokio::time::timeout(Duration::from_secs(5), server)
+                .await
+                .expect("the drain ends at its deadline")
+                .expect("the server task");
+            assert!(!drained.complete, "the request did not finish");
+            assert_eq!(
+                dropped_rx.try_recv(),
+                Err(std::sync::mpsc::TryRecvError::Disconnected),
+                "the handler was dropped before the drain returned"
+            );
+            let read = tokio::time::timeout(Duration::from_secs(5), client.read(&mut [0u8; 64]))
+                .await
+                .expect("the connection is closed, not left open");
+            assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+        }
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_write_pending_past_the_limit_fails_and_one_that_progresses_does_not() {

@@ -21,6 +21,9 @@ use std::time::Duration;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 
+/// How long a stopping worker waits for blocking work its tasks started.
+const SHUTDOWN: Duration = Duration::from_secs(1);
+
 /// How often each worker's anchor timer fires; see [`Workers::start`].
 const ANCHOR: Duration = Duration::from_secs(1);
 
@@ -36,10 +39,14 @@ pub fn slot() -> usize {
 }
 
 /// A set of worker threads, each running a current-thread runtime until the set is
-/// dropped. Dropping it stops the workers: what still runs on them is cut.
+/// dropped. Dropping it stops the workers and waits for their threads: what still
+/// runs on them is cut, and what it drops (a call's guards, which settle its task
+/// and budget) has been dropped once the set is gone. From async code, drop it off
+/// the runtime's threads (`spawn_blocking`).
 pub struct Workers {
     handles: Vec<Handle>,
     stops: Vec<oneshot::Sender<()>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
     next: AtomicUsize,
 }
 
@@ -57,18 +64,19 @@ impl Workers {
         let threads = threads.max(1);
         let mut handles = Vec::with_capacity(threads);
         let mut stops = Vec::with_capacity(threads);
+        let mut joins = Vec::with_capacity(threads);
         for i in 0..threads {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             let (stop_tx, stop_rx) = oneshot::channel::<()>();
             handles.push(runtime.handle().clone());
-            std::thread::Builder::new()
+            let thread = std::thread::Builder::new()
                 .name(format!("outrigger-data-{i}"))
                 .spawn(move || {
                     SLOT.with(|s| s.set(i + 1));
                     // Either a stop or the set dropped ends the worker; its runtime is
-                    // dropped here, off any async context, cancelling what is left.
+                    // shut down here, off any async context, cancelling what is left.
                     //
                     // Until then a timer fires every second. tokio wakes its driver
                     // (an `eventfd` write, and one more turn of the event loop) whenever
@@ -85,12 +93,17 @@ impl Workers {
                             }
                         }
                     });
+                    // Tasks are dropped at once; blocking work a task started on
+                    // this runtime is given a moment, not waited for.
+                    runtime.shutdown_timeout(SHUTDOWN);
                 })?;
             stops.push(stop_tx);
+            joins.push(thread);
         }
         Ok(Self {
             handles,
             stops,
+            threads: joins,
             next: AtomicUsize::new(0),
         })
     }
@@ -116,6 +129,10 @@ impl Drop for Workers {
     fn drop(&mut self) {
         for stop in self.stops.drain(..) {
             let _ = stop.send(());
+        }
+        for thread in self.threads.drain(..) {
+            // A worker that panicked has nothing more to cut.
+            let _ = thread.join();
         }
     }
 }
@@ -162,10 +179,11 @@ mod tests {
             std::future::pending::<()>().await;
         });
         drop(workers);
+        // Not waited for: the drop returns once the worker's thread has ended.
         assert_eq!(
-            rx.recv_timeout(std::time::Duration::from_secs(5)),
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected),
-            "the worker's task was dropped with its runtime"
+            rx.try_recv(),
+            Err(std::sync::mpsc::TryRecvError::Disconnected),
+            "the worker's task was dropped with its runtime before the set's drop returned"
         );
     }
 
