@@ -47,32 +47,55 @@ pub fn target(base: &str, rest: &str) -> String {
     format!("{base}{path}?{}", params.join("&"))
 }
 
-/// A query parameter's name that looks like it carries a secret, word by word (a
-/// parameter such as `author` or `keyword` is data): a word that is `sig`, `auth`,
-/// `authorization`, `signature`, `password`, `passwd`, `credential(s)`, `cookie`
-/// or `session`, or that ends in `key`, `token` or `secret` (`api_key`, `apiKey`,
-/// `access_token`, `X-Amz-Security-Token`, `client_secret`).
+/// A query parameter's name that looks like it carries a secret, word by word
+/// (words split at punctuation and at camelCase humps, so a parameter such as
+/// `author` or `keyword` is data): a word that is `sig`, `auth` or
+/// `authorization`, that contains `password`, `passwd`, `secret`, `token`,
+/// `credential`, `signature`, `session` or `cookie` (plurals and run-together
+/// names such as `jsessionid` included), or that ends in `key` or `keys`
+/// (`api_key`, `apiKey`, `userPassword`, `access_tokens`, `X-Amz-Security-Token`,
+/// `oauthSignature`). Over-redacting a data parameter costs the journal a value; a
+/// secret written there cannot be taken back.
 fn secret_parameter(name: &str) -> bool {
-    const WORDS: [&str; 10] = [
-        "sig",
-        "auth",
-        "authorization",
-        "signature",
+    const WHOLE: [&str; 3] = ["sig", "auth", "authorization"];
+    const WITHIN: [&str; 8] = [
         "password",
         "passwd",
+        "secret",
+        "token",
         "credential",
-        "credentials",
-        "cookie",
+        "signature",
         "session",
+        "cookie",
     ];
-    name.to_ascii_lowercase()
-        .split(|c: char| !c.is_ascii_alphanumeric())
-        .any(|word| {
-            WORDS.contains(&word)
-                || ["key", "token", "secret"]
-                    .iter()
-                    .any(|end| word.ends_with(end))
-        })
+    words(name).any(|word| {
+        WHOLE.contains(&word.as_str())
+            || WITHIN.iter().any(|w| word.contains(w))
+            || word.ends_with("key")
+            || word.ends_with("keys")
+    })
+}
+
+/// The words of a name, lower-cased: split at anything not alphanumeric and where
+/// a lower-case letter or digit is followed by an upper-case one (`apiKey`).
+fn words(name: &str) -> impl Iterator<Item = String> + '_ {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let mut prev_lower = false;
+    for c in name.chars() {
+        if !c.is_ascii_alphanumeric() {
+            words.push(std::mem::take(&mut word));
+            prev_lower = false;
+            continue;
+        }
+        if c.is_ascii_uppercase() && prev_lower {
+            words.push(std::mem::take(&mut word));
+        }
+        prev_lower = c.is_ascii_lowercase() || c.is_ascii_digit();
+        word.push(c.to_ascii_lowercase());
+    }
+    words.push(word);
+    words.into_iter().filter(|w| !w.is_empty())
 }
 
 /// A tool's own redactions, on top of the built-in ones.
@@ -231,6 +254,33 @@ mod tests {
                 "/s?author=tolstoy&keyword=rust&apiKey=k&X-Amz-Security-Token=t"
             ),
             "http://t/s?author=tolstoy&keyword=rust&apiKey=<redacted>&X-Amz-Security-Token=<redacted>"
+        );
+        // Run together, camelCase and plural.
+        for name in [
+            "userPassword",
+            "newPassword",
+            "sessionId",
+            "jsessionid",
+            "oauthSignature",
+            "api_keys",
+            "tokens",
+            "client_secrets",
+            "AUTH",
+            "refreshToken",
+            "user%5Fpassword",
+        ] {
+            assert!(secret_parameter(name), "{name}");
+        }
+        for name in ["author", "keyword", "q", "page", "sort_by", "authority"] {
+            assert!(!secret_parameter(name), "{name}");
+        }
+        assert_eq!(
+            words("X-Amz-Security-Token").collect::<Vec<_>>(),
+            ["x", "amz", "security", "token"]
+        );
+        assert_eq!(
+            words("userID2Key").collect::<Vec<_>>(),
+            ["user", "id2", "key"]
         );
     }
 
