@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper::{Request, Response};
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -104,7 +104,11 @@ where
 {
     let handler = Arc::new(handler);
     let graceful = GracefulShutdown::new();
-    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // Off the workers, every task a connection runs on (the connection's own, and
+    // one per HTTP/2 stream) is kept in one set, cut at the drain deadline; on a
+    // worker they are spawned on its runtime, and cut with it.
+    let tasks = Tasks(workers.is_none().then(Arc::default));
+    let mut builder = auto::Builder::new(tasks.clone());
     if let Some(read) = limits.read {
         // hyper starts this clock when it waits for a head, idle keep-alive included.
         builder
@@ -113,8 +117,6 @@ where
             .header_read_timeout(read);
     }
     tokio::pin!(shutdown);
-    // Connections served on this runtime (no workers), cut at the drain deadline.
-    let mut conns = tokio::task::JoinSet::new();
     loop {
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -145,8 +147,7 @@ where
             }
         };
         let Some(workers) = &workers else {
-            while conns.try_join_next().is_some() {}
-            conns.spawn(serve_one(stream));
+            hyper::rt::Executor::execute(&tasks, serve_one(stream));
             continue;
         };
         // The socket leaves this runtime's reactor and joins the worker's.
@@ -173,14 +174,60 @@ where
     let complete = tokio::time::timeout(drain_deadline, drained).await.is_ok();
     // What is left past the deadline is cut: here, and with the workers (whose
     // threads are waited for off this runtime's threads).
-    conns.abort_all();
-    while conns.join_next().await.is_some() {}
+    tasks.cut().await;
     if let Some(workers) = workers {
         let _ = tokio::task::spawn_blocking(move || drop(workers)).await;
     }
     Drained {
         complete,
         took: started.elapsed(),
+    }
+}
+
+/// hyper's executor: spawns on the current runtime, as `TokioExecutor` does, and
+/// with a set, into it, so that a drain can cut what is left (see
+/// [`Tasks::cut`]).
+#[derive(Clone, Default)]
+struct Tasks(Option<Arc<std::sync::Mutex<tokio::task::JoinSet<()>>>>);
+
+impl<F> hyper::rt::Executor<F> for Tasks
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn execute(&self, fut: F) {
+        let Some(set) = &self.0 else {
+            tokio::spawn(fut);
+            return;
+        };
+        let mut set = set
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Finished tasks are reaped as new ones come, so the set stays small.
+        while set.try_join_next().is_some() {}
+        set.spawn(async move {
+            fut.await;
+        });
+    }
+}
+
+impl Tasks {
+    /// Aborts every task in the set and waits until each has been dropped,
+    /// including any a task spawned while the set was being cut.
+    async fn cut(&self) {
+        let Some(set) = &self.0 else { return };
+        loop {
+            let mut cut = std::mem::take(
+                &mut *set
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner),
+            );
+            if cut.is_empty() {
+                return;
+            }
+            cut.abort_all();
+            while cut.join_next().await.is_some() {}
+        }
     }
 }
 
@@ -344,11 +391,12 @@ mod tests {
 
     /// A request still running at the drain deadline is cut there: its handler is
     /// dropped and its client sees the connection close, for connections served
-    /// on the caller's runtime (the admin plane) as for the workers'.
+    /// on the caller's runtime (the admin plane) as for the workers', over HTTP/1
+    /// and HTTP/2 (whose streams hyper runs as tasks of their own).
     #[tokio::test]
     async fn a_request_still_running_at_the_drain_deadline_is_cut() {
-        use tokio::io::AsyncReadExt;
-        for workers in [None, Some(Workers::start(1).expect("a worker"))] {
+        for (on_workers, http2) in [(false, false), (false, true), (true, false), (true, true)] {
+            let workers = on_workers.then(|| Workers::start(1).expect("a worker"));
             let listener = TcpListener::bind("127.0.0.1:0").await.expect("a port");
             let addr = listener.local_addr().expect("an address");
             let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
@@ -377,27 +425,47 @@ mod tests {
                 workers,
                 std::future::ready(()),
             ));
-            let mut client = TcpStream::connect(addr).await.expect("connect");
-            client
-                .write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            let tcp = TcpStream::connect(addr).await.expect("connect");
+            let request = move || {
+                Request::get(format!("http://{addr}/"))
+                    .body(http_body_util::Empty::<bytes::Bytes>::new())
+                    .expect("a request")
+            };
+            let (answer, conn) = if http2 {
+                let (mut send, conn) = hyper::client::conn::http2::handshake(
+                    hyper_util::rt::TokioExecutor::new(),
+                    TokioIo::new(tcp),
+                )
                 .await
-                .expect("write");
+                .expect("an HTTP/2 handshake");
+                let answer = tokio::spawn(async move { send.send_request(request()).await });
+                (answer, tokio::spawn(async move { conn.await.is_ok() }))
+            } else {
+                let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+                    .await
+                    .expect("an HTTP/1 handshake");
+                let answer = tokio::spawn(async move { send.send_request(request()).await });
+                (answer, tokio::spawn(async move { conn.await.is_ok() }))
+            };
+            let case = format!("workers {on_workers}, HTTP/2 {http2}");
             started_rx.await.expect("the request reached the handler");
             let _ = stop_tx.send(());
             let drained = tokio::time::timeout(Duration::from_secs(5), server)
                 .await
                 .expect("the drain ends at its deadline")
                 .expect("the server task");
-            assert!(!drained.complete, "the request did not finish");
+            assert!(!drained.complete, "{case}: the request did not finish");
             assert_eq!(
                 dropped_rx.try_recv(),
                 Err(std::sync::mpsc::TryRecvError::Disconnected),
-                "the handler was dropped before the drain returned"
+                "{case}: the handler was dropped before the drain returned"
             );
-            let read = tokio::time::timeout(Duration::from_secs(5), client.read(&mut [0u8; 64]))
+            let answered = tokio::time::timeout(Duration::from_secs(5), answer)
                 .await
-                .expect("the connection is closed, not left open");
-            assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+                .expect("the connection is closed, not left open")
+                .expect("the client task");
+            assert!(answered.is_err(), "{case}: no answer came: {answered:?}");
+            let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
         }
     }
 
