@@ -482,9 +482,9 @@ async fn the_admin_plane_answers_while_start_up_waits_for_the_journal_lock() {
     assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(ready.json()["ready"], false);
     assert!(
-        ready.json()["reasons"][0]
-            .as_str()
-            .is_some_and(|r| r.starts_with("starting: the journal") && r.contains("lock_wait")),
+        ready.json()["reasons"][0].as_str().is_some_and(|r| r
+            .starts_with("starting: opening the journal")
+            && r.contains("lock_wait")),
         "{}",
         ready.text()
     );

@@ -663,18 +663,19 @@ async fn a_retried_attempt_that_broke_inside_a_tool_call_is_charged_too() {
     );
 }
 
-/// A call cancelled (`POST /v1/streams/{key}/cancel`) while its retry waits for a
-/// first byte is charged its estimate once for the cancelled attempt and once more
-/// for the attempt before it that broke inside a tool call: the provider generated
-/// both.
+/// A call cancelled (`POST /v1/streams/{key}/cancel`), or whose agent went away,
+/// while its retry waits for a first byte is charged its estimate once for the
+/// attempt cut short and once more for the attempt before it that broke inside a
+/// tool call: the provider generated both.
 #[tokio::test]
-async fn a_cancelled_call_is_charged_for_the_attempt_that_broke_before_it() {
+async fn a_call_cut_short_is_charged_for_the_attempt_that_broke_before_it() {
     let (mock, sidecar) = budgeted_tool_caller().await;
     let body = json!({"model": "gpt-mock", "stream": true,
                       "messages": [{"role": "user", "content": "weather?"}]});
-    // Sends the call under `key` and cancels it once the mock has had `attempts`
-    // requests (the last one waits far longer than the test for its first byte).
-    let cancelled = |key: &'static str, task: &'static str, attempts: u64| {
+    // Sends the call under `key` and, once the mock has had `attempts` requests
+    // (the last one waits far longer than the test for its first byte), cancels
+    // it or, with `leave`, drops the agent's connection.
+    let cut_short = |key: &'static str, task: &'static str, attempts: u64, leave: bool| {
         let (body, sidecar, mock) = (body.clone(), &sidecar, &mock);
         async move {
             let url = sidecar.url("/v1/chat/completions");
@@ -691,6 +692,10 @@ async fn a_cancelled_call_is_charged_for_the_attempt_that_broke_before_it() {
                 "{} requests reached the mock, not {attempts}",
                 mock.received()
             );
+            if leave {
+                call.abort();
+                return;
+            }
             let cancel = send(request(
                 http::Method::POST,
                 &sidecar.url(&format!("/v1/streams/m%2Fopenai%2F{key}/cancel")),
@@ -710,18 +715,6 @@ async fn a_cancelled_call_is_charged_for_the_attempt_that_broke_before_it() {
             );
         }
     };
-    let waits = Behaviour {
-        chunks: 0,
-        tool_calls: 1,
-        first_byte_delay: Duration::from_secs(60),
-        ..Behaviour::default()
-    };
-    mock.push(waits.clone());
-    cancelled("once", "cancelled-once", 1).await;
-    mock.push(broken_inside_a_tool_call());
-    mock.push(waits);
-    cancelled("broke-first", "broke-then-cancelled", 3).await;
-
     let tokens = |task: &'static str| {
         let url = sidecar.admin_url(&format!("/v1/tasks/{task}"));
         async move {
@@ -729,15 +722,56 @@ async fn a_cancelled_call_is_charged_for_the_attempt_that_broke_before_it() {
             c["tokens_in"].as_u64().unwrap_or(0) + c["tokens_out"].as_u64().unwrap_or(0)
         }
     };
+    let waits = Behaviour {
+        chunks: 0,
+        tool_calls: 1,
+        first_byte_delay: Duration::from_secs(60),
+        ..Behaviour::default()
+    };
+    mock.push(waits.clone());
+    cut_short("once", "cancelled-once", 1, false).await;
     let once = tokens("cancelled-once").await;
-    let twice = tokens("broke-then-cancelled").await;
     assert!(
         once > 0,
         "a cancelled call that was sent costs its estimate"
     );
+
+    mock.push(broken_inside_a_tool_call());
+    mock.push(waits.clone());
+    cut_short("broke-first", "broke-then-cancelled", 3, false).await;
     assert_eq!(
-        twice,
+        tokens("broke-then-cancelled").await,
         2 * once,
         "the attempt that broke inside a tool call is charged on top"
+    );
+
+    mock.push(waits.clone());
+    cut_short("left", "left-once", 4, true).await;
+    mock.push(broken_inside_a_tool_call());
+    mock.push(waits);
+    cut_short("broke-then-left", "broke-then-left", 6, true).await;
+    // The sidecar notices the agent's leaving when it next reads the connection.
+    let left = |task: &'static str, expected: u64| {
+        let tokens = &tokens;
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let charged = tokens(task).await;
+                if charged == expected || Instant::now() > deadline {
+                    return charged;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    assert_eq!(
+        left("left-once", once).await,
+        once,
+        "an agent that left while its attempt was out is charged its estimate"
+    );
+    assert_eq!(
+        left("broke-then-left", 2 * once).await,
+        2 * once,
+        "and the attempt before it that broke inside a tool call on top"
     );
 }

@@ -145,6 +145,7 @@ pub async fn run(config: Config, metrics: Metrics, args: ServeArgs) -> anyhow::R
         readiness.clone(),
     ));
 
+    readiness.set_phase("restoring tasks and SLO counts, starting the data plane");
     let slos = Arc::new(Slos::new(config.slos.clone(), metrics.clone()));
     if let Some(j) = &journal {
         match slos.restore(j) {

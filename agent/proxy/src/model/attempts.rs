@@ -107,9 +107,6 @@ pub struct Trail {
     /// Why the loop stopped retrying, when it did.
     pub gave_up: Option<String>,
     pub retry_budget_exhausted: bool,
-    /// A request went to a provider and its attempt ended: what it generated may
-    /// be billed.
-    pub sent: bool,
     /// A request went to a provider and its attempt has not ended (set before it
     /// is sent, so it holds when the loop is dropped mid-attempt, as a cancel
     /// does): it may be generating, and is billed at least its estimate.
@@ -209,7 +206,7 @@ pub async fn run<'a, T: Transport>(
         let outcome = attempt(m, plan, target, &mut trail.in_flight)
             .instrument(span.clone())
             .await;
-        trail.sent |= std::mem::take(&mut trail.in_flight);
+        trail.in_flight = false;
         let (status, error_type) = match &outcome {
             Outcome::Ok(s) => (Some(s.parts.status.as_u16()), None),
             Outcome::Final(Ended::Answer { status, .. })

@@ -449,38 +449,42 @@ async fn generate(
     // A generation is cancellable from its start (`POST /v1/streams/{key}/cancel`):
     // a cancel while it still waits for its first event drops the attempt loop, and
     // with it the upstream request, instead of letting its events through.
-    let run = attempts::run(&mech, &plan, &mut trail);
+    //
+    // Until the loop is over, its trail and the reservation are held together, so
+    // that a call dropped mid-loop (its agent went away) is charged what the
+    // provider generated for it.
+    let mut billed = Billed { trail, reservation };
+    let run = attempts::run(&mech, &plan, &mut billed.trail);
     let run = match journaled.as_ref().and_then(streams::Starting::live) {
         Some(live) => tokio::select! {
             biased;
-            // A success that raced the cancel is dropped, with its upstream.
+            // A success that raced the cancel is dropped, with its upstream (and
+            // is billed: the provider generated it).
             result = run => if live.is_cancelled() {
-                Run::Cancelled(live)
+                Run::Cancelled(live, result.is_ok())
             } else {
                 Run::Done(result)
             },
-            () = live.cancellation() => Run::Cancelled(live),
+            () = live.cancellation() => Run::Cancelled(live, false),
         },
         None => Run::Done(run.await),
     };
+    let (trail, reservation) = billed.disarm();
     if let Some(r) = rec.as_mut() {
         r.trail(&trail);
     }
     let result = match run {
         Run::Done(result) => result,
-        Run::Cancelled(live) => {
-            // The request may have been generating at the provider, which bills what
-            // it generated: like any call that did not complete, at least the
-            // estimate (nothing when no request was sent: cancelled in the limiter's
-            // queue, a back-off or by an open circuit). On top, each attempt before
-            // it that broke inside a tool call.
-            if let Some(r) = reservation
-                && (trail.sent || trail.in_flight)
-            {
-                let generated = generated_unseen(&trail) + u32::from(trail.in_flight);
-                r.charge_generated(generated.saturating_sub(1));
-                r.settle_estimate();
-            }
+        Run::Cancelled(live, raced) => {
+            // The attempt the cancel cut short may have been generating at the
+            // provider, which bills what it generated: like any call that did not
+            // complete, it costs at least the estimate, and so does a success that
+            // raced the cancel (nothing when no request was out: cancelled in the
+            // limiter's queue, a back-off or by an open circuit). On top, each
+            // attempt before it that broke inside a tool call.
+            let generated =
+                generated_unseen(&trail) + u32::from(trail.in_flight) + u32::from(raced);
+            charge_generated(reservation, generated);
             if let Some(r) = rec.take() {
                 r.finish(ModelEnd {
                     error_type: Some(streams::CANCELLED.to_owned()),
@@ -631,12 +635,40 @@ async fn generate(
 /// agent, so retried as if nothing had come): the provider generated, and bills,
 /// those tokens. Otherwise its reservation is released (nothing was generated).
 fn charge_broken_attempts(reservation: Option<Reservation>, trail: &Trail) {
-    let broken = generated_unseen(trail);
+    charge_generated(reservation, generated_unseen(trail));
+}
+
+/// Settles a call without an answer at `attempts` estimates (the attempts the
+/// provider generated for), or releases its reservation when there were none.
+fn charge_generated(reservation: Option<Reservation>, attempts: u32) {
     if let Some(r) = reservation
-        && broken > 0
+        && attempts > 0
     {
-        r.charge_generated(broken - 1);
+        r.charge_generated(attempts - 1);
         r.settle_estimate();
+    }
+}
+
+/// A call's attempt trail and budget reservation while its attempt loop runs.
+/// Dropped armed (the call was dropped mid-loop: its agent went away before any
+/// answer), it charges the attempts the provider generated for: each that broke
+/// inside a tool call, and the one in flight.
+struct Billed {
+    trail: Trail,
+    reservation: Option<Reservation>,
+}
+
+impl Billed {
+    /// The trail and the reservation, for the call's own paths to settle.
+    fn disarm(&mut self) -> (Trail, Option<Reservation>) {
+        (std::mem::take(&mut self.trail), self.reservation.take())
+    }
+}
+
+impl Drop for Billed {
+    fn drop(&mut self) {
+        let generated = generated_unseen(&self.trail) + u32::from(self.trail.in_flight);
+        charge_generated(self.reservation.take(), generated);
     }
 }
 
@@ -658,8 +690,9 @@ fn generated_unseen(trail: &Trail) -> u32 {
 /// How the attempt loop of a call that can be cancelled ended.
 enum Run<T> {
     Done(T),
-    /// Cancelled before its first event: this generation's hub.
-    Cancelled(Arc<streams::Live>),
+    /// Cancelled before its first event: this generation's hub, and whether the
+    /// loop had just ended with a success (dropped for the cancel).
+    Cancelled(Arc<streams::Live>, bool),
 }
 
 /// Records that a journaled call produced no stream (so a retry starts afresh).

@@ -377,22 +377,33 @@ async fn a_probe_answered_with_a_429_closes_the_circuit_and_the_call_goes_on() {
     );
 }
 
-/// A trail says whether a request went out: not for a call the open circuit
-/// refused, which a cancel then charges nothing.
+/// A trail says whether an attempt is out at the provider: while it waits for an
+/// answer (a call dropped then is charged for it), not once it has ended, and never
+/// for a call the open circuit refused.
 #[tokio::test(start_paused = true)]
-async fn a_trail_says_whether_a_request_went_out() {
+async fn a_trail_says_whether_an_attempt_is_out() {
     let rig = trips_at_once(limiter::Options::default());
-    let script = Script::new(vec![(503, vec![])], 200);
-    let p = provider("a", 1);
+    let script = Script::new(vec![(503, vec![]), (HANG, vec![])], 200);
+    let (a, b) = (provider("a", 1), provider("b", 1));
     let mech = rig.mechanics(&script, &Never);
-    let mut first = Trail::default();
-    assert!(run(&mech, &plan(vec![&p]), &mut first).await.is_err());
-    assert!(first.sent);
+    let mut ended = Trail::default();
+    assert!(run(&mech, &plan(vec![&a]), &mut ended).await.is_err());
+    assert_eq!(ended.attempts, 1);
+    assert!(!ended.in_flight, "its attempt ended");
     let mut refused = Trail::default();
-    assert!(run(&mech, &plan(vec![&p]), &mut refused).await.is_err());
+    assert!(run(&mech, &plan(vec![&a]), &mut refused).await.is_err());
     assert_eq!(refused.attempts, 1);
-    assert!(!refused.sent, "the open circuit refused it");
+    assert!(!refused.in_flight, "the open circuit refused it");
     assert_eq!(script.sent.load(Ordering::SeqCst), 1);
+    let mut dropped = Trail::default();
+    let waited = tokio::time::timeout(
+        Duration::from_secs(1),
+        run(&mech, &plan(vec![&b]), &mut dropped),
+    )
+    .await;
+    assert!(waited.is_err(), "the provider never answers");
+    assert!(dropped.in_flight, "dropped while its request was out");
+    assert_eq!(script.sent.load(Ordering::SeqCst), 2);
 }
 
 #[tokio::test(start_paused = true)]
