@@ -68,7 +68,9 @@ fn secret_parameter(name: &str) -> bool {
         "session",
         "cookie",
     ];
-    words(name).any(|word| {
+    // Either way of splitting may find it: `userPassword` by its humps,
+    // `passWord` only whole.
+    words(name, false).chain(words(name, true)).any(|word| {
         WHOLE.contains(&word.as_str())
             || WITHIN.iter().any(|w| word.contains(w))
             || word.ends_with("key")
@@ -76,9 +78,10 @@ fn secret_parameter(name: &str) -> bool {
     })
 }
 
-/// The words of a name, lower-cased: split at anything not alphanumeric and where
-/// a lower-case letter or digit is followed by an upper-case one (`apiKey`).
-fn words(name: &str) -> impl Iterator<Item = String> + '_ {
+/// The words of a name, lower-cased: split at anything not alphanumeric and, with
+/// `humps`, where a lower-case letter or digit is followed by an upper-case one
+/// (`apiKey`).
+fn words(name: &str, humps: bool) -> impl Iterator<Item = String> + '_ {
     let mut words = Vec::new();
     let mut word = String::new();
     let mut prev_lower = false;
@@ -88,7 +91,7 @@ fn words(name: &str) -> impl Iterator<Item = String> + '_ {
             prev_lower = false;
             continue;
         }
-        if c.is_ascii_uppercase() && prev_lower {
+        if humps && c.is_ascii_uppercase() && prev_lower {
             words.push(std::mem::take(&mut word));
         }
         prev_lower = c.is_ascii_lowercase() || c.is_ascii_digit();
@@ -268,6 +271,9 @@ mod tests {
             "AUTH",
             "refreshToken",
             "user%5Fpassword",
+            "passWord",
+            "PassWd",
+            "sessionID",
         ] {
             assert!(secret_parameter(name), "{name}");
         }
@@ -275,12 +281,16 @@ mod tests {
             assert!(!secret_parameter(name), "{name}");
         }
         assert_eq!(
-            words("X-Amz-Security-Token").collect::<Vec<_>>(),
+            words("X-Amz-Security-Token", true).collect::<Vec<_>>(),
             ["x", "amz", "security", "token"]
         );
         assert_eq!(
-            words("userID2Key").collect::<Vec<_>>(),
+            words("userID2Key", true).collect::<Vec<_>>(),
             ["user", "id2", "key"]
+        );
+        assert_eq!(
+            words("userID2Key", false).collect::<Vec<_>>(),
+            ["userid2key"]
         );
     }
 

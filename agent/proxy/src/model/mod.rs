@@ -510,6 +510,7 @@ async fn generate(
             if let Some(r) = &reservation {
                 r.charge_generated(generated_unseen(&trail));
             }
+            let mut reservation = Answered(reservation);
             *routed = Some(Routed {
                 provider: success.provider.name.clone(),
             });
@@ -545,7 +546,7 @@ async fn generate(
                         shared,
                         success,
                         ctx.task_id.as_ref(),
-                        reservation,
+                        reservation.take(),
                         rec,
                     ))
                 }
@@ -564,7 +565,7 @@ async fn generate(
                     shared,
                     success,
                     ctx.task_id.as_ref(),
-                    reservation,
+                    reservation.take(),
                     rec,
                 )),
             };
@@ -580,6 +581,8 @@ async fn generate(
             *routed = Some(Routed {
                 provider: provider.name.clone(),
             });
+            // Settled before the call is finished, so its record holds the charge.
+            charge_broken_attempts(reservation, &trail);
             if let Some(r) = rec.take() {
                 let status = status.as_u16();
                 r.finish(ModelEnd {
@@ -591,7 +594,6 @@ async fn generate(
                     ..ModelEnd::default()
                 });
             }
-            charge_broken_attempts(reservation, &trail);
             end_failed(journaled, &format!("upstream answered {status}")).await;
             // A faithful pass-through of the last answer (read scrubbed of the key).
             headers::strip_hop_by_hop(&mut parts.headers);
@@ -611,6 +613,8 @@ async fn generate(
                     provider: p.name.clone(),
                 });
             }
+            // Settled before the call is finished, so its record holds the charge.
+            charge_broken_attempts(reservation, &trail);
             if let Some(r) = rec.take() {
                 r.finish(ModelEnd {
                     failed: Some(match &error {
@@ -623,7 +627,6 @@ async fn generate(
                     ..ModelEnd::default()
                 });
             }
-            charge_broken_attempts(reservation, &trail);
             end_failed(journaled, &error.to_string()).await;
             Err(error)
         }
@@ -646,6 +649,26 @@ fn charge_generated(reservation: Option<Reservation>, attempts: u32) {
     {
         r.charge_generated(attempts - 1);
         r.settle_estimate();
+    }
+}
+
+/// The budget reservation of a call the provider has answered, until the answer's
+/// own path settles it. Dropped first (the agent went away while a plain answer was
+/// read, or before its relay began), the call costs its estimate: the provider
+/// generated the answer.
+struct Answered(Option<Reservation>);
+
+impl Answered {
+    fn take(&mut self) -> Option<Reservation> {
+        self.0.take()
+    }
+}
+
+impl Drop for Answered {
+    fn drop(&mut self) {
+        if let Some(r) = self.0.take() {
+            r.settle_estimate();
+        }
     }
 }
 
@@ -707,7 +730,7 @@ async fn produce(
     shared: &Arc<Shared>,
     success: Success<'_, UpstreamBody>,
     task: Option<&TaskId>,
-    reservation: Option<Reservation>,
+    mut reservation: Answered,
     starting: streams::Starting,
     rec: Option<ModelCall>,
 ) -> Result<Response<Body>, Error> {
@@ -734,7 +757,7 @@ async fn produce(
                 // The key must not stay "in progress": the next request runs afresh.
                 starting.failed(&e.to_string()).await;
                 // The provider answered (and bills it); what it cost is unknown.
-                if let Some(r) = reservation {
+                if let Some(r) = reservation.take() {
                     r.settle_estimate();
                 }
                 // A failure upstream, not the agent's cancel.
@@ -751,7 +774,7 @@ async fn produce(
         if let Some(task) = task {
             shared.correlator.record(task, answer.calls);
         }
-        settle(reservation, price, answer.usage, true);
+        settle(reservation.take(), price, answer.usage, true);
         if let Some(rec) = rec {
             rec.finish(ModelEnd {
                 tokens: answer.usage,
@@ -797,7 +820,7 @@ async fn produce(
         rec,
         task: task.cloned(),
         shared: shared.clone(),
-        reservation,
+        reservation: reservation.take(),
         price,
     });
     let production = streams::Production {
@@ -1451,6 +1474,40 @@ mod tests {
         );
         let refused = failed(vec![Failure::Connect { sent: false }]);
         assert_eq!(refused, (Usage::default(), Usage::default()), "released");
+    }
+
+    /// A call dropped between the provider's answer and its settlement (the agent
+    /// left while a plain answer was read) costs its estimate; one whose path took
+    /// the reservation out settles it there, not twice.
+    #[test]
+    fn an_answered_call_dropped_before_its_settlement_costs_its_estimate() {
+        let estimate = Usage {
+            tokens_in: 100,
+            tokens_out: 50,
+            calls: 1,
+            ..Usage::default()
+        };
+        let ledger = crate::resilience::Ledger::default();
+        let (reservation, ()) = ledger.reserve_if("t", estimate, |_| (true, ()));
+        drop(Answered(reservation));
+        assert_eq!(ledger.committed("t"), estimate);
+
+        let ledger = crate::resilience::Ledger::default();
+        let (reservation, ()) = ledger.reserve_if("t", estimate, |_| (true, ()));
+        let mut answered = Answered(reservation);
+        let taken = answered.take();
+        drop(answered);
+        assert_eq!(
+            ledger.committed("t"),
+            Usage::default(),
+            "not settled by the guard"
+        );
+        drop(taken);
+        assert_eq!(
+            ledger.committed("t"),
+            Usage::default(),
+            "released by its path"
+        );
     }
 
     /// The budget policy downgrades a call: the task's reservation is the cheaper
