@@ -510,7 +510,6 @@ async fn generate(
             if let Some(r) = &reservation {
                 r.charge_generated(generated_unseen(&trail));
             }
-            let mut reservation = Answered(reservation);
             *routed = Some(Routed {
                 provider: success.provider.name.clone(),
             });
@@ -523,6 +522,9 @@ async fn generate(
                 );
             }
             let rec = rec.take();
+            // Declared after the record: dropped mid-way (the agent went away), the
+            // reservation is settled before the record is, which then holds it.
+            let mut reservation = Answered(reservation);
             let resp = match journaled {
                 Some(starting) if request.stream && success.framer.is_none() => {
                     // A plain answer to a streamed request (a provider that ignores
@@ -555,9 +557,9 @@ async fn generate(
                         shared,
                         success,
                         ctx.task_id.as_ref(),
-                        reservation,
-                        starting,
                         rec,
+                        starting,
+                        reservation,
                     )
                     .await
                 }
@@ -730,9 +732,11 @@ async fn produce(
     shared: &Arc<Shared>,
     success: Success<'_, UpstreamBody>,
     task: Option<&TaskId>,
-    mut reservation: Answered,
-    starting: streams::Starting,
     rec: Option<ModelCall>,
+    starting: streams::Starting,
+    // Last, so that it is dropped first (parameters drop in reverse order): a call
+    // dropped mid-way settles its reservation before its record is dropped.
+    mut reservation: Answered,
 ) -> Result<Response<Body>, Error> {
     let Success {
         provider,
