@@ -318,7 +318,7 @@ impl Journal {
     /// decisions changed nothing to settle.
     pub async fn unanswered(&self, begin: &Begin, why: &str) -> Result<(), Error> {
         match begin {
-            Begin::Execute { ticket, .. } => self.failed_before_send(ticket, why).await,
+            Begin::Execute { ticket, .. } => self.failed_before_send(ticket, why).await.map(drop),
             Begin::Probe { ticket } => self.in_doubt(ticket, why).await.map(drop),
             Begin::Replay(_)
             | Begin::InFlight { .. }
@@ -370,12 +370,16 @@ impl Journal {
     }
 
     /// The attempt never reached the tool (connect refused, TLS failure, breaker open).
-    pub async fn failed_before_send(&self, ticket: &Ticket, reason: &str) -> Result<(), Error> {
+    /// Returns the state the key rests in: `failed_before_send`, or `in_doubt` when
+    /// the attempt was the re-send of one still in doubt.
+    pub async fn failed_before_send(&self, ticket: &Ticket, reason: &str) -> Result<State, Error> {
         let event = Event::FailedBeforeSend {
             ticket: ticket.clone(),
             reason: reason.to_owned(),
         };
-        self.event(ticket.key(), event).await.map(drop)
+        self.event(ticket.key(), event)
+            .await
+            .map(|(rec, _)| rec.state)
     }
 
     /// The request may have reached the tool and no answer came (timeout, reset).

@@ -210,6 +210,8 @@ pub fn apply(
                     Effect::Recorded
                 }
                 (State::Reconciling, None) => {
+                    // The probe asks by the downstream key, which every attempt sent.
+                    clear_doubt(&mut rec, "reconciled: the probe found no effect");
                     end_attempt(&mut rec, now, "reconciled: the probe found no effect");
                     let request_id = rec
                         .attempts
@@ -420,6 +422,17 @@ fn new_attempt(
     }
 }
 
+/// How an attempt's `outcome` starts when it ended in doubt, and when it did not
+/// take effect.
+const IN_DOUBT: &str = "in doubt: ";
+const NOT_APPLIED: &str = "not applied: ";
+
+fn ended_in_doubt(a: &Attempt) -> bool {
+    a.outcome
+        .as_deref()
+        .is_some_and(|o| o.starts_with(IN_DOUBT))
+}
+
 fn set_state(rec: &mut Record, state: State, now: Timestamp, note: String) {
     rec.state = state;
     rec.updated_at = now;
@@ -454,13 +467,37 @@ fn complete(rec: &mut Record, response: StoredResponse, now: Timestamp, note: St
     set_state(rec, State::Completed, now, note);
 }
 
+/// The current attempt did not take effect. When an earlier attempt is still in
+/// doubt (this one was its re-send), the key stays in doubt: that attempt may have
+/// executed, and only a probe, an operator or the tool's answer can say otherwise.
 fn failed_before_send(rec: &mut Record, now: Timestamp, reason: String) {
-    end_attempt(rec, now, &format!("not applied: {reason}"));
-    set_state(rec, State::FailedBeforeSend, now, reason);
+    end_attempt(rec, now, &format!("{NOT_APPLIED}{reason}"));
+    match rec
+        .attempts
+        .iter()
+        .rev()
+        .skip(1)
+        .find(|a| ended_in_doubt(a))
+    {
+        Some(earlier) => {
+            let note = format!("{reason}; attempt {} is still in doubt", earlier.n);
+            set_state(rec, State::InDoubt, now, note);
+        }
+        None => set_state(rec, State::FailedBeforeSend, now, reason),
+    }
+}
+
+/// Marks every attempt still in doubt as not applied (a probe found no effect of
+/// the downstream key, or an operator said the call did not take effect).
+fn clear_doubt(rec: &mut Record, why: &str) {
+    for a in rec.attempts.iter_mut().filter(|a| ended_in_doubt(a)) {
+        let was = a.outcome.take().unwrap_or_default();
+        a.outcome = Some(format!("{NOT_APPLIED}{why} (was {was})"));
+    }
 }
 
 fn in_doubt(rec: &mut Record, now: Timestamp, cause: &str) {
-    end_attempt(rec, now, &format!("in doubt: {cause}"));
+    end_attempt(rec, now, &format!("{IN_DOUBT}{cause}"));
     set_state(rec, State::InDoubt, now, cause.to_owned());
     if rec.class == ToolClass::Unsafe {
         park(rec, now);
@@ -483,10 +520,9 @@ fn resolve(
     reason: String,
     now: Timestamp,
 ) -> Result<(), Error> {
-    if !matches!(
-        rec.state,
-        State::InDoubt | State::NeedsOperator | State::Reconciling
-    ) {
+    // Not while a probe runs: what it finds (the call did happen) would be lost to
+    // a `retry`, and the call run again. A probe ends within the tool's timeout.
+    if !matches!(rec.state, State::InDoubt | State::NeedsOperator) {
         return Err(Error::NotResolvable {
             key: rec.key.clone(),
             state: rec.state,
@@ -526,7 +562,10 @@ fn resolve(
             response.scrub();
             complete(rec, response, now, note);
         }
-        Resolution::Retry => failed_before_send(rec, now, note),
+        Resolution::Retry => {
+            clear_doubt(rec, &note);
+            failed_before_send(rec, now, note);
+        }
     }
     Ok(())
 }

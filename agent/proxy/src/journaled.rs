@@ -685,9 +685,10 @@ async fn record(
             Err(e) => Recorded::Unrecorded(e),
         },
         Answered::NotApplied(resp, reason) => {
+            // Still in doubt when this was the re-send of an attempt in doubt.
             match journal.failed_before_send(ticket, &reason).await {
-                Ok(_) => {
-                    let settled = Settled::answered(State::FailedBeforeSend, resp.status());
+                Ok(state) => {
+                    let settled = Settled::answered(state, resp.status());
                     Recorded::Answered(resp, settled)
                 }
                 Err(e) => Recorded::Failed(e),

@@ -356,10 +356,16 @@ impl Protocol for McpCall<'_> {
         rpc_error(
             self.id,
             -32012,
-            &format!(
-                "the stored result for key {} has expired; use a new key",
-                record.key
-            ),
+            &match record.final_status {
+                Some(_) => format!(
+                    "the stored result for key {} has expired; use a new key",
+                    record.key
+                ),
+                None => format!(
+                    "key {} has expired; no attempt of its call took effect; use a new key",
+                    record.key
+                ),
+            },
             Some(json!({"key": record.key.as_str(), "finalStatus": record.final_status})),
         )
     }

@@ -1484,7 +1484,7 @@ mod tests {
             State::FailedBeforeSend => {
                 journal
                     .failed_before_send(&ticket, "connect refused")
-                    .await?
+                    .await?;
             }
             State::InDoubt => {
                 journal.in_doubt(&ticket, "timeout").await?;

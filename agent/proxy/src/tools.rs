@@ -570,15 +570,19 @@ impl Protocol for Http<'_> {
             StatusCode::GONE,
             "key-expired",
             "The result for this key has expired",
-            format!(
-                "Key {} completed with status {} but its stored result is past retention; only a \
-                 digest remains. Use a new key to call again.",
-                record.key,
-                record
-                    .final_status
-                    .map(|s| s.to_string())
-                    .unwrap_or_else(|| "unknown".into())
-            ),
+            match record.final_status {
+                Some(status) => format!(
+                    "Key {} completed with status {status} but its stored result is past \
+                     retention; only a digest remains. Use a new key to call again.",
+                    record.key
+                ),
+                // Tombstoned from `failed_before_send`: no attempt took effect.
+                None => format!(
+                    "Key {} is past retention; no attempt of its call took effect. Use a new \
+                     key to call again.",
+                    record.key
+                ),
+            },
         )
         .with("key", record.key.as_str());
         if let Some(s) = record.final_status {

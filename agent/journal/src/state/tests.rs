@@ -458,6 +458,59 @@ fn transitions() {
             1,
             "recorded",
         ),
+        // A re-send that never took effect leaves the key in doubt: attempt 1 may
+        // have executed. The next request re-sends again.
+        (
+            Keyed,
+            &[Begin, Doubt, Begin, FailPre],
+            State::InDoubt,
+            2,
+            "recorded",
+        ),
+        (
+            Keyed,
+            &[Begin, Doubt, Begin, Respond(429)],
+            State::InDoubt,
+            2,
+            "recorded",
+        ),
+        (
+            Keyed,
+            &[Begin, Doubt, Begin, FailPre, Begin],
+            State::Dispatched,
+            3,
+            "execute(resend)",
+        ),
+        (
+            Keyed,
+            &[Begin, FailPre, Begin, FailPre],
+            State::FailedBeforeSend,
+            2,
+            "recorded",
+        ),
+        // A probe that found no effect of the downstream key clears every attempt.
+        (
+            Probe,
+            &[Begin, Doubt, Begin, NotFound, FailPre],
+            State::FailedBeforeSend,
+            2,
+            "recorded",
+        ),
+        // So does an operator's retry.
+        (
+            Keyed,
+            &[Begin, Doubt, Begin, FailPre, Retry],
+            State::FailedBeforeSend,
+            2,
+            "recorded",
+        ),
+        (
+            Keyed,
+            &[Begin, Doubt, Retry, Begin, FailPre],
+            State::FailedBeforeSend,
+            2,
+            "recorded",
+        ),
         // A late reply in the same process settles the doubt.
         (
             Keyed,
@@ -617,6 +670,9 @@ fn refusals() {
         (Keyed, &[], Respond(200), "unknown_key"),
         (Keyed, &[], Succeeded, "unknown_key"),
         (Probe, &[Begin, Doubt, Begin, NotFound], NotFound, "stale"),
+        // Not while a probe runs: what it finds would be lost.
+        (Probe, &[Begin, Doubt, Begin], Retry, "not_resolvable"),
+        (Probe, &[Begin, Doubt, Begin], Succeeded, "not_resolvable"),
     ];
     for (class, setup, step, want) in rows {
         let label = format!("{class:?} {setup:?} then {step:?}");
