@@ -1054,3 +1054,35 @@ async fn a_stream_cancelled_before_its_first_event_drops_its_upstream_request() 
     assert_eq!(after.status, StatusCode::NO_CONTENT, "{}", after.text());
     upstream.abort();
 }
+
+/// A key whose call was plain (`"stream": false`) is read back by
+/// `GET /v1/streams/{key}` as the JSON document it journaled, not as broken SSE;
+/// resumed after any event id, it has nothing more.
+#[tokio::test]
+async fn a_plain_answer_is_read_back_by_key_as_json() {
+    let (_mock, sidecar) = setup(Behaviour::default()).await;
+    let first = post_json(
+        &sidecar.url(D::OpenAi.path()),
+        &[("idempotency-key", "plain-by-key")],
+        &D::OpenAi.body(false),
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    let key = first
+        .header("outrigger-stream-key")
+        .expect("a stream key")
+        .replace('/', "%2F");
+    let read = get(&sidecar.url(&format!("/v1/streams/{key}"))).await;
+    assert_eq!(read.status, StatusCode::OK, "{}", read.text());
+    assert_eq!(read.header("content-type"), Some("application/json"));
+    assert_eq!(read.header("outrigger-replayed"), Some("true"));
+    assert_eq!(read.body, first.body, "the answer as the agent got it");
+    let after = send(request(
+        Method::GET,
+        &sidecar.url(&format!("/v1/streams/{key}")),
+        &[("last-event-id", "1:0")],
+        Bytes::new(),
+    ))
+    .await;
+    assert_eq!(after.status, StatusCode::NO_CONTENT, "{}", after.text());
+}

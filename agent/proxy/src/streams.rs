@@ -1178,6 +1178,24 @@ pub fn live_response(live: &Arc<Live>, from: usize, replayed: bool) -> Response<
     resp
 }
 
+/// Whether a journaled event 0 is a plain answer's JSON document: an SSE block
+/// starts with a field name (`data:`, `event:`, `id:`) or a comment, never `{`.
+fn is_plain_answer(raw: &[u8]) -> bool {
+    raw.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
+}
+
+/// A journaled plain answer, replayed.
+pub fn plain_response(body: Bytes) -> Response<Body> {
+    let mut resp = Response::new(crate::body::full(body));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp.headers_mut()
+        .insert(headers::REPLAYED, HeaderValue::from_static("true"));
+    resp
+}
+
 /// A response replaying the journaled events of `attempt` after `after` (all when
 /// `None`).
 pub fn journal_response(events: Vec<(u64, Bytes)>, attempt: u32) -> Response<Body> {
@@ -1397,6 +1415,16 @@ fn from_journal(
     let mut events = journal
         .stream_events(key, attempt, after)
         .map_err(crate::Error::Journal)?;
+    // A plain answer (`"stream": false`) is journaled whole as event 0: it is
+    // served as the JSON document it is, and has no events to resume after.
+    if let [(0, body)] = events.as_slice()
+        && is_plain_answer(body)
+    {
+        return Ok(match after {
+            Some(_) => nothing_more(),
+            None => plain_response(body.clone()),
+        });
+    }
     if events.is_empty()
         && journal
             .stream_meta(key)

@@ -551,9 +551,9 @@ fn injected_answer(
 ///
 /// The first event is the first block that carries data: blocks without (comments
 /// such as `: keep-alive` or `: OPENROUTER PROCESSING`, a lone `retry:`) are not
-/// events to an SSE client, so they neither start the stream nor stop the
-/// `first_byte_timeout`; they are kept and go out, byte for byte, just before the
-/// first event. A first event that is the provider's error event is an error answer
+/// events to an SSE client, so they do not start the stream (though, as the body's
+/// first bytes, they stop the `first_byte_timeout`: see below); they are kept and go
+/// out, byte for byte, just before the first event. A first event that is the provider's error event is an error answer
 /// sent as a stream: classified like an error status, and retried or passed on as
 /// such.
 async fn first_event<'a, B: HttpBody<Data = Bytes, Error: Into<BoxError>> + Unpin>(

@@ -318,14 +318,7 @@ async fn replay(
                     .next()
                     .map(|(_, b)| b)
                     .unwrap_or_default();
-                let mut resp = Response::new(body::full(body));
-                resp.headers_mut().insert(
-                    header::CONTENT_TYPE,
-                    http::HeaderValue::from_static("application/json"),
-                );
-                resp.headers_mut()
-                    .insert(headers::REPLAYED, http::HeaderValue::from_static("true"));
-                return Ok(Some(resp));
+                return Ok(Some(streams::plain_response(body)));
             }
             StreamState::Open => {
                 // The hub of this attempt: an earlier one's may still be leaving the
