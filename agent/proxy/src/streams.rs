@@ -815,12 +815,20 @@ impl Producer {
     }
 
     /// Passes the framed events through the gate: what it releases is one batch,
-    /// journaled as one append.
+    /// journaled as one append. Blocks that are only a line ending are dropped.
     fn take_in(&mut self) -> Batch {
         let mut events = Vec::new();
         let mut durable = false;
         for mut raw in self.scratch.drain(..) {
-            self.bytes += raw.len();
+            // A block that is only a line ending (an upstream that pads with blank
+            // lines) dispatches nothing to an SSE client: it is not made an event,
+            // which would cost an id, a hub slot and a journal record for one byte.
+            if raw.iter().all(|b| matches!(b, b'\r' | b'\n')) {
+                continue;
+            }
+            // Each event counts with what it costs beyond its bytes, so that
+            // `max_stream_bytes` bounds memory however small the events are.
+            self.bytes += raw.len() + EVENT_OVERHEAD;
             if std::mem::take(&mut self.at_start) {
                 // A byte order mark opening the stream is dropped: our `id:` line goes
                 // first, and behind it the mark would hide the field of the line it
@@ -1177,6 +1185,10 @@ pub fn live_response(live: &Arc<Live>, from: usize, replayed: bool) -> Response<
     sse_headers(resp.headers_mut(), replayed);
     resp
 }
+
+/// What one stream event costs beyond its bytes (its `id:` line, its place in the
+/// hub and in the journal), counted against `[streams] max_stream_bytes`.
+const EVENT_OVERHEAD: usize = 64;
 
 /// Whether a journaled event 0 is a plain answer's JSON document: an SSE block
 /// starts with a field name (`data:`, `event:`, `id:`) or a comment, never `{`.
@@ -1678,6 +1690,53 @@ mod tests {
         assert!(text.contains(PRODUCER_STOPPED), "{text}");
         let state = state_within(&j.journal, &key, outrigger_journal::StreamState::Abandoned).await;
         assert_eq!(state, Some(outrigger_journal::StreamState::Abandoned));
+    }
+
+    /// Blank lines an upstream pads with dispatch nothing: they are not made events
+    /// (no id, no hub slot, no journal record), and each event counts its overhead
+    /// against `max_stream_bytes`, however small it is.
+    #[tokio::test]
+    async fn padding_is_not_an_event_and_each_event_counts_its_overhead() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let proxy = proxy(&j.journal, crate::Options::default());
+        let shared = proxy.shared.clone();
+        let request = streamed();
+        let key = StreamKey::new("m/openai/padded".to_owned()).expect("a key");
+        let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
+        assert!(matches!(
+            begun,
+            Ok(outrigger_journal::StreamBegin::New { attempt: 1 })
+        ));
+        let starting = Starting::new(&shared, j.journal.clone(), key.clone(), 1, &request);
+        let (journal, live) = starting.started();
+        let text = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        let mut producer = Producer::new(
+            &shared,
+            Production {
+                journal,
+                live: live.clone(),
+                gate: Gate::new(Dialect::OpenAi),
+                framer: Framer::new(1 << 20),
+                first_events: vec![
+                    Bytes::from_static(text),
+                    Bytes::from_static(b"\n"),
+                    Bytes::from_static(b"\r\n"),
+                    Bytes::from_static(b":\n\n"),
+                    Bytes::from_static(text),
+                ],
+                observer: Box::new(()),
+                permit: None,
+            },
+        );
+        let batch = producer.take_in();
+        assert_eq!(batch.first_seq, 0);
+        assert!(!producer.settle(batch).await, "not the end");
+        assert_eq!(live.sent(), 3, "two deltas and a comment; no padding");
+        assert_eq!(
+            producer.bytes,
+            2 * text.len() + 3 + 3 * EVENT_OVERHEAD,
+            "each event with its overhead"
+        );
     }
 
     /// A call whose upstream failed records its attempt failed even when its agent
