@@ -1634,17 +1634,17 @@ mod tests {
         assert!(e.to_string().contains("1:9 has not been sent"), "{e}");
     }
 
-    /// A producer that stops without ending its generation (as a panic on what the
-    /// upstream sent unwinds it) still ends it: the clients get the typed error event
-    /// numbered after the last one sent, the key leaves the registry, and the attempt
-    /// is recorded abandoned, so that a repeat generates afresh instead of waiting.
-    #[tokio::test]
-    async fn a_producer_that_stops_mid_stream_still_ends_its_generation() {
-        let j = crate::test_journal::TempJournal::open().expect("a journal");
+    /// A producer of a new journaled OpenAI stream under `key`, its first frames
+    /// `first_events`, and the generation's hub.
+    async fn producer(
+        j: &crate::test_journal::TempJournal,
+        key: &str,
+        first_events: Vec<Bytes>,
+    ) -> (Arc<Shared>, StreamKey, Arc<Live>, Producer) {
         let proxy = proxy(&j.journal, crate::Options::default());
         let shared = proxy.shared.clone();
         let request = streamed();
-        let key = StreamKey::new("m/openai/stops".to_owned()).expect("a key");
+        let key = StreamKey::new(key.to_owned()).expect("a key");
         let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
         assert!(matches!(
             begun,
@@ -1652,20 +1652,36 @@ mod tests {
         ));
         let starting = Starting::new(&shared, j.journal.clone(), key.clone(), 1, &request);
         let (journal, live) = starting.started();
-        let mut producer = Producer::new(
+        let producer = Producer::new(
             &shared,
             Production {
                 journal,
                 live: live.clone(),
                 gate: Gate::new(Dialect::OpenAi),
                 framer: Framer::new(1 << 20),
-                first_events: vec![Bytes::from_static(
-                    b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
-                )],
+                first_events,
                 observer: Box::new(()),
                 permit: None,
             },
         );
+        (shared, key, live, producer)
+    }
+
+    /// A producer that stops without ending its generation (as a panic on what the
+    /// upstream sent unwinds it) still ends it: the clients get the typed error event
+    /// numbered after the last one sent, the key leaves the registry, and the attempt
+    /// is recorded abandoned, so that a repeat generates afresh instead of waiting.
+    #[tokio::test]
+    async fn a_producer_that_stops_mid_stream_still_ends_its_generation() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let (shared, key, live, mut producer) = producer(
+            &j,
+            "m/openai/stops",
+            vec![Bytes::from_static(
+                b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
+            )],
+        )
+        .await;
         let batch = producer.take_in();
         assert!(!producer.settle(batch).await, "not the end");
         assert_eq!(live.sent(), 1);
@@ -1698,36 +1714,19 @@ mod tests {
     #[tokio::test]
     async fn padding_is_not_an_event_and_each_event_counts_its_overhead() {
         let j = crate::test_journal::TempJournal::open().expect("a journal");
-        let proxy = proxy(&j.journal, crate::Options::default());
-        let shared = proxy.shared.clone();
-        let request = streamed();
-        let key = StreamKey::new("m/openai/padded".to_owned()).expect("a key");
-        let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
-        assert!(matches!(
-            begun,
-            Ok(outrigger_journal::StreamBegin::New { attempt: 1 })
-        ));
-        let starting = Starting::new(&shared, j.journal.clone(), key.clone(), 1, &request);
-        let (journal, live) = starting.started();
         let text = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
-        let mut producer = Producer::new(
-            &shared,
-            Production {
-                journal,
-                live: live.clone(),
-                gate: Gate::new(Dialect::OpenAi),
-                framer: Framer::new(1 << 20),
-                first_events: vec![
-                    Bytes::from_static(text),
-                    Bytes::from_static(b"\n"),
-                    Bytes::from_static(b"\r\n"),
-                    Bytes::from_static(b":\n\n"),
-                    Bytes::from_static(text),
-                ],
-                observer: Box::new(()),
-                permit: None,
-            },
-        );
+        let (_shared, _key, live, mut producer) = producer(
+            &j,
+            "m/openai/padded",
+            vec![
+                Bytes::from_static(text),
+                Bytes::from_static(b"\n"),
+                Bytes::from_static(b"\r\n"),
+                Bytes::from_static(b":\n\n"),
+                Bytes::from_static(text),
+            ],
+        )
+        .await;
         let batch = producer.take_in();
         assert_eq!(batch.first_seq, 0);
         assert!(!producer.settle(batch).await, "not the end");
