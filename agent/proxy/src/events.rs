@@ -517,9 +517,16 @@ impl Turn {
 pub struct Gate {
     pub turn: Turn,
     held: Vec<bytes::Bytes>,
+    /// The bytes of `held`.
+    held_bytes: usize,
     /// The turn was ended with a typed error event: nothing more goes out.
     closed: bool,
 }
+
+/// The most a gate holds back for one unfinished block (a tool call whose arguments
+/// a runaway generation never closes): past it the turn is cut with the typed error
+/// event, whatever else bounds the stream.
+pub const MAX_HELD_BYTES: usize = 64 << 20;
 
 /// Events the gate lets through.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -534,6 +541,7 @@ impl Gate {
         Self {
             turn: Turn::new(dialect),
             held: Vec::new(),
+            held_bytes: 0,
             closed: false,
         }
     }
@@ -577,10 +585,16 @@ impl Gate {
                 durable,
             };
         }
+        self.held_bytes += raw.len();
         self.held.push(raw);
         if self.turn.inside_tool_call() {
+            if self.held_bytes > MAX_HELD_BYTES {
+                let detail = format!("a tool call held back passed {MAX_HELD_BYTES} bytes");
+                return self.cut(interruption_event(self.turn.dialect, &detail));
+            }
             return Release::default();
         }
+        self.held_bytes = 0;
         Release {
             events: std::mem::take(&mut self.held),
             durable: true,
@@ -592,6 +606,7 @@ impl Gate {
     fn cut(&mut self, error: bytes::Bytes) -> Release {
         self.closed = true;
         self.held.clear();
+        self.held_bytes = 0;
         self.turn.errored = true;
         Release {
             events: vec![error],
@@ -938,6 +953,32 @@ mod tests {
             "nothing after the error"
         );
         assert!(!g.turn.terminal);
+    }
+
+    /// A tool call whose arguments never close (a runaway generation) is held only
+    /// up to MAX_HELD_BYTES: then the turn ends with the typed error event, and
+    /// what was held is dropped.
+    #[test]
+    fn a_tool_call_held_past_the_limit_is_cut() {
+        let mut g = Gate::new(Dialect::OpenAi);
+        let piece = "x".repeat(1 << 20);
+        let mut pushed = 0;
+        let cut = loop {
+            let out = g.push(call_part(&piece));
+            pushed += 1;
+            if !out.events.is_empty() {
+                break out;
+            }
+            assert!(pushed <= 65, "still held after {pushed} MiB");
+        };
+        assert_eq!(pushed, 64, "cut once more than 64 MiB was held");
+        assert!(cut.durable && g.closed() && g.held() == 0);
+        let text = String::from_utf8_lossy(&cut.events[0]);
+        assert!(
+            text.contains("stream_interrupted") && text.contains("held back passed"),
+            "{text}"
+        );
+        assert!(g.push(finish("tool_calls")).events.is_empty());
     }
 
     #[test]
