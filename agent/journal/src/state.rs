@@ -441,6 +441,46 @@ fn set_state(rec: &mut Record, state: State, now: Timestamp, note: String) {
         state,
         note,
     });
+    bound(rec);
+}
+
+/// The most attempts and transitions one record keeps. A key retried for hours
+/// (a tool that keeps answering 429) would otherwise grow its record, which is
+/// written whole at every change, without end.
+const KEPT_ATTEMPTS: usize = 64;
+const KEPT_TRANSITIONS: usize = 128;
+/// The note of the transition that stands for those dropped.
+const DROPPED: &str = "earlier transitions dropped to keep the record bounded";
+
+/// Keeps a record within [`KEPT_ATTEMPTS`] and [`KEPT_TRANSITIONS`]: the first
+/// attempt, every attempt still in doubt and the newest stay; so do the first
+/// transition and the newest, with one standing for those dropped between.
+fn bound(rec: &mut Record) {
+    while rec.attempts.len() > KEPT_ATTEMPTS {
+        let last = rec.attempts.len() - 1;
+        let Some(i) = (1..last).find(|&i| !ended_in_doubt(&rec.attempts[i])) else {
+            break;
+        };
+        rec.attempts.remove(i);
+    }
+    if rec.history.len() > KEPT_TRANSITIONS {
+        let excess = rec.history.len() - KEPT_TRANSITIONS;
+        let marked = rec.history.get(1).is_some_and(|t| t.note == DROPPED);
+        if marked {
+            rec.history.drain(2..2 + excess);
+        } else {
+            let first = rec.history.drain(1..2 + excess).next();
+            if let Some(first) = first {
+                rec.history.insert(
+                    1,
+                    Transition {
+                        note: DROPPED.to_owned(),
+                        ..first
+                    },
+                );
+            }
+        }
+    }
 }
 
 fn dispatch(rec: &mut Record, now: Timestamp, note: String) {

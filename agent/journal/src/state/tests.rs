@@ -795,3 +795,44 @@ proptest! {
         }
     }
 }
+
+/// A key retried for hours keeps a bounded record: the first attempt, any still in
+/// doubt and the newest, and the first and newest transitions with one standing for
+/// those dropped; the state machine works on as before.
+#[test]
+fn a_key_retried_without_end_keeps_a_bounded_record() {
+    let mut d = Driver::new(Keyed);
+    let mut steps = vec![Begin, FailPre, Begin, Doubt];
+    for _ in 0..200 {
+        steps.extend([Begin, Respond(429)]);
+    }
+    d.run(&steps).expect("every step applies");
+    let rec = d.record.as_ref().expect("a record");
+    assert_eq!(rec.attempt, 202);
+    assert_eq!(rec.state, State::InDoubt, "attempt 2 is still in doubt");
+    assert_eq!(rec.attempts.len(), 64);
+    assert_eq!(rec.attempts[0].n, 1, "the first attempt stays");
+    assert_eq!(rec.attempts[1].n, 2, "and the one in doubt");
+    assert_eq!(
+        rec.attempts.last().map(|a| a.n),
+        Some(202),
+        "and the newest"
+    );
+    assert_eq!(rec.history.len(), 128);
+    assert!(
+        rec.history[1].note.contains("dropped"),
+        "{:?}",
+        rec.history[1]
+    );
+    assert_eq!(
+        rec.history
+            .iter()
+            .filter(|t| t.note.contains("dropped"))
+            .count(),
+        1
+    );
+    // The next request re-sends, as for any key in doubt.
+    let effect = d.step(Begin).expect("begin");
+    assert_eq!(name(&effect), "execute(resend)");
+    assert_eq!(d.record.as_ref().map(|r| r.attempts.len()), Some(64));
+}
