@@ -46,11 +46,16 @@ pub struct Options {
     pub replay_in_task: bool,
     /// How long a generation keeps being drained after its last client left.
     pub detach_timeout: Duration,
-    /// The most bytes one stream may journal; a longer one is cut with an error.
+    /// The most bytes one stream may journal (each event counted with
+    /// [`EVENT_OVERHEAD`] more); a longer one is cut with an error.
     pub max_stream_bytes: usize,
     /// Cancel the generation when its last client goes away.
     pub cancel_on_disconnect: bool,
 }
+
+/// What one stream event costs beyond its bytes (its `id:` line, its place in the
+/// hub and in the journal), counted against `[streams] max_stream_bytes`.
+const EVENT_OVERHEAD: usize = 64;
 
 impl Default for Options {
     fn default() -> Self {
@@ -1185,10 +1190,6 @@ pub fn live_response(live: &Arc<Live>, from: usize, replayed: bool) -> Response<
     sse_headers(resp.headers_mut(), replayed);
     resp
 }
-
-/// What one stream event costs beyond its bytes (its `id:` line, its place in the
-/// hub and in the journal), counted against `[streams] max_stream_bytes`.
-const EVENT_OVERHEAD: usize = 64;
 
 /// Whether a journaled event 0 is a plain answer's JSON document: an SSE block
 /// starts with a field name (`data:`, `event:`, `id:`) or a comment, never `{`.

@@ -477,7 +477,7 @@ async fn generate(
             // attempt before it that broke inside a tool call.
             let generated =
                 generated_unseen(&trail) + u32::from(trail.in_flight) + u32::from(raced);
-            charge_generated(reservation, generated);
+            settle_generated(reservation, generated);
             if let Some(r) = rec.take() {
                 r.finish(ModelEnd {
                     error_type: Some(streams::CANCELLED.to_owned()),
@@ -633,12 +633,12 @@ async fn generate(
 /// agent, so retried as if nothing had come): the provider generated, and bills,
 /// those tokens. Otherwise its reservation is released (nothing was generated).
 fn charge_broken_attempts(reservation: Option<Reservation>, trail: &Trail) {
-    charge_generated(reservation, generated_unseen(trail));
+    settle_generated(reservation, generated_unseen(trail));
 }
 
 /// Settles a call without an answer at `attempts` estimates (the attempts the
 /// provider generated for), or releases its reservation when there were none.
-fn charge_generated(reservation: Option<Reservation>, attempts: u32) {
+fn settle_generated(reservation: Option<Reservation>, attempts: u32) {
     if let Some(r) = reservation
         && attempts > 0
     {
@@ -686,7 +686,7 @@ impl Billed {
 impl Drop for Billed {
     fn drop(&mut self) {
         let generated = generated_unseen(&self.trail) + u32::from(self.trail.in_flight);
-        charge_generated(self.reservation.take(), generated);
+        settle_generated(self.reservation.take(), generated);
     }
 }
 
