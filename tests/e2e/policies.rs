@@ -41,18 +41,23 @@ fn variant(bytes: &[u8], tag: &str) -> Vec<u8> {
     out
 }
 
-#[tokio::test]
-async fn retries_and_fallbacks_are_invisible_to_the_agent() {
-    let primary = MockProvider::start(Behaviour::default())
+/// A sidecar whose provider `primary` (model `gpt-mock`) falls back to `backup`
+/// (its own model, `gpt-backup`), each a mock; `head` is the configuration before
+/// them, `primary` and `backup` more lines for each.
+async fn with_a_backup(
+    head: &str,
+    primary: &str,
+    backup: &str,
+) -> (MockProvider, MockProvider, Sidecar) {
+    let primary_mock = MockProvider::start(Behaviour::default())
         .await
         .expect("mock");
-    let backup = MockProvider::start(Behaviour::default())
+    let backup_mock = MockProvider::start(Behaviour::default())
         .await
         .expect("mock");
     let config = format!(
         r#"
-[policies]
-seed = 7
+{head}
 
 [[providers]]
 name = "primary"
@@ -60,6 +65,7 @@ kind = "openai"
 base_url = "{}"
 models = ["gpt-mock"]
 fallbacks = ["backup"]
+{primary}
 
 [[providers]]
 name = "backup"
@@ -67,11 +73,18 @@ kind = "openai"
 base_url = "{}"
 models = ["gpt-backup"]
 default_model = "gpt-backup"
+{backup}
 "#,
-        primary.openai_base(),
-        backup.openai_base()
+        primary_mock.openai_base(),
+        backup_mock.openai_base()
     );
     let sidecar = Sidecar::start(&config, &[]).await;
+    (primary_mock, backup_mock, sidecar)
+}
+
+#[tokio::test]
+async fn retries_and_fallbacks_are_invisible_to_the_agent() {
+    let (primary, backup, sidecar) = with_a_backup("[policies]\nseed = 7", "", "").await;
 
     // 503 then 200: retried, the agent sees only the success.
     primary.push(Behaviour {
@@ -773,5 +786,71 @@ async fn a_call_cut_short_is_charged_for_the_attempt_that_broke_before_it() {
         left("broke-then-left", 2 * once).await,
         2 * once,
         "and the attempt before it that broke inside a tool call on top"
+    );
+}
+
+/// An estimate is charged at the prices of the provider the attempt went to, not
+/// those of the model the call asked for: a call cancelled while its fallback's
+/// attempt waits for a first byte costs the estimate at the fallback's prices.
+#[tokio::test]
+async fn an_estimate_charged_for_a_fallback_attempt_is_priced_at_the_fallback() {
+    let (primary, backup, sidecar) = with_a_backup(
+        "[budget]\ntokens_total = 10000000",
+        "price_in = 1\nprice_out = 2",
+        "price_in = 10\nprice_out = 30",
+    )
+    .await;
+    primary.push(Behaviour {
+        context_overflow: true,
+        ..Behaviour::default()
+    });
+    backup.push(Behaviour {
+        first_byte_delay: Duration::from_secs(60),
+        ..Behaviour::default()
+    });
+    let body = json!({"model": "gpt-mock", "stream": true,
+                      "messages": [{"role": "user", "content": "long story"}]});
+    let url = sidecar.url("/v1/chat/completions");
+    let call = tokio::spawn(async move {
+        post_json(
+            &url,
+            &[
+                ("idempotency-key", "priced"),
+                ("outrigger-task-id", "priced"),
+            ],
+            &body,
+        )
+        .await
+    });
+    assert!(
+        eventually(Duration::from_secs(10), || backup.received() == 1).await,
+        "the call fell back: {} and {} requests",
+        primary.received(),
+        backup.received()
+    );
+    let cancel = send(request(
+        http::Method::POST,
+        &sidecar.url("/v1/streams/m%2Fopenai%2Fpriced/cancel"),
+        &[],
+        bytes::Bytes::new(),
+    ))
+    .await;
+    assert_eq!(cancel.status, StatusCode::ACCEPTED, "{}", cancel.text());
+    tokio::time::timeout(Duration::from_secs(10), call)
+        .await
+        .expect("the call ends at the cancel")
+        .expect("the call");
+    let charged = get(&sidecar.admin_url("/v1/tasks/priced")).await.json()["charged"].clone();
+    let (tokens_in, tokens_out) = (
+        charged["tokens_in"].as_u64().unwrap_or(0),
+        charged["tokens_out"].as_u64().unwrap_or(0),
+    );
+    assert!(tokens_in > 0 && tokens_out > 0, "{charged}");
+    // $10 and $30 per million tokens: 10 and 30 micro-dollars a token (at the
+    // primary's prices it would have been 1 and 2).
+    assert_eq!(
+        charged["cost_micros"].as_u64(),
+        Some(tokens_in * 10 + tokens_out * 30),
+        "{charged}"
     );
 }

@@ -140,6 +140,14 @@ impl Capabilities {
 }
 
 impl Provider {
+    /// What this provider's tokens cost.
+    pub fn price(&self) -> crate::resilience::Price {
+        crate::resilience::Price {
+            per_mtok_in: self.caps.price_in,
+            per_mtok_out: self.caps.price_out,
+        }
+    }
+
     /// The upstream URI for a data-plane path suffix (`/chat/completions`, `/v1/messages`).
     pub fn url(&self, suffix: &str) -> Result<Uri, http::Error> {
         let path = self.base_url.path().trim_end_matches('/');

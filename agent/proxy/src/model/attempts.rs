@@ -20,7 +20,7 @@ use crate::body::{self, BoxError};
 use crate::decider::{Decider, MAX_RETRY_DELAY};
 use crate::faults::Kind as FaultKind;
 use crate::options::Provider;
-use crate::resilience::{Breakers, Limiters, Permit, RetryBudgets};
+use crate::resilience::{Breakers, Limiters, Permit, Price, RetryBudgets};
 use crate::sse::Framer;
 use crate::upstream;
 use crate::upstream_body::UpstreamBody;
@@ -107,10 +107,15 @@ pub struct Trail {
     /// Why the loop stopped retrying, when it did.
     pub gave_up: Option<String>,
     pub retry_budget_exhausted: bool,
-    /// A request went to a provider and its attempt has not ended (set before it
-    /// is sent, so it holds when the loop is dropped mid-attempt, as a cancel
-    /// does): it may be generating, and is billed at least its estimate.
-    pub in_flight: bool,
+    /// A request went to a provider (these are its prices) and its attempt has not
+    /// ended (set before it is sent, so it holds when the loop is dropped
+    /// mid-attempt, as a cancel does): it may be generating, and is billed at least
+    /// its estimate.
+    pub in_flight: Option<Price>,
+    /// The prices of the providers of the attempts that broke inside a tool call
+    /// they had streamed (held back from the agent, and retried): the provider
+    /// generated, and bills, what the agent never received.
+    pub unseen: Vec<Price>,
 }
 
 impl Trail {
@@ -206,7 +211,7 @@ pub async fn run<'a, T: Transport>(
         let outcome = attempt(m, plan, target, &mut trail.in_flight)
             .instrument(span.clone())
             .await;
-        trail.in_flight = false;
+        trail.in_flight = None;
         let (status, error_type) = match &outcome {
             Outcome::Ok(s) => (Some(s.parts.status.as_u16()), None),
             Outcome::Final(Ended::Answer { status, .. })
@@ -240,6 +245,15 @@ pub async fn run<'a, T: Transport>(
             retry_budget: m.budgets.view(&target.name),
             fallbacks: remaining.iter().map(|p| p.name.clone()).collect(),
         };
+        if matches!(
+            failure,
+            Failure::StreamInterrupted {
+                inside_tool_call: true,
+                ..
+            }
+        ) {
+            trail.unseen.push(target.price());
+        }
         trail.history.push(AttemptRecord {
             target: target.name.clone(),
             failure: failure.clone(),
@@ -334,7 +348,7 @@ async fn attempt<'a, T: Transport>(
     m: &Mechanics<'_, T>,
     plan: &Plan<'a>,
     target: &'a Provider,
-    in_flight: &mut bool,
+    in_flight: &mut Option<Price>,
 ) -> Outcome<'a, UpstreamBody<T::Body>> {
     let pass = match m.breakers.pass(&target.name) {
         Ok(pass) => pass,
@@ -390,7 +404,7 @@ async fn exchange<'a, T: Transport>(
     m: &Mechanics<'_, T>,
     plan: &Plan<'a>,
     target: &'a Provider,
-    in_flight: &mut bool,
+    in_flight: &mut Option<Price>,
 ) -> Outcome<'a, UpstreamBody<T::Body>> {
     let limiter = m.limiters.get(&target.name);
     let permit = match limiter
@@ -432,7 +446,7 @@ async fn exchange<'a, T: Transport>(
         }
         _ => {}
     }
-    *in_flight = true;
+    *in_flight = Some(target.price());
     let resp = match m.transport.send(req, m.first_byte_timeout).await {
         Ok(r) => r,
         Err(e) => {

@@ -19,8 +19,8 @@ use http::{Method, Request, Response, header};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use outrigger_types::{
-    BudgetDecision, BudgetRequest, Candidate, DowngradeOption, Failure, FallbackRequest, GpuState,
-    TaskId, Usage,
+    BudgetDecision, BudgetRequest, Candidate, DowngradeOption, FallbackRequest, GpuState, TaskId,
+    Usage,
 };
 
 pub use list::list;
@@ -36,7 +36,7 @@ use crate::events::{Gate, Turn};
 use crate::observe::{ModelCall, ModelEnd};
 use crate::options::{Dialect, Provider};
 use crate::relay::{SseRelay, StreamObserver};
-use crate::resilience::Reservation;
+use crate::resilience::{Price, Reservation};
 use crate::upstream_body::UpstreamBody;
 use crate::{RequestContext, Shared, headers, keys, streams};
 use outrigger_telemetry::slo::Failed;
@@ -454,15 +454,16 @@ async fn generate(
             // A success that raced the cancel is dropped, with its upstream (and
             // is billed: the provider generated it).
             result = run => if live.is_cancelled() {
-                Run::Cancelled(live, result.is_ok())
+                let raced = result.as_ref().ok().map(|s| s.provider.price());
+                Run::Cancelled(live, raced)
             } else {
                 Run::Done(result)
             },
-            () = live.cancellation() => Run::Cancelled(live, false),
+            () = live.cancellation() => Run::Cancelled(live, None),
         },
         None => Run::Done(run.await),
     };
-    let (trail, reservation) = billed.disarm();
+    let (trail, mut reservation) = billed.disarm();
     if let Some(r) = rec.as_mut() {
         r.trail(&trail);
     }
@@ -475,9 +476,10 @@ async fn generate(
             // raced the cancel (nothing when no request was out: cancelled in the
             // limiter's queue, a back-off or by an open circuit). On top, each
             // attempt before it that broke inside a tool call.
-            let generated =
-                generated_unseen(&trail) + u32::from(trail.in_flight) + u32::from(raced);
-            settle_generated(reservation, generated);
+            let mut generated = trail.unseen.clone();
+            generated.extend(trail.in_flight);
+            generated.extend(raced);
+            settle_generated(reservation, &generated);
             if let Some(r) = rec.take() {
                 r.finish(ModelEnd {
                     error_type: Some(streams::CANCELLED.to_owned()),
@@ -499,9 +501,11 @@ async fn generate(
     match result {
         Ok(success) => {
             // Attempts before this one that broke inside a tool call are billed on
-            // top of what this one reports.
-            if let Some(r) = &reservation {
-                r.charge_generated(generated_unseen(&trail));
+            // top of what this one reports, and an estimate this one is charged is
+            // priced at its provider (a fallback's prices may differ).
+            if let Some(r) = &mut reservation {
+                r.charge_generated(&trail.unseen);
+                r.price_at(success.provider.price());
             }
             *routed = Some(Routed {
                 provider: success.provider.name.clone(),
@@ -633,16 +637,16 @@ async fn generate(
 /// agent, so retried as if nothing had come): the provider generated, and bills,
 /// those tokens. Otherwise its reservation is released (nothing was generated).
 fn charge_broken_attempts(reservation: Option<Reservation>, trail: &Trail) {
-    settle_generated(reservation, generated_unseen(trail));
+    settle_generated(reservation, &trail.unseen);
 }
 
-/// Settles a call without an answer at `attempts` estimates (the attempts the
-/// provider generated for), or releases its reservation when there were none.
-fn settle_generated(reservation: Option<Reservation>, attempts: u32) {
-    if let Some(r) = reservation
-        && attempts > 0
-    {
-        r.charge_generated(attempts - 1);
+/// Settles a call without an answer at an estimate for each attempt the provider
+/// generated for (each at the prices of the provider it went to), or releases its
+/// reservation when there were none.
+fn settle_generated(reservation: Option<Reservation>, generated: &[Price]) {
+    if let (Some(mut r), Some((last, before))) = (reservation, generated.split_last()) {
+        r.charge_generated(before);
+        r.price_at(*last);
         r.settle_estimate();
     }
 }
@@ -685,32 +689,19 @@ impl Billed {
 
 impl Drop for Billed {
     fn drop(&mut self) {
-        let generated = generated_unseen(&self.trail) + u32::from(self.trail.in_flight);
-        settle_generated(self.reservation.take(), generated);
+        let mut generated = self.trail.unseen.clone();
+        generated.extend(self.trail.in_flight);
+        settle_generated(self.reservation.take(), &generated);
     }
-}
-
-/// How many of a call's attempts broke inside a tool call they had streamed: what
-/// the provider generated for them never reached the agent, and is billed.
-fn generated_unseen(trail: &Trail) -> u32 {
-    let broken = trail.history.iter().filter(|a| {
-        matches!(
-            a.failure,
-            Failure::StreamInterrupted {
-                inside_tool_call: true,
-                ..
-            }
-        )
-    });
-    u32::try_from(broken.count()).unwrap_or(u32::MAX)
 }
 
 /// How the attempt loop of a call that can be cancelled ended.
 enum Run<T> {
     Done(T),
-    /// Cancelled before its first event: this generation's hub, and whether the
-    /// loop had just ended with a success (dropped for the cancel).
-    Cancelled(Arc<streams::Live>, bool),
+    /// Cancelled before its first event: this generation's hub, and the prices of
+    /// the provider of a success the loop had just ended with (dropped for the
+    /// cancel).
+    Cancelled(Arc<streams::Live>, Option<Price>),
 }
 
 /// Records that a journaled call produced no stream (so a retry starts afresh).
@@ -741,7 +732,7 @@ async fn produce(
         ..
     } = success;
     headers::strip_hop_by_hop(&mut parts.headers);
-    let price = (provider.caps.price_in, provider.caps.price_out);
+    let price = provider.price();
     let Some(framer) = framer else {
         // A plain answer: journal it whole, durably, before it is released.
         let bytes = match body::read_limited(body, shared.options.limits.max_body_bytes).await {
@@ -873,7 +864,7 @@ fn admit(
     let estimate = Usage {
         tokens_in,
         tokens_out,
-        cost_micros: cost(primary, tokens_in, tokens_out),
+        cost_micros: primary.price().cost(tokens_in, tokens_out),
         calls: 1,
         ..Usage::default()
     };
@@ -916,7 +907,9 @@ fn admit(
                 cost_micros: shared
                     .options
                     .provider_for(request.dialect, model)
-                    .map_or(estimate.cost_micros, |p| cost(p, tokens_in, tokens_out)),
+                    .map_or(estimate.cost_micros, |p| {
+                        p.price().cost(tokens_in, tokens_out)
+                    }),
                 ..estimate
             }),
             BudgetDecision::Reject(_) => None,
@@ -932,12 +925,6 @@ fn admit(
             Err(Error::BudgetExceeded { reason })
         }
     }
-}
-
-/// Micro-dollars for a call at `p`'s prices.
-pub fn cost(p: &Provider, tokens_in: u64, tokens_out: u64) -> u64 {
-    (u128::from(tokens_in) * u128::from(p.caps.price_in) / 1_000_000
-        + u128::from(tokens_out) * u128::from(p.caps.price_out) / 1_000_000) as u64
 }
 
 /// The primary and its fallbacks (same dialect), ordered by the fallback policy.
@@ -1042,7 +1029,7 @@ fn relay(
         ..
     } = success;
     headers::strip_hop_by_hop(&mut parts.headers);
-    let price = (provider.caps.price_in, provider.caps.price_out);
+    let price = provider.price();
     let mut observed = Observed {
         rec,
         task: task.cloned(),
@@ -1105,26 +1092,15 @@ fn with_attempts(mut resp: Response<Body>, attempts: u32) -> Response<Body> {
 /// costs at least its estimate (see [`Reservation::settle_at_least`]).
 fn settle(
     reservation: Option<Reservation>,
-    price: (u64, u64),
+    price: Price,
     usage: Option<(u64, u64)>,
     complete: bool,
 ) {
     match (reservation, usage) {
-        (Some(r), Some((i, o))) if complete => r.settle(&actual(price, i, o)),
-        (Some(r), Some((i, o))) => r.settle_at_least(&actual(price, i, o)),
+        (Some(r), Some((i, o))) if complete => r.settle(&price.usage(i, o)),
+        (Some(r), Some((i, o))) => r.settle_at_least(&price.usage(i, o)),
         (Some(r), None) => r.settle_estimate(),
         (None, _) => {}
-    }
-}
-
-fn actual(price: (u64, u64), tokens_in: u64, tokens_out: u64) -> Usage {
-    Usage {
-        tokens_in,
-        tokens_out,
-        cost_micros: (u128::from(tokens_in) * u128::from(price.0) / 1_000_000
-            + u128::from(tokens_out) * u128::from(price.1) / 1_000_000) as u64,
-        calls: 1,
-        ..Usage::default()
     }
 }
 
@@ -1136,7 +1112,7 @@ struct Observed {
     task: Option<TaskId>,
     shared: Arc<Shared>,
     reservation: Option<Reservation>,
-    price: (u64, u64),
+    price: Price,
 }
 
 impl Observed {
@@ -1351,7 +1327,10 @@ mod tests {
             task: Some(TaskId::new("t").expect("a task id")),
             shared: shared.clone(),
             reservation,
-            price: (1, 1),
+            price: Price {
+                per_mtok_in: 1,
+                per_mtok_out: 1,
+            },
         };
         let first = Bytes::from_static(
             b"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\"finish_reason\":null}]}\n\n",
@@ -1393,7 +1372,7 @@ mod tests {
                 task: Some(TaskId::new(task).expect("a task id")),
                 shared: shared.clone(),
                 reservation,
-                price: (0, 0),
+                price: Price::default(),
             };
             let first = events.iter().map(|e| Bytes::from_static(e)).collect();
             SseRelay::resume(Waiting, Framer::default(), first, observed).gated(Dialect::OpenAi)
@@ -1406,7 +1385,7 @@ mod tests {
         ];
         for (task, delivered, charged) in [
             // Every event reached the agent, [DONE] included.
-            ("whole", 4, actual((0, 0), 7, 3)),
+            ("whole", 4, Price::default().usage(7, 3)),
             // The agent left before [DONE] reached it: not the whole turn.
             ("short", 3, estimate),
         ] {
@@ -1426,50 +1405,55 @@ mod tests {
     }
 
     /// A call whose attempts all failed costs nothing, unless one broke inside a
-    /// tool call it had streamed: the provider generated those tokens.
+    /// tool call it had streamed: the provider generated those tokens, and bills
+    /// them at its own prices, whatever model the call was reserved at.
     #[test]
     fn a_call_whose_attempt_broke_inside_a_tool_call_costs_its_estimate() {
-        let estimate = Usage {
-            tokens_in: 100,
-            tokens_out: 50,
-            calls: 1,
-            ..Usage::default()
+        // Reserved at the model asked for: 100 tokens in and 50 out at $1 and $2
+        // per million is 200 micro-dollars.
+        let asked = Price {
+            per_mtok_in: 1_000_000,
+            per_mtok_out: 2_000_000,
         };
-        let failed = |failures: Vec<Failure>| {
+        let estimate = asked.usage(100, 50);
+        assert_eq!(estimate.cost_micros, 200);
+        // A fallback at $10 and $30: 1,000 + 1,500.
+        let fallback = Price {
+            per_mtok_in: 10_000_000,
+            per_mtok_out: 30_000_000,
+        };
+        let failed = |unseen: Vec<Price>| {
             let ledger = crate::resilience::Ledger::default();
             let (reservation, ()) = ledger.reserve_if("t", estimate, |_| (true, ()));
             let trail = Trail {
-                history: failures
-                    .into_iter()
-                    .map(|failure| outrigger_types::AttemptRecord {
-                        target: "oa".into(),
-                        failure,
-                        elapsed: std::time::Duration::ZERO,
-                    })
-                    .collect(),
+                unseen,
                 ..Trail::default()
             };
             charge_broken_attempts(reservation, &trail);
             (ledger.committed("t"), ledger.usage("t"))
         };
-        let broke = Failure::StreamInterrupted {
-            events_delivered: 0,
-            inside_tool_call: true,
-        };
-        assert_eq!(failed(vec![broke.clone()]), (estimate, estimate));
+        assert_eq!(failed(vec![asked]), (estimate, estimate));
         // Each broken attempt was generated: two cost the estimate's tokens twice,
-        // still one call.
-        let twice = Usage {
+        // each at its provider's prices, still one call.
+        let both = Usage {
             tokens_in: 200,
             tokens_out: 100,
+            cost_micros: 200 + 2_500,
             calls: 1,
             ..Usage::default()
         };
+        assert_eq!(failed(vec![asked, fallback]), (both, both));
+        assert_eq!(failed(vec![fallback, asked]), (both, both));
+        let on_the_fallback = Usage {
+            cost_micros: 2_500,
+            ..estimate
+        };
         assert_eq!(
-            failed(vec![broke.clone(), Failure::Connect { sent: false }, broke]),
-            (twice, twice)
+            failed(vec![fallback]),
+            (on_the_fallback, on_the_fallback),
+            "nothing left reserved"
         );
-        let refused = failed(vec![Failure::Connect { sent: false }]);
+        let refused = failed(vec![]);
         assert_eq!(refused, (Usage::default(), Usage::default()), "released");
     }
 
@@ -1592,8 +1576,11 @@ mod tests {
             request.reserve_output_tokens(),
         );
         let reserved = proxy.shared.ledger.usage("t");
-        assert_eq!(reserved.cost_micros, cost(&small, tokens_in, tokens_out));
-        assert!(reserved.cost_micros < cost(&big, tokens_in, tokens_out));
+        assert_eq!(
+            reserved.cost_micros,
+            small.price().cost(tokens_in, tokens_out)
+        );
+        assert!(reserved.cost_micros < big.price().cost(tokens_in, tokens_out));
         drop(reservation);
     }
 }

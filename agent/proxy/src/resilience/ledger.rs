@@ -47,12 +47,43 @@ pub struct Ledger {
     accounts: Mutex<HashMap<String, Kept>>,
 }
 
+/// A provider's prices, in micro-dollars per million input and output tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Price {
+    pub per_mtok_in: u64,
+    pub per_mtok_out: u64,
+}
+
+impl Price {
+    /// Micro-dollars for `tokens_in` and `tokens_out` tokens.
+    pub fn cost(self, tokens_in: u64, tokens_out: u64) -> u64 {
+        let micros = u128::from(tokens_in) * u128::from(self.per_mtok_in) / 1_000_000
+            + u128::from(tokens_out) * u128::from(self.per_mtok_out) / 1_000_000;
+        u64::try_from(micros).unwrap_or(u64::MAX)
+    }
+
+    /// `tokens_in` and `tokens_out` tokens of one call, at these prices.
+    pub fn usage(self, tokens_in: u64, tokens_out: u64) -> Usage {
+        Usage {
+            tokens_in,
+            tokens_out,
+            cost_micros: self.cost(tokens_in, tokens_out),
+            calls: 1,
+            ..Usage::default()
+        }
+    }
+}
+
 /// A reservation; settle it with what was really used, or drop it to release it
 /// (a call that never ran costs nothing).
 #[derive(Debug)]
 pub struct Reservation {
     /// Held, so the account is not given up while a call has a reservation on it.
     account: Arc<Mutex<Account>>,
+    /// What was reserved, and is released when the reservation is settled.
+    reserved: Usage,
+    /// What an attempt is charged when its real usage is unknown: the reserved
+    /// estimate, its cost at the prices of the provider the attempt went to.
     estimate: Usage,
     settled: bool,
 }
@@ -173,6 +204,7 @@ impl Ledger {
         (
             Some(Reservation {
                 account,
+                reserved: estimate,
                 estimate,
                 settled: false,
             }),
@@ -209,22 +241,30 @@ impl Ledger {
 }
 
 impl Reservation {
-    /// Charges now, on top of this call's own cost, `attempts` attempts that the
-    /// provider generated for and the agent never received (each broke inside a tool
-    /// call it had streamed and was retried): each costs the estimate's tokens and
-    /// cost, not a call of its own.
-    pub fn charge_generated(&self, attempts: u32) {
-        if attempts == 0 {
+    /// Prices the estimate from now on at `price`: that of the provider the call's
+    /// attempt went to, which a fallback may make other than the one it was
+    /// reserved at.
+    pub fn price_at(&mut self, price: Price) {
+        self.estimate.cost_micros = price.cost(self.estimate.tokens_in, self.estimate.tokens_out);
+    }
+
+    /// Charges now, on top of this call's own cost, attempts that the provider
+    /// generated for and the agent never received (each broke inside a tool call it
+    /// had streamed and was retried): each costs the estimate's tokens, at the
+    /// prices of the provider it went to, and is not a call of its own.
+    pub fn charge_generated(&self, prices: &[Price]) {
+        if prices.is_empty() {
             return;
         }
-        let n = u64::from(attempts);
         let e = &self.estimate;
-        let generated = Usage {
-            tokens_in: e.tokens_in.saturating_mul(n),
-            tokens_out: e.tokens_out.saturating_mul(n),
-            cost_micros: e.cost_micros.saturating_mul(n),
-            ..Usage::default()
-        };
+        let generated = prices.iter().fold(Usage::default(), |sum, price| {
+            sum.plus(&Usage {
+                tokens_in: e.tokens_in,
+                tokens_out: e.tokens_out,
+                cost_micros: price.cost(e.tokens_in, e.tokens_out),
+                ..Usage::default()
+            })
+        });
         let mut acc = lock(&self.account);
         acc.committed = acc.committed.plus(&generated);
     }
@@ -258,7 +298,7 @@ impl Reservation {
 
     fn release(&self, actual: Option<&Usage>) {
         let mut acc = lock(&self.account);
-        acc.reserved = acc.reserved.minus(&self.estimate);
+        acc.reserved = acc.reserved.minus(&self.reserved);
         if let Some(actual) = actual {
             acc.committed = acc.committed.plus(actual);
         }

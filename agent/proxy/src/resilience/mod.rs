@@ -9,6 +9,6 @@ pub mod limiter;
 pub mod retry_budget;
 
 pub use breaker::{Breaker, Breakers};
-pub use ledger::{Ledger, Reservation};
+pub use ledger::{Ledger, Price, Reservation};
 pub use limiter::{Limiter, Limiters, Permit};
 pub use retry_budget::RetryBudgets;

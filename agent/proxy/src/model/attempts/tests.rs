@@ -384,16 +384,17 @@ async fn a_probe_answered_with_a_429_closes_the_circuit_and_the_call_goes_on() {
 async fn a_trail_says_whether_an_attempt_is_out() {
     let rig = trips_at_once(limiter::Options::default());
     let script = Script::new(vec![(503, vec![]), (HANG, vec![])], 200);
-    let (a, b) = (provider("a", 1), provider("b", 1));
+    let (a, mut b) = (provider("a", 1), provider("b", 1));
+    b.caps.price_in = 3_000_000;
     let mech = rig.mechanics(&script, &Never);
     let mut ended = Trail::default();
     assert!(run(&mech, &plan(vec![&a]), &mut ended).await.is_err());
     assert_eq!(ended.attempts, 1);
-    assert!(!ended.in_flight, "its attempt ended");
+    assert_eq!(ended.in_flight, None, "its attempt ended");
     let mut refused = Trail::default();
     assert!(run(&mech, &plan(vec![&a]), &mut refused).await.is_err());
     assert_eq!(refused.attempts, 1);
-    assert!(!refused.in_flight, "the open circuit refused it");
+    assert_eq!(refused.in_flight, None, "the open circuit refused it");
     assert_eq!(script.sent.load(Ordering::SeqCst), 1);
     let mut dropped = Trail::default();
     let waited = tokio::time::timeout(
@@ -402,7 +403,11 @@ async fn a_trail_says_whether_an_attempt_is_out() {
     )
     .await;
     assert!(waited.is_err(), "the provider never answers");
-    assert!(dropped.in_flight, "dropped while its request was out");
+    assert_eq!(
+        dropped.in_flight,
+        Some(b.price()),
+        "dropped while its request was out, at b's prices"
+    );
     assert_eq!(script.sent.load(Ordering::SeqCst), 2);
 }
 
@@ -1009,7 +1014,8 @@ async fn a_first_event_that_is_an_error_is_classified_and_retried() {
 #[tokio::test(start_paused = true)]
 async fn a_break_inside_the_tool_call_a_turn_opens_with_is_retried_invisibly() {
     let rig = Rig::new();
-    let p = provider("a", 1);
+    let mut p = provider("a", 1);
+    p.caps.price_out = 5_000_000;
     let call = "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"index\":0,\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"pay\",\"arguments\":\"\"}}]},\"finish_reason\":null}]}\n\n";
     let part = "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{}\"}}]},\"finish_reason\":null}]}\n\n";
     let finish = "data: {\"id\":\"c1\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"tool_calls\"}]}\n\n";
@@ -1035,6 +1041,8 @@ async fn a_break_inside_the_tool_call_a_turn_opens_with_is_retried_invisibly() {
             }
         );
     }
+    // Each is billed (generated, never seen), at its provider's prices.
+    assert_eq!(trail.unseen, vec![p.price(); 2]);
     assert!(
         started.elapsed() >= mech.stream_idle_timeout,
         "the stall ended at the idle limit"
