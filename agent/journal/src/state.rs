@@ -151,6 +151,11 @@ pub fn apply(
                     Effect::Recorded
                 }
                 (StatusMeaning::Definitive, State::Completed) => Effect::Unchanged,
+                // Told again about a re-send that did not apply, while an earlier
+                // attempt keeps the key in doubt: already recorded.
+                (StatusMeaning::NotApplied, State::InDoubt) if current_not_applied(&rec) => {
+                    Effect::Unchanged
+                }
                 (
                     StatusMeaning::NotApplied,
                     State::Claimed
@@ -426,6 +431,16 @@ fn new_attempt(
 /// take effect.
 const IN_DOUBT: &str = "in doubt: ";
 const NOT_APPLIED: &str = "not applied: ";
+
+/// The current attempt has ended as not applied.
+fn current_not_applied(rec: &Record) -> bool {
+    rec.attempts
+        .iter()
+        .rev()
+        .find(|a| a.n == rec.attempt)
+        .and_then(|a| a.outcome.as_deref())
+        .is_some_and(|o| o.starts_with(NOT_APPLIED))
+}
 
 fn ended_in_doubt(a: &Attempt) -> bool {
     a.outcome
