@@ -472,6 +472,10 @@ impl Record {
         self.updated_at.since(self.created_at)
     }
 
+    pub(crate) fn current_attempt(&self) -> Option<&Attempt> {
+        self.attempts.iter().rev().find(|a| a.n == self.attempt)
+    }
+
     pub(crate) fn current_attempt_mut(&mut self) -> Option<&mut Attempt> {
         let n = self.attempt;
         self.attempts.iter_mut().rev().find(|a| a.n == n)

@@ -434,10 +434,7 @@ const NOT_APPLIED: &str = "not applied: ";
 
 /// The current attempt has ended as not applied.
 fn current_not_applied(rec: &Record) -> bool {
-    rec.attempts
-        .iter()
-        .rev()
-        .find(|a| a.n == rec.attempt)
+    rec.current_attempt()
         .and_then(|a| a.outcome.as_deref())
         .is_some_and(|o| o.starts_with(NOT_APPLIED))
 }

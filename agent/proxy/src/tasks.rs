@@ -33,6 +33,8 @@ use outrigger_telemetry::spans::{self, TaskSpan};
 use outrigger_types::{Cause, Outcome, PolicyVersion, TaskId, ToolClass};
 use serde::{Deserialize, Serialize};
 
+use crate::resilience::Price;
+
 /// The kv namespace tasks persist under.
 pub const NAMESPACE: &str = "tasks";
 /// The persisted task format; bumped on any incompatible change.
@@ -112,7 +114,7 @@ impl FaultKind {
 /// Per-provider (optionally per-model) prices, in micro-dollars per million tokens.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Prices {
-    by_target: HashMap<String, (u64, u64)>,
+    by_target: HashMap<String, Price>,
 }
 
 impl Prices {
@@ -128,22 +130,21 @@ impl Prices {
             Some(m) => format!("{provider}/{m}"),
             None => provider.to_owned(),
         };
-        self.by_target.insert(key, (per_mtok_in, per_mtok_out));
+        self.by_target.insert(
+            key,
+            Price {
+                per_mtok_in,
+                per_mtok_out,
+            },
+        );
     }
 
     /// Micro-dollars for the tokens; 0 when no price is known.
     pub fn cost(&self, provider: &str, model: &str, tokens_in: u64, tokens_out: u64) -> u64 {
-        let price = self
-            .by_target
+        self.by_target
             .get(&format!("{provider}/{model}"))
-            .or_else(|| self.by_target.get(provider));
-        let Some((p_in, p_out)) = price else {
-            return 0;
-        };
-        let micros = (u128::from(tokens_in) * u128::from(*p_in)
-            + u128::from(tokens_out) * u128::from(*p_out))
-            / 1_000_000;
-        u64::try_from(micros).unwrap_or(u64::MAX)
+            .or_else(|| self.by_target.get(provider))
+            .map_or(0, |price| price.cost(tokens_in, tokens_out))
     }
 }
 

@@ -119,6 +119,14 @@ pub struct Trail {
 }
 
 impl Trail {
+    /// The prices of the attempts the provider generated for and the agent never
+    /// received: each that broke inside a tool call, and the one in flight.
+    pub fn generated_unseen(&self) -> Vec<Price> {
+        let mut generated = self.unseen.clone();
+        generated.extend(self.in_flight);
+        generated
+    }
+
     fn decided_by(&mut self, v: &PolicyVersion) {
         if !self.policy_versions.contains(v) {
             self.policy_versions.push(v.clone());

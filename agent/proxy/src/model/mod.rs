@@ -476,8 +476,7 @@ async fn generate(
             // raced the cancel (nothing when no request was out: cancelled in the
             // limiter's queue, a back-off or by an open circuit). On top, each
             // attempt before it that broke inside a tool call.
-            let mut generated = trail.unseen.clone();
-            generated.extend(trail.in_flight);
+            let mut generated = trail.generated_unseen();
             generated.extend(raced);
             settle_generated(reservation, &generated);
             if let Some(r) = rec.take() {
@@ -689,9 +688,7 @@ impl Billed {
 
 impl Drop for Billed {
     fn drop(&mut self) {
-        let mut generated = self.trail.unseen.clone();
-        generated.extend(self.trail.in_flight);
-        settle_generated(self.reservation.take(), &generated);
+        settle_generated(self.reservation.take(), &self.trail.generated_unseen());
     }
 }
 

@@ -57,8 +57,9 @@ pub struct Price {
 impl Price {
     /// Micro-dollars for `tokens_in` and `tokens_out` tokens.
     pub fn cost(self, tokens_in: u64, tokens_out: u64) -> u64 {
-        let micros = u128::from(tokens_in) * u128::from(self.per_mtok_in) / 1_000_000
-            + u128::from(tokens_out) * u128::from(self.per_mtok_out) / 1_000_000;
+        let micros = (u128::from(tokens_in) * u128::from(self.per_mtok_in)
+            + u128::from(tokens_out) * u128::from(self.per_mtok_out))
+            / 1_000_000;
         u64::try_from(micros).unwrap_or(u64::MAX)
     }
 
