@@ -4,6 +4,7 @@
 mod support;
 
 mod config_corpus;
+mod continuation;
 mod crash;
 mod drill;
 mod example_agent;

@@ -20,6 +20,8 @@ pub mod raw;
 const MIN_EVENT_BYTES: usize = 4 << 10;
 /// The smallest `streams.max_stream_bytes` accepted.
 const MIN_STREAM_BYTES: usize = 64 << 10;
+/// The most `streams.max_continuations` accepted.
+const MAX_CONTINUATIONS: u32 = 5;
 /// The longest duration any key accepts.
 const MAX_DURATION: Duration = Duration::from_secs(1_000 * 31_557_600);
 /// The shortest `resilience.retry_budget_window` accepted.
@@ -635,7 +637,20 @@ fn validate(
             .streams
             .cancel_on_disconnect
             .unwrap_or(sd.cancel_on_disconnect),
+        max_continuations: raw
+            .streams
+            .max_continuations
+            .unwrap_or(sd.max_continuations),
     };
+    if streams.max_continuations > MAX_CONTINUATIONS {
+        p.add(
+            "streams.max_continuations",
+            format!(
+                "must be at most {MAX_CONTINUATIONS}: a provider that breaks that often will \
+                 not finish the answer, and each continuation is billed its whole prompt again"
+            ),
+        );
+    }
 
     if streams.max_stream_bytes < MIN_STREAM_BYTES {
         p.add(
@@ -911,6 +926,38 @@ fn api_key(p: &mut Problems, at: &str, raw: &str) -> Option<Secret> {
     Some(Secret::new(key.to_owned()))
 }
 
+/// A provider's `continuation`: how an interrupted text-only stream is continued.
+fn continuation(
+    p: &mut Problems,
+    path: &str,
+    rp: &raw::Provider,
+    dialect: Option<Dialect>,
+) -> Option<popts::Continuation> {
+    let mode = match rp.continuation.as_deref()? {
+        "prefill" => popts::Continuation::Prefill,
+        "instruction" => popts::Continuation::Instruction,
+        other => {
+            p.add(
+                path,
+                format!(
+                    "{other:?} is not a continuation; use \"prefill\" (Claude up to 4.5) or \
+                     \"instruction\" (Claude 4.6 and later), or leave it out"
+                ),
+            );
+            return None;
+        }
+    };
+    if dialect == Some(Dialect::OpenAi) {
+        p.add(
+            path,
+            "continuation is for kind = \"anthropic\" providers only: OpenAI's chat \
+             completions take no prefill; leave it out",
+        );
+        return None;
+    }
+    Some(mode)
+}
+
 fn providers(raw: &raw::Config, env: &[(String, String)], p: &mut Problems) -> Vec<Provider> {
     let mut out: Vec<Provider> = Vec::new();
     if raw.providers.is_empty() {
@@ -1015,6 +1062,7 @@ fn providers(raw: &raw::Config, env: &[(String, String)], p: &mut Problems) -> V
             local: rp.local.unwrap_or(false),
             price_in: price("price_in", rp.price_in),
             price_out: price("price_out", rp.price_out),
+            continuation: continuation(p, &at("continuation"), rp, dialect),
         };
         if let (Some(dialect), Some(base_url)) = (dialect, base_url) {
             out.push(Provider {

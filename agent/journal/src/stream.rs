@@ -88,12 +88,23 @@ pub enum StreamState {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "end", rename_all = "snake_case")]
 pub enum StreamEnd {
-    /// The provider's terminal event arrived; `usage` is the provider's usage object.
-    Completed { usage: serde_json::Value },
+    /// The provider's terminal event arrived; `usage` is the provider's usage object
+    /// (the sum over its pieces when it was continued).
+    Completed {
+        usage: serde_json::Value,
+        /// How many times the generation was continued after an interruption (its
+        /// events are stitched from that many more upstream answers).
+        #[serde(default, skip_serializing_if = "is_zero")]
+        continued: u32,
+    },
     /// The provider answered with a definitive error.
     Failed { reason: String },
     /// The attempt broke off (upstream break, half a tool call, restart).
     Abandoned { reason: String },
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl StreamEnd {
@@ -321,5 +332,31 @@ pub(crate) mod chunk {
             let e = decode(u64::MAX - 1, Bytes::from(three)).expect_err("past the largest");
             assert!(e.to_string().contains("past the largest"), "{e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_completed_end_says_continued_only_when_it_was() {
+        let plain = StreamEnd::Completed {
+            usage: serde_json::json!({"output_tokens": 3}),
+            continued: 0,
+        };
+        let text = serde_json::to_string(&plain).unwrap();
+        assert_eq!(
+            text, r#"{"end":"completed","usage":{"output_tokens":3}}"#,
+            "written as before continuations existed"
+        );
+        assert_eq!(serde_json::from_str::<StreamEnd>(&text).unwrap(), plain);
+        let stitched = StreamEnd::Completed {
+            usage: serde_json::Value::Null,
+            continued: 2,
+        };
+        let text = serde_json::to_string(&stitched).unwrap();
+        assert!(text.contains(r#""continued":2"#), "{text}");
+        assert_eq!(serde_json::from_str::<StreamEnd>(&text).unwrap(), stitched);
     }
 }

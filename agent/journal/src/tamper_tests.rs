@@ -733,6 +733,7 @@ async fn format_2_streams_are_read_under_their_key_and_new_streams_get_slots() -
     let begun = crate::StreamKey::new("begun")?;
     let completed = || crate::StreamEnd::Completed {
         usage: serde_json::json!({}),
+        continued: 0,
     };
     {
         let (journal, writer, _) = Journal::open(options.clone())?;

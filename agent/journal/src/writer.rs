@@ -1680,6 +1680,7 @@ mod tests {
     fn completed() -> StreamEnd {
         StreamEnd::Completed {
             usage: serde_json::json!({}),
+            continued: 0,
         }
     }
 

@@ -602,6 +602,7 @@ async fn retention_tombstones_then_purges() -> TestResult {
             1,
             StreamEnd::Completed {
                 usage: serde_json::json!({"output_tokens": 1}),
+                continued: 0,
             },
         )
         .await?;
@@ -759,6 +760,7 @@ async fn queued_events_are_written_together_by_the_next_durable_append_or_the_de
         1,
         StreamEnd::Completed {
             usage: serde_json::json!({}),
+            continued: 0,
         },
     )
     .await?;
@@ -803,6 +805,7 @@ async fn a_lone_streams_end_with_its_held_deltas_is_applied_on_the_writers_threa
     let j = &run.journal;
     let done = || StreamEnd::Completed {
         usage: serde_json::json!({}),
+        continued: 0,
     };
     for n in 0..20 {
         let key = StreamKey::new(format!("chat-lone-{n}"))?;
@@ -881,6 +884,7 @@ async fn held_events_lost_to_a_failed_write_end_the_attempt_instead_of_leaving_a
             1,
             StreamEnd::Completed {
                 usage: serde_json::json!({}),
+                continued: 0,
             },
         )
         .await;
@@ -1002,6 +1006,7 @@ async fn streams_read_back_in_order_across_a_restart() -> TestResult {
         2,
         StreamEnd::Completed {
             usage: serde_json::json!({}),
+            continued: 0,
         },
     )
     .await?;
@@ -1040,8 +1045,15 @@ async fn a_reopened_journal_finds_every_key_it_holds() -> TestResult {
             );
             // Ended, so that recovery leaves it as it is.
             let usage = serde_json::json!({});
-            j.stream_end(&key, 1, StreamEnd::Completed { usage })
-                .await?;
+            j.stream_end(
+                &key,
+                1,
+                StreamEnd::Completed {
+                    usage,
+                    continued: 0,
+                },
+            )
+            .await?;
         }
         run.stop().await?;
     }

@@ -35,6 +35,7 @@ pub mod relay;
 pub mod resilience;
 pub mod server;
 pub mod sse;
+mod stitch;
 pub mod streams;
 pub mod tasks;
 #[cfg(test)]

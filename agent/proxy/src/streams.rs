@@ -51,6 +51,9 @@ pub struct Options {
     pub max_stream_bytes: usize,
     /// Cancel the generation when its last client goes away.
     pub cancel_on_disconnect: bool,
+    /// The most continuations one generation may take, at a provider that has
+    /// `continuation` set.
+    pub max_continuations: u32,
 }
 
 /// What one stream event costs beyond its bytes (its `id:` line, its place in the
@@ -64,6 +67,7 @@ impl Default for Options {
             detach_timeout: Duration::from_secs(300),
             max_stream_bytes: 64 << 20,
             cancel_on_disconnect: false,
+            max_continuations: 1,
         }
     }
 }
@@ -665,6 +669,8 @@ pub(crate) struct Production {
     pub observer: Box<dyn crate::relay::StreamObserver>,
     /// The provider's limiter slot, held for the whole generation.
     pub permit: Option<crate::resilience::Permit>,
+    /// How an interrupted text-only turn is continued, where its provider allows it.
+    pub continuer: Option<crate::stitch::Continuer>,
 }
 
 /// The most upstream frames that already arrived taken in as one batch.
@@ -718,6 +724,7 @@ struct Producer {
     at_start: bool,
     /// The generation's interruption event is in the hub.
     interrupted: bool,
+    continuer: Option<crate::stitch::Continuer>,
 }
 
 /// Why a generation ends whose producer stopped without ending it (it panicked, or
@@ -799,6 +806,7 @@ impl Producer {
             first_events,
             observer,
             permit,
+            continuer,
         } = production;
         Self {
             shared: shared.clone(),
@@ -816,6 +824,7 @@ impl Producer {
             held: None,
             at_start: true,
             interrupted: false,
+            continuer,
         }
     }
 
@@ -842,9 +851,24 @@ impl Producer {
             }
             // The provider's own `id` lines are dropped: coming after ours, they would
             // win, and leave the client a `Last-Event-ID` it cannot resume with.
-            let release = self.gate.push(crate::sse::without_field(raw, b"id"));
-            durable |= release.durable && !release.events.is_empty();
-            events.extend(release.events);
+            let raw = crate::sse::without_field(raw, b"id");
+            let Some(continuer) = &mut self.continuer else {
+                let release = self.gate.push(raw);
+                durable |= release.durable && !release.events.is_empty();
+                events.extend(release.events);
+                continue;
+            };
+            // A continuation's events are renumbered into the turn the agent reads;
+            // its `message_start` is not passed on, but its usage counts.
+            let (stitched, started) = continuer.take(raw);
+            if started.is_some() {
+                self.gate.turn.usage = started;
+            }
+            for raw in stitched {
+                let release = self.gate.push(raw);
+                durable |= release.durable && !release.events.is_empty();
+                events.extend(release.events);
+            }
         }
         // A terminal event is made durable together with the stream's end record
         // (one flush per stream, before the agent sees the end), and so is anything
@@ -902,7 +926,7 @@ impl Producer {
         if batch.terminal && self.journal_ok {
             match self
                 .journal
-                .stream_end(key, attempt, completed(&self.gate))
+                .stream_end(key, attempt, self.completed())
                 .await
             {
                 Ok(()) => self.end_recorded = true,
@@ -918,6 +942,25 @@ impl Producer {
             self.live.push(batch.out);
         }
         batch.terminal
+    }
+
+    /// The end record of a generation that reached its terminal event.
+    fn completed(&self) -> StreamEnd {
+        StreamEnd::Completed {
+            usage: self
+                .usage()
+                .map(|u| serde_json::json!({"input_tokens": u.input, "output_tokens": u.output}))
+                .unwrap_or(serde_json::Value::Null),
+            continued: self.continuer.as_ref().map_or(0, |c| c.taken),
+        }
+    }
+
+    /// The turn's usage, over all its pieces when it was continued.
+    fn usage(&self) -> Option<crate::events::ReportedUsage> {
+        match &self.continuer {
+            Some(c) => c.with_carried(self.gate.turn.usage),
+            None => self.gate.turn.usage,
+        }
     }
 
     /// Holds text deltas (numbered from `first_seq`) for the journal.
@@ -1021,7 +1064,7 @@ impl Producer {
             if live.cancelled.load(Ordering::Acquire) {
                 break 'relay Ended::Abandoned(CANCELLED.into());
             }
-            match frame {
+            let broke = match frame {
                 Some(Ok(f)) => {
                     if let Ok(data) = f.into_data()
                         && let Err(e) = self.framer.push(&data, &mut self.scratch)
@@ -1049,8 +1092,9 @@ impl Producer {
                         }
                     }
                     pending = Some(self.take_in());
+                    continue;
                 }
-                Some(Err(e)) => break 'relay Ended::Abandoned(format!("the upstream broke: {e}")),
+                Some(Err(e)) => format!("the upstream broke: {e}"),
                 None => {
                     // An unterminated tail is an incomplete event: never forwarded.
                     let _incomplete = self.framer.finish(&mut self.scratch);
@@ -1061,15 +1105,74 @@ impl Producer {
                     if self.gate.turn.errored {
                         break 'relay Ended::Failed;
                     }
-                    break 'relay Ended::Abandoned(
-                        "the upstream ended before its final event".into(),
-                    );
+                    "the upstream ended before its final event".to_owned()
                 }
+            };
+            // A text-only turn may be continued at its provider instead (a cancel
+            // meanwhile ends it).
+            let continued = tokio::select! {
+                next = self.continuation(&broke) => next,
+                () = &mut cancelled => Err(CANCELLED.to_owned()),
+            };
+            match continued {
+                Ok(next) => upstream = next,
+                Err(reason) => break 'relay Ended::Abandoned(reason),
             }
         };
         drop(upstream);
         drop(self.permit.take());
         self.finish(ended).await;
+    }
+
+    /// Continues a turn its upstream broke off (`reason`) at its provider, where
+    /// that is allowed and only text has come: the continuation's body, or why the
+    /// turn is abandoned instead.
+    async fn continuation(&mut self, reason: &str) -> Result<UpstreamBody, String> {
+        let turn = &self.gate.turn;
+        let Some(continuer) = self.continuer.as_mut().filter(|c| {
+            c.can_continue()
+                && !self.gate.closed()
+                && self.gate.held() == 0
+                && !turn.inside_tool_call()
+                && !turn.terminal
+                && turn.finish_reason.is_none()
+                && !self.live.is_cancelled()
+        }) else {
+            return Err(reason.to_owned());
+        };
+        let metrics = &self.shared.metrics;
+        let target = &continuer.provider().name;
+        let failed = |why: String| {
+            metrics.stream_continuation(target, false);
+            format!("{reason}; continuing it failed: {why}")
+        };
+        let (req, trimmed) = continuer.request().map_err(|e| failed(e.to_string()))?;
+        let limits = &self.shared.options.limits;
+        let resp = self
+            .shared
+            .upstream
+            .send(req, limits.first_byte_timeout)
+            .await
+            .map_err(|e| failed(e.to_string()))?;
+        if !resp.status().is_success() || !crate::headers::is_event_stream(resp.headers()) {
+            return Err(failed(format!(
+                "{target} answered {} (not a stream of events)",
+                resp.status()
+            )));
+        }
+        metrics.stream_continuation(target, true);
+        let provider = continuer.provider();
+        let body = UpstreamBody::new(
+            resp.into_body(),
+            provider.api_key.as_ref().map(|k| k.expose()),
+        )
+        .idle_limit(limits.stream_idle_timeout)
+        .gathering();
+        tracing::info!(key = %self.live.key, provider = %provider.name, %reason, "continuing an interrupted text-only stream");
+        continuer.begin(trimmed, self.gate.turn.usage.take());
+        // What was left of the broken event is not an event.
+        self.framer = crate::sse::Framer::new(limits.max_event_bytes);
+        Ok(body)
     }
 
     /// An event passed the size limit: the events framed before it still go out
@@ -1094,7 +1197,7 @@ impl Producer {
             ended = Ended::Failed;
         }
         let end = match &ended {
-            Ended::Completed => completed(&self.gate),
+            Ended::Completed => self.completed(),
             Ended::Failed => StreamEnd::Failed {
                 reason:
                     "the turn ended with an error event (the provider's, or a tool call cut short)"
@@ -1134,23 +1237,14 @@ impl Producer {
             tracing::warn!(key = %live.key, error = %e, "could not record the end of a stream");
         }
         self.shared.streams.close(&live);
+        // Metered over all the pieces of a continued turn.
+        self.gate.turn.usage = self.usage();
         let outcome = match &ended {
             Ended::Completed => Ok(()),
             Ended::Failed => Err("the provider reported an error"),
             Ended::Abandoned(reason) => Err(reason.as_str()),
         };
         self.observer.on_end(outcome, Some(&self.gate.turn));
-    }
-}
-
-/// The end record of a generation that reached its terminal event.
-fn completed(gate: &Gate) -> StreamEnd {
-    StreamEnd::Completed {
-        usage: gate
-            .turn
-            .usage
-            .map(|u| serde_json::json!({"input_tokens": u.input, "output_tokens": u.output}))
-            .unwrap_or(serde_json::Value::Null),
     }
 }
 
@@ -1663,6 +1757,7 @@ mod tests {
                 first_events,
                 observer: Box::new(()),
                 permit: None,
+                continuer: None,
             },
         );
         (shared, key, live, producer)
@@ -1959,6 +2054,7 @@ mod tests {
             .expect("appended");
         let done = StreamEnd::Completed {
             usage: serde_json::Value::Null,
+            continued: 0,
         };
         j.journal.stream_end(&key, 1, done).await.expect("ended");
         let meta = j

@@ -283,6 +283,12 @@ struct RetryLabels {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ContinuationLabels {
+    target: Label,
+    result: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FallbackLabels {
     from: Label,
     to: Label,
@@ -388,6 +394,7 @@ struct Instruments {
     journal_flush_errors: Gauge,
     journal_size: Gauge,
     replays: Family<KindLabel, Counter>,
+    continuations: Family<ContinuationLabels, Counter>,
     retries: Family<RetryLabels, Counter>,
     fallbacks: Family<FallbackLabels, Counter>,
     retry_budget_exhausted: Family<TargetLabel, Counter>,
@@ -459,6 +466,7 @@ impl Metrics {
             journal_flush_errors: Gauge::default(),
             journal_size: Gauge::default(),
             replays: Family::default(),
+            continuations: Family::default(),
             retries: Family::default(),
             fallbacks: Family::default(),
             retry_budget_exhausted: Family::default(),
@@ -604,6 +612,18 @@ impl Metrics {
     // --- resilience and policy ---
 
     /// One retry of a call to `target`, for `reason` (`Failure::reason()`).
+    /// A stream interrupted while only text had come was continued at `target`
+    /// (`continued`), or continuing it failed (`failed`).
+    pub fn stream_continuation(&self, target: &str, continued: bool) {
+        self.i()
+            .continuations
+            .get_or_create(&ContinuationLabels {
+                target: self.inner.labels.providers.get(target),
+                result: if continued { "continued" } else { "failed" },
+            })
+            .inc();
+    }
+
     pub fn retry(&self, target: &str, reason: &'static str) {
         self.i()
             .retries
@@ -884,6 +904,12 @@ fn register(i: &Instruments) -> Registry {
         names::REPLAYS,
         "Answers served from the journal instead of executed, by kind",
         i.replays.clone(),
+    );
+    r.register(
+        names::STREAM_CONTINUATIONS,
+        "Interrupted text-only streams continued at their provider, by target and \
+         result (continued, failed)",
+        i.continuations.clone(),
     );
     r.register(
         names::RETRIES,

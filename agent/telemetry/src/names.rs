@@ -60,6 +60,8 @@ pub const JOURNAL_SIZE: &str = "outrigger_journal_size";
 pub const REPLAYS: &str = "outrigger_replays";
 /// Retries by target and failure reason.
 pub const RETRIES: &str = "outrigger_retries";
+/// Interrupted text-only streams continued at their provider, by result.
+pub const STREAM_CONTINUATIONS: &str = "outrigger_stream_continuations";
 /// Fallbacks from one target to another.
 pub const FALLBACKS: &str = "outrigger_fallbacks";
 /// Failed calls a spent retry budget kept from retrying, by target.
@@ -110,6 +112,7 @@ pub const EXPOSED_METRICS: &[(&str, &str)] = &[
     ("outrigger_journal_flush_errors", "gauge"),
     ("outrigger_journal_size_bytes", "gauge"),
     ("outrigger_replays", "counter"),
+    ("outrigger_stream_continuations", "counter"),
     ("outrigger_retries", "counter"),
     ("outrigger_fallbacks", "counter"),
     ("outrigger_retry_budget_exhausted", "counter"),

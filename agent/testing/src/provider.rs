@@ -36,7 +36,8 @@ pub struct Behaviour {
     pub status: Option<u16>,
     /// `Retry-After` seconds on an error status.
     pub retry_after: Option<u64>,
-    /// Abort the connection after this many stream events (no terminator).
+    /// Abort the connection after this many stream events (no terminator); paced by
+    /// `chunk_delay`, the abort comes that long after the last event.
     pub cut_after: Option<usize>,
     /// Abort the connection after this many body bytes, mid-event if it falls there.
     pub cut_bytes: Option<usize>,
@@ -435,6 +436,12 @@ fn stream_response(
     };
     let stream = futures_util::stream::unfold(st, |mut st| async move {
         if st.behaviour.cut_after == Some(st.index) {
+            // Paced, the break comes a pause after the last event, as a connection
+            // that dies mid-stream does: the events before it have reached the reader
+            // (an abort right behind a write can overtake it).
+            if st.index > 0 && !st.behaviour.chunk_delay.is_zero() {
+                tokio::time::sleep(st.behaviour.chunk_delay).await;
+            }
             let err: BoxError = "mock provider cut the stream".into();
             // Yield the error once, then end: hyper aborts the connection.
             st.index = usize::MAX;

@@ -59,6 +59,8 @@ pub struct Streams {
     pub detach_timeout: Option<String>,
     pub max_stream_bytes: Option<usize>,
     pub cancel_on_disconnect: Option<bool>,
+    /// The most continuations one generation may take.
+    pub max_continuations: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -214,6 +216,9 @@ pub struct Provider {
     pub price_in: Option<f64>,
     /// Dollars per million output tokens.
     pub price_out: Option<f64>,
+    /// How an interrupted text-only stream is continued: `"prefill"` or
+    /// `"instruction"` (Anthropic providers only; off when absent).
+    pub continuation: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -724,3 +724,34 @@ fn the_journal_lock_wait() {
     let err = load_str("[journal]\nlock_wait = \"soon\"\n", &[]).unwrap_err();
     assert_eq!(paths(&err), ["journal.lock_wait"]);
 }
+
+#[test]
+fn a_continuation_is_for_anthropic_providers_and_named_recipes_only() {
+    let provider = |kind: &str, continuation: &str| {
+        format!(
+            "[[providers]]\nname = \"p\"\nkind = \"{kind}\"\nbase_url = \"http://127.0.0.1:1\"\n\
+             models = [\"*\"]\ncontinuation = \"{continuation}\"\n"
+        )
+    };
+    let c = load_str(&provider("anthropic", "prefill"), &[]).unwrap();
+    assert_eq!(
+        c.proxy.providers[0].caps.continuation,
+        Some(popts::Continuation::Prefill)
+    );
+    assert_eq!(c.proxy.streams.max_continuations, 1);
+    let c = load_str(&provider("anthropic", "instruction"), &[]).unwrap();
+    assert_eq!(
+        c.proxy.providers[0].caps.continuation,
+        Some(popts::Continuation::Instruction)
+    );
+    let err = load_str(&provider("openai", "prefill"), &[]).unwrap_err();
+    assert_eq!(paths(&err), ["providers[0].continuation"]);
+    assert!(err.to_string().contains("anthropic"), "{err}");
+    let err = load_str(&provider("anthropic", "stitch"), &[]).unwrap_err();
+    assert_eq!(paths(&err), ["providers[0].continuation"]);
+    assert!(err.to_string().contains("\"prefill\""), "{err}");
+    let err = load_str("[streams]\nmax_continuations = 6\n", &[]).unwrap_err();
+    assert_eq!(paths(&err), ["streams.max_continuations"]);
+    let c = load_str("[streams]\nmax_continuations = 0\n", &[]).unwrap();
+    assert_eq!(c.proxy.streams.max_continuations, 0);
+}

@@ -549,12 +549,32 @@ async fn generate(
                     ))
                 }
                 Some(starting) => {
+                    // A provider that allows it continues a text-only turn its
+                    // stream broke off, up to `[streams] max_continuations` times.
+                    let continuable = success
+                        .provider
+                        .caps
+                        .continuation
+                        .filter(|_| shared.options.streams.max_continuations > 0)
+                        .map(|mode| crate::stitch::Continuable {
+                            mode,
+                            provider: success.provider.clone(),
+                            suffix: suffix(dialect),
+                            agent_headers: agent_headers.clone(),
+                            body: request.with_model(model_for(
+                                success.provider,
+                                primary,
+                                &request,
+                            )),
+                            left: shared.options.streams.max_continuations,
+                        });
                     produce(
                         shared,
                         success,
                         ctx.task_id.as_ref(),
                         rec,
                         starting,
+                        continuable,
                         reservation,
                     )
                     .await
@@ -715,6 +735,7 @@ async fn produce(
     task: Option<&TaskId>,
     rec: Option<ModelCall>,
     starting: streams::Starting,
+    continuable: Option<crate::stitch::Continuable>,
     // Last, so that it is dropped first (parameters drop in reverse order): a call
     // dropped mid-way settles its reservation before its record is dropped.
     mut reservation: Answered,
@@ -780,6 +801,7 @@ async fn produce(
                     attempt,
                     StreamEnd::Completed {
                         usage: v["usage"].clone(),
+                        continued: 0,
                     },
                 )
                 .await
@@ -816,6 +838,7 @@ async fn produce(
         first_events,
         observer,
         permit,
+        continuer: continuable.map(crate::stitch::Continuer::new),
     };
     let body = body
         .cut_after(shared.faults.stream_cut(&provider.name))

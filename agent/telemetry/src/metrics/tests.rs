@@ -82,6 +82,7 @@ fn exercised() -> Metrics {
         trace_id: trace(),
     });
     m.retry("openai", "server_error");
+    m.stream_continuation("openai", true);
     m.retry_budget_exhausted("openai");
     m.fallback("openai", "anthropic");
     m.breaker_state("openai", CircuitState::Open);

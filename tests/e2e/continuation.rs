@@ -1,0 +1,271 @@
+//! Continuing an interrupted text-only Anthropic stream (`continuation` on the
+//! provider): the agent reads one message, stitched from the broken answer and its
+//! continuation, with no second `message_start`; the continuation request carries
+//! the text sent so far; a turn with a tool call is never continued; a continuation
+//! that fails ends with the typed error event; usage is metered over both pieces;
+//! and the stitched stream replays byte-identical.
+
+use std::time::Duration;
+
+use http::{Method, StatusCode};
+use outrigger_testing::provider::{Behaviour, MockProvider};
+use serde_json::{Value, json};
+
+use crate::support::*;
+
+async fn setup(continuation: &str, default: Behaviour) -> (MockProvider, Sidecar) {
+    let mock = MockProvider::start(default).await.expect("mock");
+    let config = format!(
+        r#"
+[[providers]]
+name = "an"
+kind = "anthropic"
+base_url = "{}"
+models = ["claude-mock"]
+continuation = "{continuation}"
+"#,
+        mock.anthropic_base()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    (mock, sidecar)
+}
+
+/// `b` cut after `events`, paced so that the first events reach the agent before the
+/// cut (a cut before that is retried unseen instead).
+fn cut(b: Behaviour, events: usize) -> Behaviour {
+    Behaviour {
+        cut_after: Some(events),
+        chunk_delay: Duration::from_millis(20),
+        ..b
+    }
+}
+
+fn post(sidecar: &Sidecar, key: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    request(
+        Method::POST,
+        &sidecar.url("/v1/messages"),
+        &[
+            ("content-type", "application/json"),
+            ("idempotency-key", key),
+        ],
+        json!({"model": "claude-mock", "stream": true, "max_tokens": 99,
+               "messages": [{"role": "user", "content": "go"}]})
+        .to_string(),
+    )
+}
+
+/// Each event's name and JSON data (ids and framing dropped).
+fn parsed(body: &[u8]) -> Vec<(String, Value)> {
+    String::from_utf8_lossy(body)
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let mut name = String::new();
+            let mut data = Value::Null;
+            for line in e.lines() {
+                if let Some(n) = line.strip_prefix("event: ") {
+                    name = n.to_string();
+                } else if let Some(d) = line.strip_prefix("data: ") {
+                    data = serde_json::from_str(d).unwrap_or(Value::Null);
+                }
+            }
+            (name, data)
+        })
+        .collect()
+}
+
+fn named<'a>(events: &'a [(String, Value)], name: &str) -> Vec<&'a Value> {
+    events
+        .iter()
+        .filter(|(n, _)| n == name)
+        .map(|(_, d)| d)
+        .collect()
+}
+
+/// The text the agent read.
+fn text(events: &[(String, Value)]) -> String {
+    named(events, "content_block_delta")
+        .iter()
+        .filter_map(|d| d["delta"]["text"].as_str())
+        .collect()
+}
+
+/// The usage a provider's answer reported: its `message_start` input, and its
+/// `message_delta` output (0 when it never came).
+fn reported(body: &[u8]) -> (u64, u64) {
+    let events = parsed(body);
+    let input = named(&events, "message_start")
+        .first()
+        .and_then(|d| d["message"]["usage"]["input_tokens"].as_u64())
+        .unwrap_or(0);
+    let output = named(&events, "message_delta")
+        .first()
+        .and_then(|d| d["usage"]["output_tokens"].as_u64())
+        .unwrap_or(0);
+    (input, output)
+}
+
+fn metric(text: &str, name: &str, labels: &[&str]) -> u64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+#[tokio::test]
+async fn a_text_only_stream_cut_mid_way_is_continued_into_one_message() {
+    let (mock, sidecar) = setup("prefill", Behaviour::default()).await;
+    // message_start, the text block's start, a ping and two deltas, then the
+    // connection drops; the continuation is the mock's whole default answer.
+    mock.push(cut(Behaviour::default(), 5));
+    let first = send(post(&sidecar, "stitched")).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let events = parsed(&first.body);
+    let exchanges = mock.exchanges();
+    assert_eq!(exchanges.len(), 2, "the broken answer and its continuation");
+
+    // The continuation prefilled the text the agent had, less its trailing space,
+    // and asked for what was left of max_tokens (12 bytes of text: 3 tokens).
+    let sent: Value = serde_json::from_slice(&exchanges[1].body).unwrap();
+    let messages = sent["messages"].as_array().unwrap();
+    assert_eq!(
+        messages.last().unwrap(),
+        &json!({"role": "assistant", "content": "word0 word1"})
+    );
+    assert_eq!(sent["max_tokens"], 96);
+
+    // One message: one start, one text block, one stop, no error.
+    assert_eq!(named(&events, "message_start").len(), 1, "{}", first.text());
+    assert_eq!(named(&events, "content_block_start").len(), 1);
+    assert_eq!(named(&events, "message_stop").len(), 1);
+    assert!(named(&events, "error").is_empty(), "{}", first.text());
+    assert!(
+        named(&events, "content_block_delta")
+            .iter()
+            .chain(named(&events, "content_block_stop").iter())
+            .all(|d| d["index"] == 0),
+        "the continuation goes on in the open block: {}",
+        first.text()
+    );
+    // The first piece's text, then the continuation's (the mock does not really
+    // continue: it answers its whole text again).
+    let continuation: String = (0..8).map(|i| format!("word{i} ")).collect();
+    assert_eq!(text(&events), format!("word0 word1 {continuation}"));
+    // Ids run on without a gap.
+    let body = first.text();
+    for (i, e) in body.split_inclusive("\n\n").enumerate() {
+        assert!(e.starts_with(&format!("id: 1:{i}\n")), "{e}");
+    }
+
+    // Replayed by key: the same bytes.
+    let again = send(post(&sidecar, "stitched")).await;
+    assert_eq!(again.header("outrigger-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(mock.exchanges().len(), 2, "not generated again");
+
+    // Metered over both pieces: both prompts, the first piece's text estimated (3
+    // tokens) and what the continuation reported.
+    let (in1, _) = reported(&exchanges[0].response_bytes());
+    let (in2, out2) = reported(&exchanges[1].response_bytes());
+    assert!(
+        in1 > 0 && in2 > in1,
+        "the continuation's prompt holds the prefill"
+    );
+    let text = get(&sidecar.admin_url("/metrics")).await.text();
+    let sum = |t: &str| metric(&text, "gen_ai_client_token_usage_sum", &[t]);
+    assert_eq!(sum("gen_ai_token_type=\"input\""), in1 + in2, "{text}");
+    assert_eq!(sum("gen_ai_token_type=\"output\""), 3 + out2, "{text}");
+    assert_eq!(
+        metric(
+            &text,
+            "outrigger_stream_continuations_total",
+            &["result=\"continued\""]
+        ),
+        1,
+        "{text}"
+    );
+}
+
+#[tokio::test]
+async fn an_instruction_continuation_asks_in_a_user_message_and_starts_a_new_block_after_a_closed_one()
+ {
+    let (mock, sidecar) = setup("instruction", Behaviour::default()).await;
+    // The whole text block (start, a ping, 2 deltas, stop) after message_start,
+    // then the cut.
+    let two = Behaviour {
+        chunks: 2,
+        ..Behaviour::default()
+    };
+    mock.push(cut(two, 6));
+    let first = send(post(&sidecar, "asked")).await;
+    let events = parsed(&first.body);
+    let exchanges = mock.exchanges();
+    assert_eq!(exchanges.len(), 2);
+    let sent: Value = serde_json::from_slice(&exchanges[1].body).unwrap();
+    let last = sent["messages"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["role"], "user");
+    assert!(
+        last["content"].as_str().unwrap().contains("word0 word1"),
+        "{last}"
+    );
+    let starts: Vec<u64> = named(&events, "content_block_start")
+        .iter()
+        .map(|d| d["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(starts, [0, 1], "{}", first.text());
+    assert_eq!(named(&events, "message_start").len(), 1);
+    assert_eq!(named(&events, "message_stop").len(), 1);
+}
+
+#[tokio::test]
+async fn a_turn_cut_inside_a_tool_call_is_not_continued() {
+    let (mock, sidecar) = setup("prefill", Behaviour::default()).await;
+    // message_start, the text block (5 events with a ping and 2 deltas), the tool
+    // block's start and a part of its input, then the cut.
+    let with_tool = Behaviour {
+        chunks: 2,
+        tool_calls: 1,
+        ..Behaviour::default()
+    };
+    mock.push(cut(with_tool, 8));
+    let first = send(post(&sidecar, "tool")).await;
+    let events = parsed(&first.body);
+    assert_eq!(mock.exchanges().len(), 1, "nothing was continued");
+    let last = events.last().unwrap();
+    assert_eq!(last.0, "error", "{}", first.text());
+    assert!(named(&events, "message_stop").is_empty());
+    assert!(
+        !first.text().contains("tool_use"),
+        "no part of the tool call: {}",
+        first.text()
+    );
+}
+
+#[tokio::test]
+async fn a_continuation_the_provider_refuses_ends_with_the_typed_error() {
+    let (mock, sidecar) = setup("prefill", Behaviour::default()).await;
+    mock.push(cut(Behaviour::default(), 5));
+    mock.push(Behaviour {
+        status: Some(529),
+        ..Behaviour::default()
+    });
+    let first = send(post(&sidecar, "refused")).await;
+    let events = parsed(&first.body);
+    assert_eq!(mock.exchanges().len(), 2);
+    let (name, data) = events.last().unwrap();
+    assert_eq!(name, "error", "{}", first.text());
+    let message = data["error"]["message"].as_str().unwrap();
+    assert!(message.contains("continuing it failed"), "{message}");
+    assert!(message.contains("529"), "{message}");
+    assert!(named(&events, "message_stop").is_empty());
+    let text = get(&sidecar.admin_url("/metrics")).await.text();
+    assert_eq!(
+        metric(
+            &text,
+            "outrigger_stream_continuations_total",
+            &["result=\"failed\""]
+        ),
+        1,
+        "{text}"
+    );
+}
