@@ -114,7 +114,7 @@ fn metric(text: &str, name: &str, labels: &[&str]) -> u64 {
 
 #[tokio::test]
 async fn a_text_only_stream_cut_mid_way_is_continued_into_one_message() {
-    let (mock, sidecar) = setup("prefill", Behaviour::default()).await;
+    let (mock, mut sidecar) = setup("prefill", Behaviour::default()).await;
     // message_start, the text block's start, a ping and two deltas, then the
     // connection drops; the continuation is the mock's whole default answer.
     mock.push(cut(Behaviour::default(), 5));
@@ -184,6 +184,38 @@ async fn a_text_only_stream_cut_mid_way_is_continued_into_one_message() {
         1,
         "{text}"
     );
+
+    // The journal's end record says so, and counts both pieces: through the admin
+    // API while the sidecar runs, and from the directory once it is stopped.
+    let key = first.header("outrigger-stream-key").unwrap().to_owned();
+    let meta = get(&sidecar.admin_url(&format!(
+        "/v1/journal?view=stream&key={}",
+        key.replace('/', "%2F")
+    )))
+    .await
+    .json();
+    assert_eq!(meta["state"], "completed", "{meta}");
+    assert_eq!(meta["end"]["continued"], 1, "{meta}");
+    assert_eq!(meta["end"]["usage"]["input_tokens"], in1 + in2, "{meta}");
+    assert_eq!(meta["end"]["usage"]["output_tokens"], 3 + out2, "{meta}");
+    let cli = |sidecar: &Sidecar| {
+        let out = std::process::Command::new(outrigger_bin())
+            .args(["journal", "stream", &key, "--data-dir"])
+            .arg(sidecar.dir.path().join("data"))
+            .arg("--admin")
+            .arg(format!("http://{}", sidecar.admin))
+            .output()
+            .expect("run the cli");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<Value>(&out.stdout).expect("json")
+    };
+    assert_eq!(cli(&sidecar), meta);
+    sidecar.kill();
+    assert_eq!(cli(&sidecar)["end"], meta["end"]);
 }
 
 #[tokio::test]

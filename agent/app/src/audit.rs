@@ -18,7 +18,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use outrigger_journal::{Audit, Filter, Journal};
+use outrigger_journal::{Audit, Filter, Journal, StreamKey};
 use outrigger_types::{IdempotencyKey, TaskId};
 use serde_json::Value;
 
@@ -129,6 +129,14 @@ pub enum Command {
     },
     /// Show one record in full.
     Show {
+        key: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Show a model stream's record: its attempt, state and how it ended (usage,
+    /// and how many times it was continued).
+    Stream {
+        /// The stream key (`Outrigger-Stream-Key`).
         key: String,
         #[command(flatten)]
         common: Common,
@@ -260,21 +268,11 @@ fn dispatch(cmd: Command) -> anyhow::Result<ExitCode> {
         }
         Command::Show { key, common } => {
             let key = IdempotencyKey::new(key.as_str()).map_err(|e| anyhow::anyhow!("key: {e}"))?;
-            let record: Option<Value> = match open(&common)? {
-                Source::Direct(a) => a.get(&key)?.map(serde_json::to_value).transpose()?,
-                Source::Admin { base, token } => {
-                    let (status, body) = admin_get(
-                        &base,
-                        &format!("/v1/journal/{}", encode(key.as_str())),
-                        token.as_deref(),
-                    )?;
-                    match status {
-                        200 => Some(body),
-                        404 => None,
-                        s => bail!("the admin API answered {s}: {body}"),
-                    }
-                }
-            };
+            let record = one(
+                open(&common)?,
+                |a| Ok(a.get(&key)?.map(serde_json::to_value).transpose()?),
+                &format!("/v1/journal/{}", encode(key.as_str())),
+            )?;
             match record {
                 Some(r) => {
                     println!("{}", serde_json::to_string_pretty(&r)?);
@@ -282,6 +280,24 @@ fn dispatch(cmd: Command) -> anyhow::Result<ExitCode> {
                 }
                 None => {
                     eprintln!("no record for key {key}");
+                    Ok(ExitCode::FAILURE)
+                }
+            }
+        }
+        Command::Stream { key, common } => {
+            let key = StreamKey::new(key.as_str()).map_err(|e| anyhow::anyhow!("key: {e}"))?;
+            let meta = one(
+                open(&common)?,
+                |a| Ok(a.stream_meta(&key)?.map(serde_json::to_value).transpose()?),
+                &format!("/v1/journal?view=stream&key={}", encode(key.as_str())),
+            )?;
+            match meta {
+                Some(m) => {
+                    println!("{}", serde_json::to_string_pretty(&m)?);
+                    Ok(ExitCode::SUCCESS)
+                }
+                None => {
+                    eprintln!("no stream with key {key}");
                     Ok(ExitCode::FAILURE)
                 }
             }
@@ -402,6 +418,26 @@ fn dispatch(cmd: Command) -> anyhow::Result<ExitCode> {
             };
             print_timeline(&task, &entries);
             Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+/// One thing read from the journal: directly, or from the admin API at `path`
+/// (`None` when it answers 404).
+fn one(
+    source: Source,
+    direct: impl FnOnce(&Audit) -> anyhow::Result<Option<Value>>,
+    path: &str,
+) -> anyhow::Result<Option<Value>> {
+    match source {
+        Source::Direct(a) => direct(&a),
+        Source::Admin { base, token } => {
+            let (status, body) = admin_get(&base, path, token.as_deref())?;
+            match status {
+                200 => Ok(Some(body)),
+                404 => Ok(None),
+                s => bail!("the admin API answered {s}: {body}"),
+            }
         }
     }
 }

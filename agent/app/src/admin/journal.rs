@@ -16,7 +16,7 @@ use std::time::SystemTime;
 
 use bytes::Bytes;
 use http::{Method, Response, StatusCode};
-use outrigger_journal::{Filter, Headers, Journal, Resolution, State, StoredResponse};
+use outrigger_journal::{Filter, Headers, Journal, Resolution, State, StoredResponse, StreamKey};
 use outrigger_proxy::body::Body;
 use outrigger_proxy::problem::Problem;
 use outrigger_types::{IdempotencyKey, TaskId};
@@ -121,8 +121,21 @@ fn collection(journal: &Journal, query: &str) -> Result<Response<Body>, Problem>
             ))
         }
         "stats" => Ok(json_response(StatusCode::OK, &json!(journal.stats()))),
+        "stream" => {
+            let key = get("key").ok_or_else(|| bad("view=stream needs key=<stream key>"))?;
+            let key = StreamKey::new(key).map_err(|e| bad(format!("key: {e}")))?;
+            match journal.stream_meta(&key).map_err(journal_error)? {
+                Some(meta) => Ok(json_response(StatusCode::OK, &json!(meta))),
+                None => Err(Problem::new(
+                    StatusCode::NOT_FOUND,
+                    "unknown-stream",
+                    "No such stream",
+                    format!("The journal has no stream with key {key}."),
+                )),
+            }
+        }
         other => Err(bad(format!(
-            "view={other:?} is not a view; use records, verify, timeline or stats"
+            "view={other:?} is not a view; use records, verify, timeline, stats or stream"
         ))),
     }
 }
@@ -331,6 +344,27 @@ mod tests {
                 refused.detail
             );
         }
+        drop(journal);
+        let _ = writer.await;
+    }
+
+    /// A stream's record needs its key, and an unknown one is a 404 that names it.
+    #[tokio::test]
+    async fn a_stream_view_needs_a_known_key() {
+        let dir = tempfile::tempdir().expect("a directory");
+        let (journal, writer, _) =
+            Journal::open(outrigger_journal::Options::new(dir.path())).expect("a journal");
+        let writer = tokio::spawn(writer.run());
+        let refused = collection(&journal, "view=stream").expect_err("no key");
+        assert_eq!(refused.status, StatusCode::BAD_REQUEST);
+        assert!(refused.detail.contains("key="), "{}", refused.detail);
+        let unknown = collection(&journal, "view=stream&key=m%2Fanthropic%2Fk").expect_err("none");
+        assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+        assert!(
+            unknown.detail.contains("m/anthropic/k"),
+            "{}",
+            unknown.detail
+        );
         drop(journal);
         let _ = writer.await;
     }
