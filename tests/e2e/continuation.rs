@@ -3,7 +3,8 @@
 //! continuation, with no second `message_start`; the continuation request carries
 //! the text sent so far; a turn with a tool call is never continued; a continuation
 //! that fails ends with the typed error event; usage is metered over both pieces;
-//! and the stitched stream replays byte-identical.
+//! the stitched stream replays byte-identical; and a cut after any event of a text
+//! turn is continued until its stop reason came.
 
 use std::time::Duration;
 
@@ -300,4 +301,59 @@ async fn a_continuation_the_provider_refuses_ends_with_the_typed_error() {
         1,
         "{text}"
     );
+}
+
+/// A text-only turn cut after each of its events in turn: up to its last text block's
+/// stop it is continued into one message (one `message_start`, one `message_stop`,
+/// the text the agent had and then the continuation's, in one block while the cut
+/// left it open, in a second when it did not), and replays byte-identical; once its
+/// stop reason came it is not continued: it ends with the typed error, and its
+/// repeat generates afresh.
+#[tokio::test]
+async fn a_text_only_turn_cut_after_any_event_is_continued_until_its_stop_reason() {
+    let (mock, sidecar) = setup("prefill", Behaviour::default()).await;
+    // message_start, content_block_start, ping, 8 deltas, content_block_stop,
+    // message_delta, message_stop.
+    let deltas = 8;
+    let whole: String = (0..deltas).map(|i| format!("word{i} ")).collect();
+    for cut_at in 1..=13 {
+        mock.push(cut(Behaviour::default(), cut_at));
+        let before = mock.exchanges().len();
+        let key = format!("sweep-{cut_at}");
+        let first = send(post(&sidecar, &key)).await;
+        let events = parsed(&first.body);
+        let said = format!("cut after {cut_at}: {}", first.text());
+        let sent = cut_at.saturating_sub(3).min(deltas);
+        let prefix: String = (0..sent).map(|i| format!("word{i} ")).collect();
+        if cut_at <= 12 {
+            assert_eq!(mock.exchanges().len(), before + 2, "{said}");
+            assert_eq!(named(&events, "message_start").len(), 1, "{said}");
+            assert_eq!(named(&events, "message_stop").len(), 1, "{said}");
+            assert!(named(&events, "error").is_empty(), "{said}");
+            assert_eq!(text(&events), format!("{prefix}{whole}"), "{said}");
+            let starts: Vec<u64> = named(&events, "content_block_start")
+                .iter()
+                .map(|d| d["index"].as_u64().unwrap())
+                .collect();
+            // Cut before the text block began (after message_start), or after it
+            // stopped, the continuation's block is one of its own.
+            let want: &[u64] = match cut_at {
+                1 => &[0],
+                12 => &[0, 1],
+                _ => &[0],
+            };
+            assert_eq!(starts, want, "{said}");
+        } else {
+            assert_eq!(mock.exchanges().len(), before + 1, "{said}");
+            assert_eq!(events.last().unwrap().0, "error", "{said}");
+            assert!(named(&events, "message_stop").is_empty(), "{said}");
+        }
+        // A completed turn replays; an abandoned one generates afresh (attempt 2).
+        let again = send(post(&sidecar, &key)).await;
+        if cut_at <= 12 {
+            assert_eq!(again.body, first.body, "{said}");
+        } else {
+            assert!(again.text().starts_with("id: 2:0\n"), "{}", again.text());
+        }
+    }
 }
