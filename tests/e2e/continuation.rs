@@ -357,3 +357,128 @@ async fn a_text_only_turn_cut_after_any_event_is_continued_until_its_stop_reason
         }
     }
 }
+
+/// A body fed through a channel: each item a chunk, or the error that breaks the
+/// connection.
+struct Fed(tokio::sync::mpsc::UnboundedReceiver<Result<bytes::Bytes, String>>);
+
+impl hyper::body::Body for Fed {
+    type Data = bytes::Bytes;
+    type Error = Box<dyn std::error::Error + Send + Sync>;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|item| item.map(|r| r.map(hyper::body::Frame::data).map_err(Into::into)))
+    }
+}
+
+/// An Anthropic upstream whose first answer sends `message_start`, a text block's
+/// start and one delta, then breaks; the second (the continuation) gets `second`
+/// written to it, and is then held open (its sender is kept).
+async fn breaking_upstream(second: &'static [&'static str]) -> outrigger_testing::http::Server {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    let count = Arc::new(AtomicUsize::new(0));
+    let held = Arc::new(Mutex::new(Vec::new()));
+    outrigger_testing::http::Server::start(
+        std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        move |req| {
+            let n = count.fetch_add(1, Ordering::SeqCst);
+            let held = held.clone();
+            async move {
+                let _ = outrigger_testing::http::read_body(req.into_body()).await;
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                if n == 0 {
+                    tokio::spawn(async move {
+                        for ev in [
+                            r#"{"type":"message_start","message":{"id":"msg_1","model":"claude-mock","usage":{"input_tokens":9,"output_tokens":1}}}"#,
+                            r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+                            r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hello"}}"#,
+                        ] {
+                            let name = serde_json::from_str::<Value>(ev).unwrap()["type"]
+                                .as_str()
+                                .unwrap()
+                                .to_owned();
+                            let _ = tx.send(Ok(format!("event: {name}\ndata: {ev}\n\n").into()));
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                        let _ = tx.send(Err("cut".to_owned()));
+                    });
+                } else {
+                    for chunk in second {
+                        let _ = tx.send(Ok(bytes::Bytes::from_static(chunk.as_bytes())));
+                    }
+                    held.lock().unwrap().push(tx);
+                }
+                let mut resp = http::Response::new(
+                    http_body_util::BodyExt::boxed_unsync(Fed(rx)),
+                );
+                resp.headers_mut().insert(
+                    http::header::CONTENT_TYPE,
+                    http::HeaderValue::from_static("text/event-stream"),
+                );
+                resp
+            }
+        },
+    )
+    .await
+    .expect("upstream")
+}
+
+/// A continuation is an attempt like any other before its first event: one that
+/// says nothing within `first_byte_timeout`, or opens with the provider's error
+/// event, ends the turn with the typed error that says so.
+#[tokio::test]
+async fn a_continuation_that_stalls_or_opens_with_an_error_ends_with_the_typed_error() {
+    let cases: [(&[&str], &str); 2] = [
+        (&[], "no event within 300ms"),
+        (
+            &[
+                "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n",
+            ],
+            "opened with an error event (overloaded_error)",
+        ),
+    ];
+    for (second, says) in cases {
+        let upstream = breaking_upstream(second).await;
+        let config = format!(
+            r#"
+[limits]
+first_byte_timeout = "300ms"
+
+[[providers]]
+name = "an"
+kind = "anthropic"
+base_url = "{}"
+models = ["claude-mock"]
+continuation = "prefill"
+"#,
+            upstream.url()
+        );
+        let sidecar = Sidecar::start(&config, &[]).await;
+        let started = std::time::Instant::now();
+        let first = send(post(&sidecar, "stalled")).await;
+        let events = parsed(&first.body);
+        assert_eq!(text(&events), "Hello", "{}", first.text());
+        let (name, data) = events.last().unwrap();
+        assert_eq!(name, "error", "{}", first.text());
+        let message = data["error"]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{message}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(
+            !first
+                .text()
+                .contains("overloaded_error\",\"message\":\"Overloaded"),
+            "the provider's error event is not passed on as the turn's: {}",
+            first.text()
+        );
+    }
+}

@@ -17,9 +17,12 @@
 //! with one terminal event; the journal holds it as it was sent, so a resume or a
 //! replay returns the same bytes.
 
+use std::sync::LazyLock;
+
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request};
 use http_body_util::Full;
+use memchr::memmem;
 use serde_json::Value;
 
 use crate::events::{ReportedUsage, anthropic_input};
@@ -86,12 +89,12 @@ impl Continuer {
     /// broke: its input, and its output if more than its text's estimate) added to
     /// what is carried.
     pub fn request(&self) -> Result<(Request<Full<Bytes>>, bool), crate::Error> {
-        let piece = &self.sent.text[self.sent.piece_start..];
+        let piece = self.sent.text(self.sent.piece_start);
         let (body, trimmed) = continuation_body(
             &self.how.body,
             self.how.mode,
-            &self.sent.text,
-            estimate_tokens(piece) + self.carried.output,
+            &self.sent.text(0),
+            estimate_tokens(&piece) + self.carried.output,
         )
         .map_err(crate::Error::BuildRequest)?;
         let req = crate::model::build_request(
@@ -107,11 +110,11 @@ impl Continuer {
     /// Starts stitching the continuation that was just answered; `broke` is what
     /// the turn reported of the piece that broke.
     pub fn begin(&mut self, trimmed: bool, broke: Option<ReportedUsage>) {
-        let piece = &self.sent.text[self.sent.piece_start..];
+        let piece = self.sent.text(self.sent.piece_start);
         let broke = broke.unwrap_or_default();
         self.carried.input += broke.input;
-        self.carried.output += broke.output.max(estimate_tokens(piece));
-        self.sent.piece_start = self.sent.text.len();
+        self.carried.output += broke.output.max(estimate_tokens(&piece));
+        self.sent.piece_start = self.sent.texts.len();
         self.stitch = Some(Stitch::new(&self.sent, trimmed));
         self.how.left -= 1;
         self.taken += 1;
@@ -141,55 +144,113 @@ fn estimate_tokens(text: &str) -> u64 {
     (text.len() as u64).div_ceil(4)
 }
 
+/// Block indexes past this are not renumbered: a turn that has one is not continued.
+const MAX_BLOCKS: u64 = 1 << 20;
+
 /// What the agent has been sent of the turn, by the agent's block indexes.
 #[derive(Debug, Default)]
 struct Sent {
-    /// The text of every text block, in order.
-    text: String,
-    /// Where in `text` the piece streaming now began.
+    /// The events that carry text (text deltas, and the starts of text blocks that
+    /// open with some), in order: their text is read only when a continuation
+    /// needs it, so a turn that never breaks is not parsed twice.
+    texts: Vec<Bytes>,
+    /// Where in `texts` the piece streaming now began.
     piece_start: usize,
     /// The text block open now.
     open_text: Option<u64>,
     /// One past the highest block index.
     next_index: u64,
-    /// A block that is not text (tool use, thinking) has begun.
+    /// A block that is not text (tool use, thinking) has begun, or one whose index
+    /// is past [`MAX_BLOCKS`].
     other_block: bool,
     /// `message_start` has come.
     started: bool,
 }
 
+/// The markers of the events [`Sent`] reads at once.
+static STRUCTURE: LazyLock<[memmem::Finder<'static>; 3]> = LazyLock::new(|| {
+    [
+        memmem::Finder::new(b"message_start"),
+        memmem::Finder::new(b"content_block_start"),
+        memmem::Finder::new(b"content_block_stop"),
+    ]
+});
+static TEXT_DELTA: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"text_delta\""));
+
 impl Sent {
-    fn observe(&mut self, raw: &[u8]) {
-        let Some(v) = data(raw) else {
+    fn observe(&mut self, raw: &Bytes) {
+        // A text delta is kept as it is (its quoted type cannot occur unescaped in
+        // any text); only the few events that open or close something are read now.
+        if TEXT_DELTA.find(raw).is_some() {
+            self.texts.push(raw.clone());
+            return;
+        }
+        if STRUCTURE.iter().all(|m| m.find(raw).is_none()) {
+            return;
+        }
+        let Some((name, v)) = named_data(raw) else {
             return;
         };
-        let index = v["index"].as_u64().unwrap_or(0);
-        match v["type"].as_str() {
-            Some("message_start") => self.started = true,
-            Some("content_block_start") => {
+        let index = v["index"].as_u64();
+        match name.as_str() {
+            "message_start" => self.started = true,
+            "content_block_start" => {
+                let Some(index) = index.filter(|i| *i < MAX_BLOCKS) else {
+                    self.other_block = true;
+                    return;
+                };
                 self.next_index = self.next_index.max(index + 1);
                 let block = &v["content_block"];
                 if block["type"] == "text" {
                     self.open_text = Some(index);
-                    self.text
-                        .push_str(block["text"].as_str().unwrap_or_default());
+                    if block["text"].as_str().is_some_and(|t| !t.is_empty()) {
+                        self.texts.push(raw.clone());
+                    }
                 } else {
                     self.other_block = true;
                 }
             }
-            Some("content_block_delta") if v["delta"]["type"] == "text_delta" => {
-                self.text
-                    .push_str(v["delta"]["text"].as_str().unwrap_or_default());
-            }
-            Some("content_block_stop") if self.open_text == Some(index) => self.open_text = None,
+            "content_block_stop" if self.open_text == index => self.open_text = None,
             _ => {}
         }
     }
+
+    /// The text of `texts` from `from` on.
+    fn text(&self, from: usize) -> String {
+        let mut out = String::new();
+        for raw in &self.texts[from..] {
+            if let Some((_, v)) = named_data(raw) {
+                let text = v["delta"]["text"]
+                    .as_str()
+                    .or_else(|| v["content_block"]["text"].as_str());
+                out.push_str(text.unwrap_or_default());
+            }
+        }
+        out
+    }
 }
 
-/// An event's JSON data.
-fn data(raw: &[u8]) -> Option<Value> {
-    serde_json::from_str(&sse::parse(raw).data?).ok()
+/// The error type of a provider's error event (`event: error`); `None` for any
+/// other event.
+pub(crate) fn error_type(raw: &[u8]) -> Option<String> {
+    let (name, v) = named_data(raw)?;
+    (name == "error").then(|| v["error"]["type"].as_str().unwrap_or("unknown").to_owned())
+}
+
+/// An event's name (its `event:` line, else its data's `type`) and its data, when
+/// that is a JSON object.
+fn named_data(raw: &[u8]) -> Option<(String, Value)> {
+    let parsed = sse::parse(raw);
+    let v: Value = serde_json::from_str(&parsed.data?).ok()?;
+    if !v.is_object() {
+        return None;
+    }
+    let name = parsed
+        .event
+        .or_else(|| v["type"].as_str().map(str::to_owned))
+        .unwrap_or_default();
+    Some((name, v))
 }
 
 /// Renumbers a continuation's events into the turn the agent is reading.
@@ -217,23 +278,16 @@ impl Stitch {
     fn index(&self, k: u64) -> u64 {
         match self.joins {
             Some(j) if k == 0 => j,
-            Some(_) => self.next + k - 1,
-            None => self.next + k,
+            Some(_) => self.next.saturating_add(k - 1),
+            None => self.next.saturating_add(k),
         }
     }
 
     fn map(&mut self, raw: Bytes) -> (Vec<Bytes>, Option<ReportedUsage>) {
-        let parsed = sse::parse(&raw);
-        let Some(mut v) = parsed
-            .data
-            .and_then(|d| serde_json::from_str::<Value>(&d).ok())
-        else {
+        // What is not a JSON object passes as it came (the gate judges it).
+        let Some((name, mut v)) = named_data(&raw) else {
             return (vec![raw], None);
         };
-        let name = parsed
-            .event
-            .or_else(|| v["type"].as_str().map(str::to_owned))
-            .unwrap_or_default();
         let k = v["index"].as_u64().unwrap_or(0);
         match name.as_str() {
             "message_start" => {
@@ -246,12 +300,25 @@ impl Stitch {
             }
             "content_block_start" => {
                 let mut out = Vec::new();
+                let text = v["content_block"]["type"] == "text";
                 if let Some(j) = self.joins
                     && k == 0
                 {
-                    if v["content_block"]["type"] == "text" {
-                        // The agent's open text block goes on.
-                        return (Vec::new(), None);
+                    if text {
+                        // The agent's open text block goes on, with what text its
+                        // start carries (usually none) as a delta of it.
+                        let opening = v["content_block"]["text"].as_str().unwrap_or_default();
+                        return match self.without_space(opening) {
+                            Some(t) => (
+                                vec![event(
+                                    "content_block_delta",
+                                    &serde_json::json!({"type": "content_block_delta", "index": j,
+                                        "delta": {"type": "text_delta", "text": t}}),
+                                )],
+                                None,
+                            ),
+                            None => (Vec::new(), None),
+                        };
                     }
                     // Not text after all: the open block ends where it was cut, and
                     // the new block takes the next index.
@@ -260,6 +327,9 @@ impl Stitch {
                         &serde_json::json!({"type": "content_block_stop", "index": j}),
                     ));
                     self.joins = None;
+                }
+                if !text {
+                    // The whitespace to drop was the text's, which goes on no more.
                     self.strip_space = false;
                 }
                 v["index"] = self.index(k).into();
@@ -269,11 +339,9 @@ impl Stitch {
             "content_block_delta" => {
                 if self.strip_space && v["delta"]["type"] == "text_delta" {
                     let text = v["delta"]["text"].as_str().unwrap_or_default();
-                    let rest = text.trim_start();
-                    if rest.is_empty() {
+                    let Some(rest) = self.without_space(text) else {
                         return (Vec::new(), None);
-                    }
-                    self.strip_space = false;
+                    };
                     v["delta"]["text"] = rest.into();
                 }
                 v["index"] = self.index(k).into();
@@ -285,6 +353,23 @@ impl Stitch {
             }
             _ => (vec![raw], None),
         }
+    }
+}
+
+impl Stitch {
+    /// `text` without the leading whitespace the agent already has; `None` when
+    /// nothing is left of it.
+    fn without_space(&mut self, text: &str) -> Option<String> {
+        let rest = if self.strip_space {
+            text.trim_start()
+        } else {
+            text
+        };
+        if rest.is_empty() {
+            return None;
+        }
+        self.strip_space = false;
+        Some(rest.to_owned())
     }
 }
 
@@ -399,7 +484,7 @@ mod tests {
     }
 
     fn data_of(ev: &Bytes) -> Value {
-        data(ev).unwrap()
+        named_data(ev).unwrap().1
     }
 
     #[test]
@@ -451,7 +536,7 @@ mod tests {
         assert_eq!(data_of(&out[0])["index"], 1);
         let stop = named("message_stop", json!({"type": "message_stop"}));
         assert_eq!(c.take(stop.clone()).0, vec![stop], "passed on as it came");
-        assert_eq!(c.sent.text, "Hello, world");
+        assert_eq!(c.sent.text(0), "Hello, world");
         assert_eq!(
             c.carried,
             ReportedUsage {
@@ -545,6 +630,90 @@ mod tests {
         );
         c.take(message_start(10));
         assert!(c.can_continue());
+    }
+
+    #[test]
+    fn odd_events_neither_panic_nor_pass_for_text() {
+        let mut c = continuer(Continuation::Prefill);
+        c.take(message_start(10));
+        // A block with an absurd index is not renumbered: the turn is not continued.
+        let huge = named(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": u64::MAX, "content_block": {"type": "text"}}),
+        );
+        c.take(huge);
+        assert!(!c.can_continue());
+        // A thinking block named by its `event:` line only still counts.
+        let mut c = continuer(Continuation::Prefill);
+        c.take(message_start(10));
+        c.take(Bytes::from(
+            "event: content_block_start\ndata: {\"index\":0,\"content_block\":{\"type\":\"thinking\"}}\n\n",
+        ));
+        assert!(!c.can_continue());
+        // Data that is no JSON object passes through a stitch as it came.
+        let mut c = continuer(Continuation::Prefill);
+        c.take(message_start(10));
+        c.begin(false, None);
+        for odd in [
+            "event: content_block_stop\ndata: []\n\n",
+            "event: ping\ndata: 0\n\n",
+        ] {
+            let raw = Bytes::from_static(odd.as_bytes());
+            assert_eq!(c.take(raw.clone()).0, vec![raw]);
+        }
+    }
+
+    #[test]
+    fn trimmed_whitespace_is_dropped_once_and_only_from_text() {
+        // The open block's start carries text: it goes on as a delta, unspaced.
+        let mut c = continuer(Continuation::Prefill);
+        for ev in [message_start(10), text_start(0), text_delta(0, "Hi ")] {
+            c.take(ev);
+        }
+        c.begin(true, None);
+        let start = named(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0,
+                   "content_block": {"type": "text", "text": "  there"}}),
+        );
+        let (out, _) = c.take(start);
+        assert_eq!(data_of(&out[0])["delta"]["text"], "there");
+        assert_eq!(data_of(&out[0])["index"], 0);
+        let (out, _) = c.take(text_delta(0, " again"));
+        assert_eq!(data_of(&out[0])["delta"]["text"], " again", "once only");
+        // A tool call first: the text after it keeps its space.
+        let mut c = continuer(Continuation::Prefill);
+        for ev in [
+            message_start(10),
+            text_start(0),
+            text_delta(0, "Hi "),
+            named(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": 0}),
+            ),
+        ] {
+            c.take(ev);
+        }
+        c.begin(true, None);
+        c.take(named(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0,
+                   "content_block": {"type": "tool_use", "id": "t", "name": "f", "input": {}}}),
+        ));
+        c.take(text_start(1));
+        let (out, _) = c.take(text_delta(1, " after"));
+        assert_eq!(data_of(&out[0])["delta"]["text"], " after");
+        assert_eq!(data_of(&out[0])["index"], 2);
+    }
+
+    #[test]
+    fn an_error_event_is_told_apart() {
+        let error = named(
+            "error",
+            json!({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
+        );
+        assert_eq!(error_type(&error).as_deref(), Some("overloaded_error"));
+        assert_eq!(error_type(&message_start(1)), None);
     }
 
     #[test]

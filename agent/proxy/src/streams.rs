@@ -1115,7 +1115,11 @@ impl Producer {
                 () = &mut cancelled => Err(CANCELLED.to_owned()),
             };
             match continued {
-                Ok(next) => upstream = next,
+                Ok(next) => {
+                    upstream = next;
+                    // Its first events, read to see that it answers.
+                    pending = Some(self.take_in());
+                }
                 Err(reason) => break 'relay Ended::Abandoned(reason),
             }
         };
@@ -1160,18 +1164,49 @@ impl Producer {
                 resp.status()
             )));
         }
-        metrics.stream_continuation(target, true);
         let provider = continuer.provider();
-        let body = UpstreamBody::new(
+        let mut body = UpstreamBody::new(
             resp.into_body(),
             provider.api_key.as_ref().map(|k| k.expose()),
         )
         .idle_limit(limits.stream_idle_timeout)
         .gathering();
-        tracing::info!(key = %self.live.key, provider = %provider.name, %reason, "continuing an interrupted text-only stream");
-        continuer.begin(trimmed, self.gate.turn.usage.take());
         // What was left of the broken event is not an event.
         self.framer = crate::sse::Framer::new(limits.max_event_bytes);
+        // Like any attempt, the continuation has `first_byte_timeout` for its first
+        // event, and one that opens with the provider's error event is no answer.
+        let deadline = tokio::time::Instant::now() + limits.first_byte_timeout;
+        let blank = |raw: &Bytes| raw.iter().all(|b| matches!(b, b'\r' | b'\n'));
+        while self.scratch.iter().all(blank) {
+            let why = match tokio::time::timeout_at(deadline, body.frame()).await {
+                Ok(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => match self.framer.push(&data, &mut self.scratch) {
+                        Ok(()) => continue,
+                        Err(e) => e.to_string(),
+                    },
+                    Err(_) => continue,
+                },
+                Ok(Some(Err(e))) => format!("its answer broke before its first event: {e}"),
+                Ok(None) => "its answer ended before its first event".to_owned(),
+                Err(_) => format!("no event within {:?}", limits.first_byte_timeout),
+            };
+            self.scratch.clear();
+            return Err(failed(why));
+        }
+        if let Some(error) = self
+            .scratch
+            .iter()
+            .find(|raw| !blank(raw))
+            .and_then(|raw| crate::stitch::error_type(raw))
+        {
+            self.scratch.clear();
+            return Err(failed(format!(
+                "its answer opened with an error event ({error})"
+            )));
+        }
+        metrics.stream_continuation(target, true);
+        tracing::info!(key = %self.live.key, provider = %target, %reason, "continuing an interrupted text-only stream");
+        continuer.begin(trimmed, self.gate.turn.usage.take());
         Ok(body)
     }
 
