@@ -434,12 +434,17 @@ async fn breaking_upstream(second: &'static [&'static str]) -> outrigger_testing
 /// event, ends the turn with the typed error that says so.
 #[tokio::test]
 async fn a_continuation_that_stalls_or_opens_with_an_error_ends_with_the_typed_error() {
-    let cases: [(&[&str], &str); 2] = [
+    const OVERLOADED: &str = "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n";
+    // A keep-alive comment is no event: it neither ends the wait nor hides the error.
+    let cases: [(&[&str], &str); 4] = [
         (&[], "no event within 300ms"),
+        (&[": keep-alive\n\n"], "no event within 300ms"),
         (
-            &[
-                "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n",
-            ],
+            &[OVERLOADED],
+            "opened with an error event (overloaded_error)",
+        ),
+        (
+            &[": keep-alive\n\n", OVERLOADED],
             "opened with an error event (overloaded_error)",
         ),
     ];

@@ -180,13 +180,13 @@ static TEXT_DELTA: LazyLock<memmem::Finder<'static>> =
 
 impl Sent {
     fn observe(&mut self, raw: &Bytes) {
-        // A text delta is kept as it is (its quoted type cannot occur unescaped in
-        // any text); only the few events that open or close something are read now.
-        if TEXT_DELTA.find(raw).is_some() {
-            self.texts.push(raw.clone());
-            return;
-        }
+        // Only the few events that may open or close something are read now; of the
+        // rest, a text delta is kept as it is (read when a continuation needs its
+        // text: an event that only looks like one then gives none).
         if STRUCTURE.iter().all(|m| m.find(raw).is_none()) {
+            if TEXT_DELTA.find(raw).is_some() {
+                self.texts.push(raw.clone());
+            }
             return;
         }
         let Some((name, v)) = named_data(raw) else {
@@ -195,6 +195,9 @@ impl Sent {
         let index = v["index"].as_u64();
         match name.as_str() {
             "message_start" => self.started = true,
+            "content_block_delta" if v["delta"]["type"] == "text_delta" => {
+                self.texts.push(raw.clone());
+            }
             "content_block_start" => {
                 let Some(index) = index.filter(|i| *i < MAX_BLOCKS) else {
                     self.other_block = true;
@@ -331,6 +334,13 @@ impl Stitch {
                 if !text {
                     // The whitespace to drop was the text's, which goes on no more.
                     self.strip_space = false;
+                } else if let Some(opening) = v["content_block"]["text"]
+                    .as_str()
+                    .filter(|t| !t.is_empty())
+                    .map(str::to_owned)
+                {
+                    let kept = self.without_space(&opening).unwrap_or_default();
+                    v["content_block"]["text"] = kept.into();
                 }
                 v["index"] = self.index(k).into();
                 out.push(event(&name, &v));
@@ -633,6 +643,30 @@ mod tests {
     }
 
     #[test]
+    fn a_block_start_that_mentions_text_delta_is_still_a_block_start() {
+        let mut c = continuer(Continuation::Prefill);
+        c.take(message_start(10));
+        c.take(named(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0,
+                   "content_block": {"type": "tool_use", "id": "t", "name": "text_delta", "input": {}}}),
+        ));
+        assert!(!c.can_continue(), "a tool call began");
+        // A text delta that names the markers in its text is still text.
+        let mut c = continuer(Continuation::Prefill);
+        for ev in [
+            message_start(10),
+            text_start(0),
+            text_delta(0, "content_block_stop and message_start "),
+        ] {
+            c.take(ev);
+        }
+        assert!(c.can_continue());
+        assert_eq!(c.sent.text(0), "content_block_stop and message_start ");
+        assert_eq!(c.sent.open_text, Some(0));
+    }
+
+    #[test]
     fn odd_events_neither_panic_nor_pass_for_text() {
         let mut c = continuer(Continuation::Prefill);
         c.take(message_start(10));
@@ -704,6 +738,29 @@ mod tests {
         let (out, _) = c.take(text_delta(1, " after"));
         assert_eq!(data_of(&out[0])["delta"]["text"], " after");
         assert_eq!(data_of(&out[0])["index"], 2);
+        // A new text block that opens with text: that text is unspaced.
+        let mut c = continuer(Continuation::Prefill);
+        for ev in [
+            message_start(10),
+            text_start(0),
+            text_delta(0, "Hi "),
+            named(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": 0}),
+            ),
+        ] {
+            c.take(ev);
+        }
+        c.begin(true, None);
+        let (out, _) = c.take(named(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": 0,
+                   "content_block": {"type": "text", "text": " x"}}),
+        ));
+        assert_eq!(data_of(&out[0])["content_block"]["text"], "x");
+        assert_eq!(data_of(&out[0])["index"], 1);
+        let (out, _) = c.take(text_delta(0, " y"));
+        assert_eq!(data_of(&out[0])["delta"]["text"], " y");
     }
 
     #[test]

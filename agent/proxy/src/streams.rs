@@ -1176,8 +1176,9 @@ impl Producer {
         // Like any attempt, the continuation has `first_byte_timeout` for its first
         // event, and one that opens with the provider's error event is no answer.
         let deadline = tokio::time::Instant::now() + limits.first_byte_timeout;
-        let blank = |raw: &Bytes| raw.iter().all(|b| matches!(b, b'\r' | b'\n'));
-        while self.scratch.iter().all(blank) {
+        // An event is a block with data: a comment (a keep-alive) is none.
+        let is_event = |raw: &Bytes| crate::sse::parse(raw).data.is_some();
+        while !self.scratch.iter().any(is_event) {
             let why = match tokio::time::timeout_at(deadline, body.frame()).await {
                 Ok(Some(Ok(frame))) => match frame.into_data() {
                     Ok(data) => match self.framer.push(&data, &mut self.scratch) {
@@ -1196,7 +1197,7 @@ impl Producer {
         if let Some(error) = self
             .scratch
             .iter()
-            .find(|raw| !blank(raw))
+            .find(|raw| is_event(raw))
             .and_then(|raw| crate::stitch::error_type(raw))
         {
             self.scratch.clear();
