@@ -493,6 +493,20 @@ mod tests {
         })
     }
 
+    /// A continuer begun after a closed text block `"Hi "`, its prefill trimmed.
+    fn continuing_after_a_closed_block() -> Continuer {
+        let mut c = continuer(Continuation::Prefill);
+        let stop = named(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": 0}),
+        );
+        for ev in [message_start(10), text_start(0), text_delta(0, "Hi "), stop] {
+            c.take(ev);
+        }
+        c.begin(true, None);
+        c
+    }
+
     fn data_of(ev: &Bytes) -> Value {
         named_data(ev).unwrap().1
     }
@@ -716,19 +730,7 @@ mod tests {
         let (out, _) = c.take(text_delta(0, " again"));
         assert_eq!(data_of(&out[0])["delta"]["text"], " again", "once only");
         // A tool call first: the text after it keeps its space.
-        let mut c = continuer(Continuation::Prefill);
-        for ev in [
-            message_start(10),
-            text_start(0),
-            text_delta(0, "Hi "),
-            named(
-                "content_block_stop",
-                json!({"type": "content_block_stop", "index": 0}),
-            ),
-        ] {
-            c.take(ev);
-        }
-        c.begin(true, None);
+        let mut c = continuing_after_a_closed_block();
         c.take(named(
             "content_block_start",
             json!({"type": "content_block_start", "index": 0,
@@ -739,19 +741,7 @@ mod tests {
         assert_eq!(data_of(&out[0])["delta"]["text"], " after");
         assert_eq!(data_of(&out[0])["index"], 2);
         // A new text block that opens with text: that text is unspaced.
-        let mut c = continuer(Continuation::Prefill);
-        for ev in [
-            message_start(10),
-            text_start(0),
-            text_delta(0, "Hi "),
-            named(
-                "content_block_stop",
-                json!({"type": "content_block_stop", "index": 0}),
-            ),
-        ] {
-            c.take(ev);
-        }
-        c.begin(true, None);
+        let mut c = continuing_after_a_closed_block();
         let (out, _) = c.take(named(
             "content_block_start",
             json!({"type": "content_block_start", "index": 0,
