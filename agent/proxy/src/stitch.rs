@@ -266,6 +266,9 @@ struct Stitch {
     /// Whitespace was trimmed off the prefill: the continuation's leading
     /// whitespace goes (the agent already has it).
     strip_space: bool,
+    /// The agent's open text block, until the continuation's first block starts:
+    /// a continuation with no block at all closes it before it ends the message.
+    unclosed: Option<u64>,
 }
 
 impl Stitch {
@@ -274,7 +277,19 @@ impl Stitch {
             joins: sent.open_text,
             next: sent.next_index,
             strip_space: trimmed,
+            unclosed: sent.open_text,
         }
+    }
+
+    /// The stop of the agent's open text block, when the continuation ends its
+    /// message without a block of its own.
+    fn close_unclosed(&mut self) -> Option<Bytes> {
+        self.unclosed.take().map(|j| {
+            event(
+                "content_block_stop",
+                &serde_json::json!({"type": "content_block_stop", "index": j}),
+            )
+        })
     }
 
     /// The agent's index for the continuation's block `k`.
@@ -304,6 +319,9 @@ impl Stitch {
             "content_block_start" => {
                 let mut out = Vec::new();
                 let text = v["content_block"]["type"] == "text";
+                if k == 0 {
+                    self.unclosed = None;
+                }
                 if let Some(j) = self.joins
                     && k == 0
                 {
@@ -360,6 +378,11 @@ impl Stitch {
             "content_block_stop" => {
                 v["index"] = self.index(k).into();
                 (vec![event(&name, &v)], None)
+            }
+            "message_delta" | "message_stop" => {
+                let mut out: Vec<Bytes> = self.close_unclosed().into_iter().collect();
+                out.push(raw);
+                (out, None)
             }
             _ => (vec![raw], None),
         }
@@ -444,6 +467,7 @@ fn continuation_body(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use serde_json::json;
 
     fn named(name: &str, data: Value) -> Bytes {
@@ -783,5 +807,198 @@ mod tests {
         );
         assert!(trimmed);
         assert!(continuation_body(b"[]", Continuation::Prefill, "x", 0).is_err());
+    }
+
+    /// A block of a generated answer: text pieces, or a tool call's input pieces.
+    #[derive(Debug, Clone)]
+    enum Block {
+        Text(Vec<String>),
+        Tool(Vec<String>),
+    }
+
+    /// The events of an answer made of `blocks`, numbered from 0.
+    fn answer(blocks: &[Block]) -> Vec<Bytes> {
+        let mut out = vec![message_start(10)];
+        for (i, b) in blocks.iter().enumerate() {
+            let i = i as u64;
+            match b {
+                Block::Text(pieces) => {
+                    out.push(text_start(i));
+                    out.extend(pieces.iter().map(|p| text_delta(i, p)));
+                }
+                Block::Tool(pieces) => {
+                    out.push(named(
+                        "content_block_start",
+                        json!({"type": "content_block_start", "index": i,
+                               "content_block": {"type": "tool_use", "id": format!("t{i}"), "name": "f", "input": {}}}),
+                    ));
+                    out.extend(pieces.iter().map(|p| {
+                        named(
+                            "content_block_delta",
+                            json!({"type": "content_block_delta", "index": i,
+                                   "delta": {"type": "input_json_delta", "partial_json": p}}),
+                        )
+                    }));
+                }
+            }
+            out.push(named(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": i}),
+            ));
+        }
+        out.push(named(
+            "message_delta",
+            json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 5}}),
+        ));
+        out.push(named("message_stop", json!({"type": "message_stop"})));
+        out
+    }
+
+    fn arb_pieces() -> impl Strategy<Value = Vec<String>> {
+        prop::collection::vec("[ab \n]{0,4}", 0..4)
+    }
+
+    fn arb_block() -> impl Strategy<Value = Block> {
+        prop_oneof![
+            3 => arb_pieces().prop_map(Block::Text),
+            1 => arb_pieces().prop_map(Block::Tool),
+        ]
+    }
+
+    /// The text the agent should read: the first piece's, then the continuation's
+    /// with the whitespace it already has (when the prefill was trimmed) dropped
+    /// from the continuation's text up to its first non-space, or its first block
+    /// that is not text.
+    fn expected_text(sent: &str, trimmed: bool, continuation: &[Block]) -> String {
+        let mut out = sent.to_owned();
+        let mut strip = trimmed;
+        for b in continuation {
+            match b {
+                Block::Text(pieces) => {
+                    for p in pieces {
+                        let p = if strip { p.trim_start() } else { p.as_str() };
+                        if !p.is_empty() {
+                            strip = false;
+                        }
+                        out.push_str(p);
+                    }
+                }
+                Block::Tool(_) => strip = false,
+            }
+        }
+        out
+    }
+
+    /// The text of the events the agent got.
+    fn client_text(out: &[Bytes]) -> String {
+        out.iter()
+            .filter_map(|e| named_data(e))
+            .map(|(_, v)| {
+                v["delta"]["text"]
+                    .as_str()
+                    .or_else(|| v["content_block"]["text"].as_str())
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .collect()
+    }
+
+    proptest! {
+        /// A text-only answer cut anywhere before its stop reason, then continued by
+        /// any answers (text and tool blocks; a text-only one may be cut and
+        /// continued again): the agent reads one well-formed message (one
+        /// `message_start` first; blocks numbered 0, 1, 2, … in order, one open at
+        /// a time, every delta and stop for the open one; one `message_stop`, last),
+        /// whose text is what it had at each cut and then the continuation's, and
+        /// whose tool calls come whole.
+        #[test]
+        fn a_stitched_turn_is_one_well_formed_message(
+            first in prop::collection::vec(arb_pieces().prop_map(Block::Text), 1..4),
+            cuts in prop::collection::vec(any::<prop::sample::Index>(), 2),
+            continuations in prop::collection::vec(prop::collection::vec(arb_block(), 0..4), 1..3),
+        ) {
+            let mut c = continuer(Continuation::Prefill);
+            c.how.left = 2;
+            let events = answer(&first);
+            // Delivered: at least message_start, never the message_delta.
+            let delivered = 1 + cuts[0].index(events.len() - 2);
+            let mut out = Vec::new();
+            for ev in &events[..delivered] {
+                out.extend(c.take(ev.clone()).0);
+            }
+            let mut started = 0;
+            let mut last = (String::new(), false, Vec::new());
+            let mut tools = String::new();
+            for (i, continuation) in continuations.iter().enumerate() {
+                prop_assert!(c.can_continue());
+                let sent = c.sent.text(0);
+                prop_assert_eq!(&client_text(&out), &sent, "what is carried on is what the agent has");
+                let (_, trimmed) = c.request().unwrap();
+                prop_assert_eq!(trimmed, sent.trim_end().len() < sent.len());
+                c.begin(trimmed, None);
+                let events = answer(continuation);
+                let text_only = continuation.iter().all(|b| matches!(b, Block::Text(_)));
+                let cut_again = i + 1 < continuations.len() && text_only;
+                let delivered = if cut_again {
+                    1 + cuts[1].index(events.len() - 2)
+                } else {
+                    events.len()
+                };
+                for ev in &events[..delivered] {
+                    let (mapped, usage) = c.take(ev.clone());
+                    started += usize::from(usage.is_some());
+                    out.extend(mapped);
+                }
+                last = (sent, trimmed, continuation.clone());
+                if !cut_again {
+                    // Delivered whole: its tool calls' input is all there.
+                    for b in continuation {
+                        if let Block::Tool(pieces) = b {
+                            tools.push_str(&pieces.concat());
+                        }
+                    }
+                    break;
+                }
+            }
+            prop_assert_eq!(started, c.taken as usize, "each continuation's message_start is taken");
+
+            let mut open: Option<u64> = None;
+            let mut next = 0;
+            let mut text = String::new();
+            let mut tool_input = String::new();
+            for (n, ev) in out.iter().enumerate() {
+                let (name, v) = named_data(ev).unwrap();
+                let index = v["index"].as_u64();
+                match name.as_str() {
+                    "message_start" => prop_assert_eq!(n, 0),
+                    "content_block_start" => {
+                        prop_assert_eq!(open, None, "a block starts while one is open");
+                        prop_assert_eq!(index, Some(next), "blocks are numbered in order");
+                        open = index;
+                        next += 1;
+                        text.push_str(v["content_block"]["text"].as_str().unwrap_or_default());
+                    }
+                    "content_block_delta" => {
+                        prop_assert!(open.is_some() && index == open, "a delta of no open block");
+                        text.push_str(v["delta"]["text"].as_str().unwrap_or_default());
+                        tool_input.push_str(v["delta"]["partial_json"].as_str().unwrap_or_default());
+                    }
+                    "content_block_stop" => {
+                        prop_assert!(open.is_some() && index == open, "a stop of no open block");
+                        open = None;
+                    }
+                    _ => {}
+                }
+            }
+            prop_assert_eq!(open, None);
+            let names: Vec<String> = out.iter().map(|e| named_data(e).unwrap().0).collect();
+            prop_assert_eq!(names.iter().filter(|n| *n == "message_start").count(), 1);
+            prop_assert_eq!(names.iter().filter(|n| *n == "message_stop").count(), 1);
+            prop_assert_eq!(names.last().map(String::as_str), Some("message_stop"));
+            // The text up to the last continuation, then that one's.
+            let (sent, trimmed, continuation) = last;
+            prop_assert_eq!(text, expected_text(&sent, trimmed, &continuation));
+            prop_assert_eq!(tool_input, tools);
+        }
     }
 }
