@@ -487,3 +487,72 @@ continuation = "prefill"
         );
     }
 }
+
+/// Reads a streamed message through the sidecar with the stock Anthropic SDK
+/// (`messages.stream(...).get_final_message()`): its content blocks, stop reason
+/// and output usage, or the class and message of what the SDK raised.
+const SDK_READER: &str = r#"
+import json, os, sys
+import anthropic
+client = anthropic.Anthropic(base_url=os.environ["BASE"], api_key="unused", max_retries=0,
+                             default_headers={"Idempotency-Key": os.environ["KEY"]})
+try:
+    with client.messages.stream(model="claude-mock", max_tokens=99,
+                                messages=[{"role": "user", "content": "go"}]) as s:
+        m = s.get_final_message()
+    print(json.dumps({"content": [b.model_dump(mode="json") for b in m.content],
+                      "stop_reason": m.stop_reason, "output_tokens": m.usage.output_tokens}))
+except anthropic.APIError as e:
+    print(json.dumps({"raised": type(e).__name__, "message": str(e)}))
+"#;
+
+/// The stock Anthropic SDK reads a continued turn as one message: one text block
+/// holding both pieces' text, the continuation's stop reason. A turn cut inside a
+/// tool call is not continued, and the SDK raises on its typed error event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_anthropic_sdk_reads_a_continued_turn_as_one_message() {
+    let Some(python) = crate::example_agent::python() else {
+        return;
+    };
+    let (mock, sidecar) = setup("prefill", Behaviour::default()).await;
+    let read = |key: &str| {
+        let out = std::process::Command::new(&python)
+            .args(["-c", SDK_READER])
+            .env("BASE", format!("http://{}", sidecar.data))
+            .env("KEY", key)
+            .output()
+            .expect("run python");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<Value>(&out.stdout).expect("json")
+    };
+
+    mock.push(cut(Behaviour::default(), 5));
+    let message = tokio::task::block_in_place(|| read("sdk-continued"));
+    let continuation: String = (0..8).map(|i| format!("word{i} ")).collect();
+    assert_eq!(
+        message["content"],
+        json!([{"type": "text", "text": format!("word0 word1 {continuation}"), "citations": null}]),
+        "{message}"
+    );
+    assert_eq!(message["stop_reason"], "end_turn", "{message}");
+    assert_eq!(mock.exchanges().len(), 2);
+
+    let with_tool = Behaviour {
+        chunks: 2,
+        tool_calls: 1,
+        ..Behaviour::default()
+    };
+    mock.push(cut(with_tool, 8));
+    let raised = tokio::task::block_in_place(|| read("sdk-tool"));
+    assert_eq!(raised["raised"], "APIStatusError", "{raised}");
+    let said = raised["message"].as_str().unwrap();
+    assert!(
+        said.contains("the upstream stream was interrupted"),
+        "{said}"
+    );
+    assert_eq!(mock.exchanges().len(), 3, "the tool turn was not continued");
+}

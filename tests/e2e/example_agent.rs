@@ -15,7 +15,9 @@ use outrigger_testing::tool::{MockTool, ToolBehaviour};
 
 use crate::support::*;
 
-fn python() -> Option<PathBuf> {
+/// The Python of the examples' environment (the OpenAI and Anthropic SDKs), or
+/// `None` (the test skips) where `examples/agent/setup.sh` has not made it.
+pub(crate) fn python() -> Option<PathBuf> {
     let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/agent/.venv/bin/python");
     if p.exists() {
         return Some(p);
