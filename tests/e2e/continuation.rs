@@ -106,11 +106,9 @@ fn reported(body: &[u8]) -> (u64, u64) {
     (input, output)
 }
 
+/// The sum of a metric's series that carry `labels`.
 fn metric(text: &str, name: &str, labels: &[&str]) -> u64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && labels.iter().all(|x| l.contains(x)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+    crate::matrix::series_sum(text, name, labels) as u64
 }
 
 #[tokio::test]

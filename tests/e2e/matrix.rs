@@ -85,7 +85,7 @@ async fn metrics(sidecar: &Sidecar) -> String {
 
 /// The sum of every series of `name` (as exposed) whose label set contains each of
 /// `labels` (`key="value"`); 0 when there is none.
-fn series_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
+pub(crate) fn series_sum(text: &str, name: &str, labels: &[&str]) -> f64 {
     text.lines()
         .filter_map(|line| {
             let rest = line.strip_prefix(name)?;

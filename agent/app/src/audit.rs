@@ -273,16 +273,7 @@ fn dispatch(cmd: Command) -> anyhow::Result<ExitCode> {
                 |a| Ok(a.get(&key)?.map(serde_json::to_value).transpose()?),
                 &format!("/v1/journal/{}", encode(key.as_str())),
             )?;
-            match record {
-                Some(r) => {
-                    println!("{}", serde_json::to_string_pretty(&r)?);
-                    Ok(ExitCode::SUCCESS)
-                }
-                None => {
-                    eprintln!("no record for key {key}");
-                    Ok(ExitCode::FAILURE)
-                }
-            }
+            print_one(record, &format!("no record for key {key}"))
         }
         Command::Stream { key, common } => {
             let key = StreamKey::new(key.as_str()).map_err(|e| anyhow::anyhow!("key: {e}"))?;
@@ -291,16 +282,7 @@ fn dispatch(cmd: Command) -> anyhow::Result<ExitCode> {
                 |a| Ok(a.stream_meta(&key)?.map(serde_json::to_value).transpose()?),
                 &format!("/v1/journal?view=stream&key={}", encode(key.as_str())),
             )?;
-            match meta {
-                Some(m) => {
-                    println!("{}", serde_json::to_string_pretty(&m)?);
-                    Ok(ExitCode::SUCCESS)
-                }
-                None => {
-                    eprintln!("no stream with key {key}");
-                    Ok(ExitCode::FAILURE)
-                }
-            }
+            print_one(meta, &format!("no stream with key {key}"))
         }
         Command::Export {
             common,
@@ -438,6 +420,20 @@ fn one(
                 404 => Ok(None),
                 s => bail!("the admin API answered {s}: {body}"),
             }
+        }
+    }
+}
+
+/// Prints what [`one`] found as JSON; says `missing` and fails when it found none.
+fn print_one(found: Option<Value>, missing: &str) -> anyhow::Result<ExitCode> {
+    match found {
+        Some(v) => {
+            println!("{}", serde_json::to_string_pretty(&v)?);
+            Ok(ExitCode::SUCCESS)
+        }
+        None => {
+            eprintln!("{missing}");
+            Ok(ExitCode::FAILURE)
         }
     }
 }

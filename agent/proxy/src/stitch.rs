@@ -49,7 +49,7 @@ pub(crate) struct Continuer {
     sent: Sent,
     stitch: Option<Stitch>,
     /// What the pieces before the one streaming now consumed and generated.
-    pub carried: ReportedUsage,
+    carried: ReportedUsage,
     /// Continuations taken.
     pub taken: u32,
 }
@@ -85,9 +85,8 @@ impl Continuer {
         self.how.left > 0 && self.sent.started && !self.sent.other_block
     }
 
-    /// The upstream request that continues the turn, with `usage` (the piece that
-    /// broke: its input, and its output if more than its text's estimate) added to
-    /// what is carried.
+    /// The upstream request that continues the turn, and whether whitespace was
+    /// trimmed off the end of its prefill.
     pub fn request(&self) -> Result<(Request<Full<Bytes>>, bool), crate::Error> {
         let piece = self.sent.text(self.sent.piece_start);
         let (body, trimmed) = continuation_body(

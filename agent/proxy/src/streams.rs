@@ -852,10 +852,13 @@ impl Producer {
             // The provider's own `id` lines are dropped: coming after ours, they would
             // win, and leave the client a `Last-Event-ID` it cannot resume with.
             let raw = crate::sse::without_field(raw, b"id");
-            let Some(continuer) = &mut self.continuer else {
-                let release = self.gate.push(raw);
+            let mut pass = |gate: &mut Gate, raw| {
+                let release = gate.push(raw);
                 durable |= release.durable && !release.events.is_empty();
                 events.extend(release.events);
+            };
+            let Some(continuer) = &mut self.continuer else {
+                pass(&mut self.gate, raw);
                 continue;
             };
             // A continuation's events are renumbered into the turn the agent reads;
@@ -865,9 +868,7 @@ impl Producer {
                 self.gate.turn.usage = started;
             }
             for raw in stitched {
-                let release = self.gate.push(raw);
-                durable |= release.durable && !release.events.is_empty();
-                events.extend(release.events);
+                pass(&mut self.gate, raw);
             }
         }
         // A terminal event is made durable together with the stream's end record
