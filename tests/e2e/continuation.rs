@@ -41,6 +41,15 @@ fn cut(b: Behaviour, events: usize) -> Behaviour {
     }
 }
 
+/// Two pieces of text, then a tool call.
+fn with_tool() -> Behaviour {
+    Behaviour {
+        chunks: 2,
+        tool_calls: 1,
+        ..Behaviour::default()
+    }
+}
+
 fn post(sidecar: &Sidecar, key: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
     request(
         Method::POST,
@@ -253,12 +262,7 @@ async fn a_turn_cut_inside_a_tool_call_is_not_continued() {
     let (mock, sidecar) = setup("prefill", Behaviour::default()).await;
     // message_start, the text block (5 events with a ping and 2 deltas), the tool
     // block's start and a part of its input, then the cut.
-    let with_tool = Behaviour {
-        chunks: 2,
-        tool_calls: 1,
-        ..Behaviour::default()
-    };
-    mock.push(cut(with_tool, 8));
+    mock.push(cut(with_tool(), 8));
     let first = send(post(&sidecar, "tool")).await;
     let events = parsed(&first.body);
     assert_eq!(mock.exchanges().len(), 1, "nothing was continued");
@@ -489,6 +493,49 @@ continuation = "prefill"
 /// Reads a streamed message through the sidecar with the stock Anthropic SDK
 /// (`messages.stream(...).get_final_message()`): its content blocks, stop reason
 /// and output usage, or the class and message of what the SDK raised.
+/// A turn of two text pieces and a tool call, cut after `events` (inside the tool
+/// call), read by an SDK (`read`): it raises `class` on the typed error event, and
+/// the turn is not continued.
+fn raises_on_a_cut_tool_call(
+    mock: &MockProvider,
+    read: impl Fn(&str) -> Value,
+    events: usize,
+    key: &str,
+    class: &str,
+) {
+    let before = mock.exchanges().len();
+    mock.push(cut(with_tool(), events));
+    let raised = tokio::task::block_in_place(|| read(key));
+    assert_eq!(raised["raised"], class, "{raised}");
+    let said = raised["message"].as_str().unwrap();
+    assert!(
+        said.contains("the upstream stream was interrupted"),
+        "{said}"
+    );
+    assert_eq!(
+        mock.exchanges().len(),
+        before + 1,
+        "the tool turn was not continued"
+    );
+}
+
+/// Runs an SDK `script` against the sidecar under the `Idempotency-Key` `key`: what
+/// it printed, as JSON.
+fn sdk_read(python: &std::path::Path, script: &str, sidecar: &Sidecar, key: &str) -> Value {
+    let out = std::process::Command::new(python)
+        .args(["-c", script])
+        .env("BASE", format!("http://{}", sidecar.data))
+        .env("KEY", key)
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice::<Value>(&out.stdout).expect("json")
+}
+
 const SDK_READER: &str = r#"
 import json, os, sys
 import anthropic
@@ -513,20 +560,7 @@ async fn the_anthropic_sdk_reads_a_continued_turn_as_one_message() {
         return;
     };
     let (mock, sidecar) = setup("prefill", Behaviour::default()).await;
-    let read = |key: &str| {
-        let out = std::process::Command::new(&python)
-            .args(["-c", SDK_READER])
-            .env("BASE", format!("http://{}", sidecar.data))
-            .env("KEY", key)
-            .output()
-            .expect("run python");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice::<Value>(&out.stdout).expect("json")
-    };
+    let read = |key: &str| sdk_read(&python, SDK_READER, &sidecar, key);
 
     mock.push(cut(Behaviour::default(), 5));
     let message = tokio::task::block_in_place(|| read("sdk-continued"));
@@ -539,18 +573,255 @@ async fn the_anthropic_sdk_reads_a_continued_turn_as_one_message() {
     assert_eq!(message["stop_reason"], "end_turn", "{message}");
     assert_eq!(mock.exchanges().len(), 2);
 
-    let with_tool = Behaviour {
-        chunks: 2,
-        tool_calls: 1,
-        ..Behaviour::default()
-    };
-    mock.push(cut(with_tool, 8));
-    let raised = tokio::task::block_in_place(|| read("sdk-tool"));
-    assert_eq!(raised["raised"], "APIStatusError", "{raised}");
-    let said = raised["message"].as_str().unwrap();
+    raises_on_a_cut_tool_call(&mock, read, 8, "sdk-tool", "APIStatusError");
+}
+
+// === OpenAI chat completions (by instruction) ===
+
+async fn setup_openai() -> (MockProvider, Sidecar) {
+    let mock = MockProvider::start(Behaviour::default())
+        .await
+        .expect("mock");
+    let config = format!(
+        r#"
+[[providers]]
+name = "oa"
+kind = "openai"
+base_url = "{}"
+models = ["gpt-mock"]
+continuation = "instruction"
+"#,
+        mock.openai_base()
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    (mock, sidecar)
+}
+
+fn post_openai(sidecar: &Sidecar, key: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    request(
+        Method::POST,
+        &sidecar.url("/v1/chat/completions"),
+        &[
+            ("content-type", "application/json"),
+            ("idempotency-key", key),
+        ],
+        json!({"model": "gpt-mock", "stream": true, "max_tokens": 99,
+               "messages": [{"role": "user", "content": "go"}]})
+        .to_string(),
+    )
+}
+
+/// Each chunk's JSON data (`Value::Null` for `[DONE]`), and whether `[DONE]` came.
+fn chunks(body: &[u8]) -> (Vec<Value>, usize) {
+    let mut out = Vec::new();
+    let mut done = 0;
+    for e in String::from_utf8_lossy(body)
+        .split("\n\n")
+        .filter(|e| !e.is_empty())
+    {
+        for line in e.lines() {
+            match line.strip_prefix("data: ") {
+                Some("[DONE]") => done += 1,
+                Some(d) => out.push(serde_json::from_str(d).unwrap_or(Value::Null)),
+                None => {}
+            }
+        }
+    }
+    (out, done)
+}
+
+fn chat_text(chunks: &[Value]) -> String {
+    chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect()
+}
+
+/// The usage an OpenAI answer reported in its usage chunk.
+fn chat_reported(body: &[u8]) -> (u64, u64) {
+    let (all, _) = chunks(body);
+    all.iter()
+        .find(|c| c["usage"].is_object())
+        .map(|c| {
+            let u = &c["usage"];
+            (
+                u["prompt_tokens"].as_u64().unwrap_or(0),
+                u["completion_tokens"].as_u64().unwrap_or(0),
+            )
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn an_openai_text_turn_cut_mid_way_is_continued_by_instruction_into_one_completion() {
+    let (mock, sidecar) = setup_openai().await;
+    // The role chunk and two pieces of text, then the connection drops.
+    mock.push(cut(Behaviour::default(), 3));
+    let first = send(post_openai(&sidecar, "chat-stitched")).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let exchanges = mock.exchanges();
+    assert_eq!(exchanges.len(), 2, "the broken answer and its continuation");
+
+    // The continuation quotes the text in a user message, asks for what is left of
+    // max_tokens (12 bytes: 3 tokens), and asks for its usage.
+    let sent: Value = serde_json::from_slice(&exchanges[1].body).unwrap();
+    let last = sent["messages"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["role"], "user");
     assert!(
-        said.contains("the upstream stream was interrupted"),
+        last["content"]
+            .as_str()
+            .unwrap()
+            .contains("\n\nword0 word1\n\n"),
+        "{last}"
+    );
+    assert_eq!(sent["max_tokens"], 96);
+    assert_eq!(sent["stream_options"]["include_usage"], true);
+
+    // One completion: one id, one role, one finish reason, one [DONE], no error, and
+    // no usage chunk (the agent did not ask for one).
+    let (all, done) = chunks(&first.body);
+    let said = first.text();
+    assert_eq!(done, 1, "{said}");
+    assert!(all.iter().all(|c| c["id"] == "chatcmpl-mock-1"), "{said}");
+    assert!(
+        all.iter()
+            .all(|c| c.get("error").is_none() && c.get("usage").is_none()),
         "{said}"
     );
-    assert_eq!(mock.exchanges().len(), 3, "the tool turn was not continued");
+    let roles = all
+        .iter()
+        .filter(|c| !c["choices"][0]["delta"]["role"].is_null())
+        .count();
+    assert_eq!(roles, 1, "{said}");
+    let finishes: Vec<&Value> = all
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finishes, [&json!("stop")], "{said}");
+    let continuation: String = (0..8).map(|i| format!("word{i} ")).collect();
+    assert_eq!(chat_text(&all), format!("word0 word1 {continuation}"));
+    for (i, e) in said.split_inclusive("\n\n").enumerate() {
+        assert!(e.starts_with(&format!("id: 1:{i}\n")), "{e}");
+    }
+
+    // Replayed by key: the same bytes.
+    let again = send(post_openai(&sidecar, "chat-stitched")).await;
+    assert_eq!(again.header("outrigger-replayed"), Some("true"));
+    assert_eq!(again.body, first.body);
+    assert_eq!(mock.exchanges().len(), 2, "not generated again");
+
+    // Metered over both pieces: the broken piece's prompt and text estimated (4
+    // bytes a token: OpenAI reports nothing before the end), the continuation's
+    // usage as it reported it.
+    let in1 = (exchanges[0].body.len() / 4) as u64;
+    let (in2, out2) = chat_reported(&exchanges[1].response_bytes());
+    assert!(in2 > in1, "the continuation's prompt quotes the text");
+    let text = get(&sidecar.admin_url("/metrics")).await.text();
+    let sum = |t: &str| metric(&text, "gen_ai_client_token_usage_sum", &[t]);
+    assert_eq!(sum("gen_ai_token_type=\"input\""), in1 + in2, "{text}");
+    assert_eq!(sum("gen_ai_token_type=\"output\""), 3 + out2, "{text}");
+    let key = first.header("outrigger-stream-key").unwrap().to_owned();
+    let meta = get(&sidecar.admin_url(&format!(
+        "/v1/journal?view=stream&key={}",
+        key.replace('/', "%2F")
+    )))
+    .await
+    .json();
+    assert_eq!(meta["end"]["continued"], 1, "{meta}");
+    assert_eq!(meta["end"]["usage"]["input_tokens"], in1 + in2, "{meta}");
+}
+
+/// An OpenAI text turn (the role chunk, 8 pieces, the finish chunk, `[DONE]`) cut
+/// after each of its events: continued into one completion until its finish reason
+/// came; after that it ends with the typed error event, never a faked `[DONE]`.
+#[tokio::test]
+async fn an_openai_text_turn_cut_after_any_event_is_continued_until_its_finish_reason() {
+    let (mock, sidecar) = setup_openai().await;
+    let whole: String = (0..8).map(|i| format!("word{i} ")).collect();
+    for cut_at in 1..=10 {
+        mock.push(cut(Behaviour::default(), cut_at));
+        let before = mock.exchanges().len();
+        let first = send(post_openai(&sidecar, &format!("chat-sweep-{cut_at}"))).await;
+        let (all, done) = chunks(&first.body);
+        let said = format!("cut after {cut_at}: {}", first.text());
+        if cut_at <= 9 {
+            let prefix: String = (0..cut_at - 1).map(|i| format!("word{i} ")).collect();
+            assert_eq!(mock.exchanges().len(), before + 2, "{said}");
+            assert_eq!(done, 1, "{said}");
+            assert!(all.iter().all(|c| c.get("error").is_none()), "{said}");
+            assert_eq!(chat_text(&all), format!("{prefix}{whole}"), "{said}");
+        } else {
+            assert_eq!(mock.exchanges().len(), before + 1, "{said}");
+            assert_eq!(done, 0, "{said}");
+            let last = all.last().unwrap();
+            assert_eq!(last["error"]["type"], "stream_interrupted", "{said}");
+        }
+        let again = send(post_openai(&sidecar, &format!("chat-sweep-{cut_at}"))).await;
+        if cut_at <= 9 {
+            assert_eq!(again.body, first.body, "{said}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_openai_turn_cut_inside_a_tool_call_is_not_continued() {
+    let (mock, sidecar) = setup_openai().await;
+    // The role chunk, two pieces of text, the tool call's head, then the cut.
+    mock.push(cut(with_tool(), 4));
+    let first = send(post_openai(&sidecar, "chat-tool")).await;
+    let (all, done) = chunks(&first.body);
+    let said = first.text();
+    assert_eq!(mock.exchanges().len(), 1, "nothing was continued: {said}");
+    assert_eq!(done, 0, "{said}");
+    assert_eq!(
+        all.last().unwrap()["error"]["type"],
+        "stream_interrupted",
+        "{said}"
+    );
+    assert!(
+        !said.contains("tool_calls"),
+        "no part of the tool call: {said}"
+    );
+}
+
+const OPENAI_SDK_READER: &str = r#"
+import json, os
+import openai
+client = openai.OpenAI(base_url=os.environ["BASE"] + "/v1", api_key="unused", max_retries=0,
+                       default_headers={"Idempotency-Key": os.environ["KEY"]})
+try:
+    with client.chat.completions.stream(model="gpt-mock", max_tokens=99,
+                                        messages=[{"role": "user", "content": "go"}]) as s:
+        c = s.get_final_completion()
+    choice = c.choices[0]
+    print(json.dumps({"id": c.id, "content": choice.message.content, "role": choice.message.role,
+                      "finish_reason": choice.finish_reason, "choices": len(c.choices)}))
+except openai.APIError as e:
+    print(json.dumps({"raised": type(e).__name__, "message": str(e)}))
+"#;
+
+/// The stock OpenAI SDK reads a continued turn as one completion: one choice whose
+/// message holds both pieces' text, under the first piece's id, with the
+/// continuation's finish reason. A turn cut inside a tool call is not continued, and
+/// the SDK raises on its typed error chunk.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_reads_a_continued_turn_as_one_completion() {
+    let Some(python) = crate::example_agent::python() else {
+        return;
+    };
+    let (mock, sidecar) = setup_openai().await;
+    let read = |key: &str| sdk_read(&python, OPENAI_SDK_READER, &sidecar, key);
+
+    mock.push(cut(Behaviour::default(), 3));
+    let completion = tokio::task::block_in_place(|| read("sdk-chat-continued"));
+    let continuation: String = (0..8).map(|i| format!("word{i} ")).collect();
+    assert_eq!(
+        completion,
+        json!({"id": "chatcmpl-mock-1", "content": format!("word0 word1 {continuation}"),
+               "role": "assistant", "finish_reason": "stop", "choices": 1}),
+    );
+    assert_eq!(mock.exchanges().len(), 2);
+
+    raises_on_a_cut_tool_call(&mock, read, 4, "sdk-chat-tool", "APIError");
 }

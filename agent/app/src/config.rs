@@ -941,17 +941,17 @@ fn continuation(
                 path,
                 format!(
                     "{other:?} is not a continuation; use \"prefill\" (Claude up to 4.5) or \
-                     \"instruction\" (Claude 4.6 and later), or leave it out"
+                     \"instruction\" (Claude 4.6 and later, and OpenAI), or leave it out"
                 ),
             );
             return None;
         }
     };
-    if dialect == Some(Dialect::OpenAi) {
+    if dialect == Some(Dialect::OpenAi) && mode == popts::Continuation::Prefill {
         p.add(
             path,
-            "continuation is for kind = \"anthropic\" providers only: OpenAI's chat \
-             completions take no prefill; leave it out",
+            "OpenAI's chat completions do not continue an assistant prefill; use \
+             continuation = \"instruction\" on kind = \"openai\" providers, or leave it out",
         );
         return None;
     }

@@ -131,15 +131,17 @@ pub struct Capabilities {
 }
 
 /// How a stream interrupted while only text had come is continued at the same
-/// provider and stitched into the stream its agent is reading (Anthropic only;
-/// the provider's recipes for resuming a dropped stream).
+/// provider and stitched into the stream its agent is reading (Anthropic's
+/// recipes for resuming a dropped stream; OpenAI's chat completions take the
+/// instruction only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Continuation {
     /// The text sent so far goes back as the start of the assistant's message, and
     /// the model continues it (Claude models up to 4.5).
     Prefill,
     /// A user message quotes the text sent so far and asks the model to continue
-    /// from where it left off (Claude 4.6 and later, which take no prefill).
+    /// from where it left off (Claude 4.6 and later, which take no prefill, and
+    /// OpenAI's chat completions).
     Instruction,
 }
 

@@ -1,6 +1,7 @@
 //! Continuing an interrupted text-only stream at its provider and stitching the
-//! continuation into the stream its agent is reading (Anthropic messages, opt-in
-//! per provider with `continuation`).
+//! continuation into the stream its agent is reading (opt-in per provider with
+//! `continuation`: Anthropic messages by prefill or instruction, OpenAI chat
+//! completions by instruction).
 //!
 //! Anthropic has no server-side resume: a dropped stream is gone. Its recipe for
 //! recovering one is a new request that carries the text already generated —
@@ -16,6 +17,14 @@
 //! indexes after those the agent has seen. What the agent reads is one message
 //! with one terminal event; the journal holds it as it was sent, so a resume or a
 //! replay returns the same bytes.
+//!
+//! OpenAI's chat completions take no prefill, so a turn there is continued by
+//! instruction only. Its continuation's chunks are rewritten into the turn: the
+//! chunk that only names the role is dropped, every chunk takes the interrupted
+//! completion's `id`, `created`, `model` and `system_fingerprint`, and its usage
+//! (asked for, so that the turn is metered) reaches the agent only if the agent
+//! asked for usage itself. A turn of more than one choice (`n` > 1), or one that
+//! has begun a tool call, a refusal, audio or reasoning, is never continued.
 
 use std::sync::LazyLock;
 
@@ -26,7 +35,8 @@ use memchr::memmem;
 use serde_json::Value;
 
 use crate::events::{ReportedUsage, anthropic_input};
-use crate::options::{Continuation, Provider};
+use crate::model::request::estimate_prompt_tokens;
+use crate::options::{Continuation, Dialect, Provider};
 use crate::sse;
 
 /// What a generation needs to be continued.
@@ -47,21 +57,31 @@ pub(crate) struct Continuable {
 pub(crate) struct Continuer {
     how: Continuable,
     sent: Sent,
-    stitch: Option<Stitch>,
+    stitch: Option<Stitcher>,
     /// What the pieces before the one streaming now consumed and generated.
     carried: ReportedUsage,
     /// Continuations taken.
     pub taken: u32,
+    /// The estimated prompt of the continuation streaming now (`None`: the turn's
+    /// own request is streaming), and of the one last requested.
+    piece_prompt: Option<u64>,
+    requested_prompt: u64,
 }
 
 impl Continuer {
     pub fn new(how: Continuable) -> Self {
+        let sent = Sent {
+            dialect: how.provider.dialect,
+            ..Sent::default()
+        };
         Self {
             how,
-            sent: Sent::default(),
+            sent,
             stitch: None,
             carried: ReportedUsage::default(),
             taken: 0,
+            piece_prompt: None,
+            requested_prompt: 0,
         }
     }
 
@@ -82,20 +102,35 @@ impl Continuer {
     /// Whether the turn can be continued: a continuation is left, the message has
     /// begun, and every block the agent saw (or that is held) is text.
     pub fn can_continue(&self) -> bool {
-        self.how.left > 0 && self.sent.started && !self.sent.other_block
+        self.how.left > 0
+            && self.sent.started
+            && !self.sent.other_block
+            // Only choice 0 is followed: a turn of several is not continued.
+            && !self.agent_asked(|v| v["n"].as_u64().is_some_and(|n| n > 1))
+    }
+
+    /// Whether the agent's OpenAI request says `what` (read only when a turn is
+    /// to be continued; `false` for Anthropic).
+    fn agent_asked(&self, what: impl Fn(&Value) -> bool) -> bool {
+        self.sent.dialect == Dialect::OpenAi
+            && serde_json::from_slice::<Value>(&self.how.body).is_ok_and(|v| what(&v))
     }
 
     /// The upstream request that continues the turn, and whether whitespace was
     /// trimmed off the end of its prefill.
-    pub fn request(&self) -> Result<(Request<Full<Bytes>>, bool), crate::Error> {
+    pub fn request(&mut self) -> Result<(Request<Full<Bytes>>, bool), crate::Error> {
         let piece = self.sent.text(self.sent.piece_start);
         let (body, trimmed) = continuation_body(
             &self.how.body,
+            self.how.provider.dialect,
             self.how.mode,
             &self.sent.text(0),
             estimate_tokens(&piece) + self.carried.output,
         )
         .map_err(crate::Error::BuildRequest)?;
+        if self.sent.dialect == Dialect::OpenAi {
+            self.requested_prompt = estimate_prompt_tokens(&body);
+        }
         let req = crate::model::build_request(
             &self.how.provider,
             self.how.suffix,
@@ -107,14 +142,28 @@ impl Continuer {
     }
 
     /// Starts stitching the continuation that was just answered; `broke` is what
-    /// the turn reported of the piece that broke.
+    /// the turn reported of the piece that broke (OpenAI reports nothing before
+    /// the end: its prompt is then estimated, at 4 bytes a token).
     pub fn begin(&mut self, trimmed: bool, broke: Option<ReportedUsage>) {
         let piece = self.sent.text(self.sent.piece_start);
-        let broke = broke.unwrap_or_default();
+        let broke = broke.unwrap_or_else(|| ReportedUsage {
+            input: self
+                .piece_prompt
+                .unwrap_or_else(|| estimate_prompt_tokens(&self.how.body)),
+            output: 0,
+        });
+        self.piece_prompt = Some(self.requested_prompt);
         self.carried.input += broke.input;
         self.carried.output += broke.output.max(estimate_tokens(&piece));
         self.sent.piece_start = self.sent.texts.len();
-        self.stitch = Some(Stitch::new(&self.sent, trimmed));
+        self.stitch = Some(match self.sent.dialect {
+            Dialect::Anthropic => Stitcher::Messages(Stitch::new(&self.sent, trimmed)),
+            Dialect::OpenAi => Stitcher::Chat(ChatStitch {
+                identity: self.sent.identity.clone(),
+                agent_usage: self.agent_asked(|v| v["stream_options"]["include_usage"] == true),
+                strip_space: trimmed,
+            }),
+        });
         self.how.left -= 1;
         self.taken += 1;
     }
@@ -147,8 +196,9 @@ fn estimate_tokens(text: &str) -> u64 {
 const MAX_BLOCKS: u64 = 1 << 20;
 
 /// What the agent has been sent of the turn, by the agent's block indexes.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Sent {
+    dialect: Dialect,
     /// The events that carry text (text deltas, and the starts of text blocks that
     /// open with some), in order: their text is read only when a continuation
     /// needs it, so a turn that never breaks is not parsed twice.
@@ -162,9 +212,30 @@ struct Sent {
     /// A block that is not text (tool use, thinking) has begun, or one whose index
     /// is past [`MAX_BLOCKS`].
     other_block: bool,
-    /// `message_start` has come.
+    /// `message_start` has come (OpenAI: the first chunk).
     started: bool,
+    /// OpenAI: the members that name the completion (`id`, `created`, `model`,
+    /// `system_fingerprint`), as its first chunk had them.
+    identity: Vec<(String, Value)>,
 }
+
+impl Default for Sent {
+    fn default() -> Self {
+        Self {
+            dialect: Dialect::Anthropic,
+            texts: Vec::new(),
+            piece_start: 0,
+            open_text: None,
+            next_index: 0,
+            other_block: false,
+            started: false,
+            identity: Vec::new(),
+        }
+    }
+}
+
+/// The members of an OpenAI chunk that name its completion.
+const IDENTITY: [&str; 4] = ["id", "created", "model", "system_fingerprint"];
 
 /// The markers of the events [`Sent`] reads at once.
 static STRUCTURE: LazyLock<[memmem::Finder<'static>; 3]> = LazyLock::new(|| {
@@ -176,9 +247,24 @@ static STRUCTURE: LazyLock<[memmem::Finder<'static>; 3]> = LazyLock::new(|| {
 });
 static TEXT_DELTA: LazyLock<memmem::Finder<'static>> =
     LazyLock::new(|| memmem::Finder::new(b"\"text_delta\""));
+/// The members of an OpenAI delta that are not text: a chunk that names one is read.
+static CHAT_OTHER: LazyLock<[memmem::Finder<'static>; 5]> = LazyLock::new(|| {
+    [
+        memmem::Finder::new(b"\"tool_calls\""),
+        memmem::Finder::new(b"\"function_call\""),
+        memmem::Finder::new(b"\"refusal\""),
+        memmem::Finder::new(b"\"reasoning"),
+        memmem::Finder::new(b"\"audio\""),
+    ]
+});
+static CHAT_CONTENT: LazyLock<memmem::Finder<'static>> =
+    LazyLock::new(|| memmem::Finder::new(b"\"content\""));
 
 impl Sent {
     fn observe(&mut self, raw: &Bytes) {
+        if self.dialect == Dialect::OpenAi {
+            return self.observe_chunk(raw);
+        }
         // Only the few events that may open or close something are read now; of the
         // rest, a text delta is kept as it is (read when a continuation needs its
         // text: an event that only looks like one then gives none).
@@ -218,14 +304,61 @@ impl Sent {
         }
     }
 
+    /// An OpenAI chunk: the first is read for the completion's names; one that
+    /// may carry something other than text is read to see whether it does.
+    fn observe_chunk(&mut self, raw: &Bytes) {
+        if self.started && CHAT_OTHER.iter().all(|m| m.find(raw).is_none()) {
+            if CHAT_CONTENT.find(raw).is_some() {
+                self.texts.push(raw.clone());
+            }
+            return;
+        }
+        let Some((_, v)) = named_data(raw) else {
+            return;
+        };
+        if !self.started {
+            self.started = true;
+            self.identity = IDENTITY
+                .iter()
+                .filter_map(|k| Some((k.to_string(), v.get(*k)?.clone())))
+                .collect();
+        }
+        let filled = |v: &Value| match v {
+            Value::Null => false,
+            Value::String(s) => !s.is_empty(),
+            Value::Array(a) => !a.is_empty(),
+            _ => true,
+        };
+        for choice in v["choices"].as_array().into_iter().flatten() {
+            let delta = &choice["delta"];
+            let other = choice["index"].as_u64() != Some(0)
+                || delta.as_object().is_some_and(|d| {
+                    d.iter()
+                        .any(|(k, v)| !matches!(k.as_str(), "role" | "content") && filled(v))
+                });
+            if other {
+                self.other_block = true;
+            }
+            if delta["content"].as_str().is_some_and(|t| !t.is_empty()) {
+                self.texts.push(raw.clone());
+            }
+        }
+    }
+
     /// The text of `texts` from `from` on.
     fn text(&self, from: usize) -> String {
         let mut out = String::new();
         for raw in &self.texts[from..] {
             if let Some((_, v)) = named_data(raw) {
-                let text = v["delta"]["text"]
-                    .as_str()
-                    .or_else(|| v["content_block"]["text"].as_str());
+                let text = match self.dialect {
+                    Dialect::OpenAi => v["choices"]
+                        .as_array()
+                        .and_then(|c| c.iter().find(|c| c["index"] == 0))
+                        .and_then(|c| c["delta"]["content"].as_str()),
+                    Dialect::Anthropic => v["delta"]["text"]
+                        .as_str()
+                        .or_else(|| v["content_block"]["text"].as_str()),
+                };
                 out.push_str(text.unwrap_or_default());
             }
         }
@@ -233,11 +366,12 @@ impl Sent {
     }
 }
 
-/// The error type of a provider's error event (`event: error`); `None` for any
-/// other event.
+/// The error type of a provider's error event (Anthropic's `event: error`, an
+/// OpenAI chunk that is an `error` object); `None` for any other event.
 pub(crate) fn error_type(raw: &[u8]) -> Option<String> {
     let (name, v) = named_data(raw)?;
-    (name == "error").then(|| v["error"]["type"].as_str().unwrap_or("unknown").to_owned())
+    (name == "error" || v["error"].is_object())
+        .then(|| v["error"]["type"].as_str().unwrap_or("unknown").to_owned())
 }
 
 /// An event's name (its `event:` line, else its data's `type`) and its data, when
@@ -255,7 +389,24 @@ fn named_data(raw: &[u8]) -> Option<(String, Value)> {
     Some((name, v))
 }
 
-/// Renumbers a continuation's events into the turn the agent is reading.
+/// Rewrites a continuation's events into the turn the agent is reading, in the
+/// provider's dialect.
+#[derive(Debug)]
+enum Stitcher {
+    Messages(Stitch),
+    Chat(ChatStitch),
+}
+
+impl Stitcher {
+    fn map(&mut self, raw: Bytes) -> (Vec<Bytes>, Option<ReportedUsage>) {
+        match self {
+            Self::Messages(s) => s.map(raw),
+            Self::Chat(s) => s.map(raw),
+        }
+    }
+}
+
+/// Renumbers a continuation's events into the Anthropic turn the agent is reading.
 #[derive(Debug)]
 struct Stitch {
     /// The agent's text block the continuation's first block goes on with.
@@ -389,19 +540,98 @@ impl Stitch {
 }
 
 impl Stitch {
-    /// `text` without the leading whitespace the agent already has; `None` when
-    /// nothing is left of it.
     fn without_space(&mut self, text: &str) -> Option<String> {
-        let rest = if self.strip_space {
-            text.trim_start()
-        } else {
-            text
+        unspaced(&mut self.strip_space, text)
+    }
+}
+
+/// `text` without the leading whitespace the agent already has (while `strip` is
+/// set, which the first text left clears); `None` when nothing is left of it.
+fn unspaced(strip: &mut bool, text: &str) -> Option<String> {
+    let rest = if *strip { text.trim_start() } else { text };
+    if rest.is_empty() {
+        return None;
+    }
+    *strip = false;
+    Some(rest.to_owned())
+}
+
+/// Rewrites a continuation's chunks into the OpenAI completion the agent is
+/// reading.
+#[derive(Debug)]
+struct ChatStitch {
+    /// The interrupted completion's names, which every chunk takes.
+    identity: Vec<(String, Value)>,
+    /// The agent asked for the usage chunk: it is passed on (else dropped, its
+    /// usage counted).
+    agent_usage: bool,
+    /// Whitespace was trimmed off the quoted text: the continuation's leading
+    /// whitespace goes.
+    strip_space: bool,
+}
+
+impl ChatStitch {
+    fn map(&mut self, raw: Bytes) -> (Vec<Bytes>, Option<ReportedUsage>) {
+        // What is not a JSON object (`[DONE]`) passes as it came.
+        let Some((_, mut v)) = named_data(&raw) else {
+            return (vec![raw], None);
         };
-        if rest.is_empty() {
-            return None;
+        let Some(chunk) = v.as_object_mut() else {
+            return (vec![raw], None);
+        };
+        for (k, value) in &self.identity {
+            if chunk.contains_key(k) {
+                chunk.insert(k.clone(), value.clone());
+            }
         }
-        self.strip_space = false;
-        Some(rest.to_owned())
+        let usage = chunk
+            .get("usage")
+            .filter(|u| u.is_object())
+            .map(|u| ReportedUsage {
+                input: u["prompt_tokens"].as_u64().unwrap_or(0),
+                output: u["completion_tokens"].as_u64().unwrap_or(0),
+            });
+        if !self.agent_usage {
+            // Asked for on the agent's behalf: not shown to it.
+            chunk.remove("usage");
+        }
+        let mut keep = (self.agent_usage && usage.is_some()) || chunk.contains_key("error");
+        let strip = &mut self.strip_space;
+        for choice in chunk
+            .get_mut("choices")
+            .and_then(Value::as_array_mut)
+            .into_iter()
+            .flatten()
+        {
+            if !choice["finish_reason"].is_null() {
+                keep = true;
+            }
+            let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) else {
+                keep = true;
+                continue;
+            };
+            // The agent has the role: the continuation's message goes on with it.
+            delta.remove("role");
+            if let Some(text) = delta.get("content").and_then(Value::as_str) {
+                match unspaced(strip, text) {
+                    Some(rest) => {
+                        delta.insert("content".into(), rest.into());
+                        keep = true;
+                    }
+                    None => {
+                        delta.remove("content");
+                    }
+                }
+            }
+            if delta.values().any(|v| !v.is_null()) {
+                keep = true;
+            }
+        }
+        let started = usage.filter(|_| !self.agent_usage);
+        if !keep {
+            return (Vec::new(), started);
+        }
+        (vec![Bytes::from(format!("data: {v}\n\n"))], started)
     }
 }
 
@@ -411,10 +641,13 @@ fn event(name: &str, data: &Value) -> Bytes {
 }
 
 /// The body of the request that continues a turn after `text`, with the request's
-/// `max_tokens` less the `generated` tokens; and whether whitespace was trimmed
-/// off the end of the prefill (the API refuses a prefill that ends in it).
+/// `max_tokens` (and OpenAI's `max_completion_tokens`) less the `generated`
+/// tokens; and whether whitespace was trimmed off the end of the prefill (the API
+/// refuses a prefill that ends in it). An OpenAI continuation asks for its usage,
+/// so that the turn is metered.
 fn continuation_body(
     body: &[u8],
+    dialect: Dialect,
     mode: Continuation,
     text: &str,
     generated: u64,
@@ -424,8 +657,16 @@ fn continuation_body(
     if !v.is_object() {
         return Err("the request to continue is not a JSON object".into());
     }
-    if let Some(max) = v["max_tokens"].as_u64() {
-        v["max_tokens"] = max.saturating_sub(generated).max(1).into();
+    for limit in ["max_tokens", "max_completion_tokens"] {
+        if let Some(max) = v[limit].as_u64() {
+            v[limit] = max.saturating_sub(generated).max(1).into();
+        }
+    }
+    if dialect == Dialect::OpenAi {
+        if !v["stream_options"].is_object() {
+            v["stream_options"] = serde_json::json!({});
+        }
+        v["stream_options"]["include_usage"] = true.into();
     }
     let Some(messages) = v["messages"].as_array_mut() else {
         return Err("the request to continue has no messages".into());
@@ -792,20 +1033,207 @@ mod tests {
             {"role": "user", "content": "hi"},
             {"role": "assistant", "content": "Sure:"}]})
         .to_string();
-        let (b, _) = continuation_body(body.as_bytes(), Continuation::Prefill, " yes", 3).unwrap();
+        let (b, _) = continuation_body(
+            body.as_bytes(),
+            Dialect::Anthropic,
+            Continuation::Prefill,
+            " yes",
+            3,
+        )
+        .unwrap();
         let v: Value = serde_json::from_slice(&b).unwrap();
         assert_eq!(v["messages"][1]["content"], "Sure: yes");
         assert_eq!(v["messages"].as_array().unwrap().len(), 2);
         assert_eq!(v["max_tokens"], 7);
-        let (b, trimmed) =
-            continuation_body(body.as_bytes(), Continuation::Prefill, "\n", 0).unwrap();
+        let (b, trimmed) = continuation_body(
+            body.as_bytes(),
+            Dialect::Anthropic,
+            Continuation::Prefill,
+            "\n",
+            0,
+        )
+        .unwrap();
         let v: Value = serde_json::from_slice(&b).unwrap();
         assert_eq!(
             v["messages"][1]["content"], "Sure:",
             "nothing to carry on from"
         );
         assert!(trimmed);
-        assert!(continuation_body(b"[]", Continuation::Prefill, "x", 0).is_err());
+        assert!(
+            continuation_body(b"[]", Dialect::Anthropic, Continuation::Prefill, "x", 0).is_err()
+        );
+    }
+
+    fn chat_continuer(body: Value) -> Continuer {
+        let mut c = continuer(Continuation::Instruction);
+        c.how.provider.dialect = Dialect::OpenAi;
+        c.how.suffix = "/chat/completions";
+        c.how.body = Bytes::from(body.to_string());
+        Continuer::new(c.how)
+    }
+
+    fn chunk(id: &str, created: u64, delta: Value, finish: Value) -> Bytes {
+        let v = json!({"id": id, "object": "chat.completion.chunk", "created": created,
+            "model": "gpt", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]});
+        Bytes::from(format!("data: {v}\n\n"))
+    }
+
+    fn usage_chunk(id: &str, prompt: u64, completion: u64) -> Bytes {
+        let v = json!({"id": id, "object": "chat.completion.chunk", "created": 2, "model": "gpt",
+            "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion}});
+        Bytes::from(format!("data: {v}\n\n"))
+    }
+
+    fn chat_body() -> Value {
+        json!({"model": "gpt", "stream": true, "max_completion_tokens": 100,
+               "messages": [{"role": "user", "content": "hi"}]})
+    }
+
+    #[test]
+    fn an_openai_turn_is_continued_by_instruction_under_its_own_names() {
+        let mut c = chat_continuer(chat_body());
+        let first = [
+            chunk(
+                "chatcmpl-a",
+                1,
+                json!({"role": "assistant", "content": "", "refusal": null}),
+                Value::Null,
+            ),
+            chunk("chatcmpl-a", 1, json!({"content": "Hello, "}), Value::Null),
+        ];
+        for ev in first {
+            assert_eq!(c.take(ev).0.len(), 1, "the first answer passes as it came");
+        }
+        assert!(c.can_continue());
+        let (req, trimmed) = c.request().unwrap();
+        assert!(trimmed);
+        assert_eq!(req.uri().path(), "/chat/completions");
+        let body: Value = serde_json::from_slice(req.body().clone().into_inner().unwrap().as_ref())
+            .unwrap_or_default();
+        let last = &body["messages"][1];
+        assert_eq!(last["role"], "user");
+        assert!(
+            last["content"].as_str().unwrap().contains("\n\nHello,\n\n"),
+            "{last}"
+        );
+        assert_eq!(
+            body["max_completion_tokens"], 98,
+            "less the 2 tokens generated"
+        );
+        assert_eq!(
+            body["stream_options"]["include_usage"], true,
+            "asked for, to meter the turn"
+        );
+        c.begin(trimmed, None);
+
+        // The continuation's role chunk goes; its text goes on under the first
+        // answer's id and time, without the space the agent has.
+        let (out, usage) = c.take(chunk(
+            "chatcmpl-b",
+            2,
+            json!({"role": "assistant", "content": ""}),
+            Value::Null,
+        ));
+        assert!(out.is_empty() && usage.is_none());
+        let (out, _) = c.take(chunk(
+            "chatcmpl-b",
+            2,
+            json!({"content": " world"}),
+            Value::Null,
+        ));
+        let v = named_data(&out[0]).unwrap().1;
+        assert_eq!(
+            (v["id"].as_str(), v["created"].as_u64()),
+            (Some("chatcmpl-a"), Some(1))
+        );
+        assert_eq!(v["choices"][0]["delta"], json!({"content": "world"}));
+        let (out, _) = c.take(chunk("chatcmpl-b", 2, json!({}), json!("stop")));
+        assert_eq!(
+            named_data(&out[0]).unwrap().1["choices"][0]["finish_reason"],
+            "stop"
+        );
+        // The usage the agent did not ask for is counted, not passed on.
+        let (out, usage) = c.take(usage_chunk("chatcmpl-b", 20, 3));
+        assert!(out.is_empty());
+        let usage = usage.expect("the continuation's usage");
+        let (out, _) = c.take(Bytes::from_static(b"data: [DONE]\n\n"));
+        assert_eq!(out, [Bytes::from_static(b"data: [DONE]\n\n")]);
+        let prompt = estimate_prompt_tokens(chat_body().to_string().as_bytes());
+        let total = c.with_carried(Some(usage)).unwrap();
+        assert_eq!((total.input, total.output), (20 + prompt, 3 + 2));
+    }
+
+    #[test]
+    fn an_openai_usage_chunk_the_agent_asked_for_is_passed_on_under_its_names() {
+        let mut body = chat_body();
+        body["stream_options"] = json!({"include_usage": true});
+        let mut c = chat_continuer(body);
+        c.take(chunk(
+            "chatcmpl-a",
+            1,
+            json!({"role": "assistant", "content": "Hi"}),
+            Value::Null,
+        ));
+        let (req, trimmed) = c.request().unwrap();
+        assert!(!trimmed);
+        drop(req);
+        c.begin(trimmed, None);
+        let mut role = chunk(
+            "chatcmpl-b",
+            2,
+            json!({"role": "assistant", "content": ""}),
+            Value::Null,
+        );
+        // With usage asked for, every chunk names it (null): that keeps none.
+        role = Bytes::from(
+            String::from_utf8_lossy(&role).replace("\"choices\"", "\"usage\":null,\"choices\""),
+        );
+        assert!(c.take(role).0.is_empty());
+        let (out, usage) = c.take(usage_chunk("chatcmpl-b", 20, 3));
+        assert!(
+            usage.is_none(),
+            "the gate reads it from the chunk passed on"
+        );
+        let v = named_data(&out[0]).unwrap().1;
+        assert_eq!(v["id"], "chatcmpl-a");
+        assert_eq!(v["usage"]["prompt_tokens"], 20);
+    }
+
+    #[test]
+    fn an_openai_turn_with_a_tool_call_refusal_or_several_choices_is_not_continued() {
+        let text = |c: &mut Continuer| {
+            c.take(chunk(
+                "a",
+                1,
+                json!({"role": "assistant", "content": "ok"}),
+                Value::Null,
+            ));
+        };
+        for delta in [
+            json!({"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": ""}}]}),
+            json!({"refusal": "I can't"}),
+            json!({"reasoning_content": "thinking"}),
+            json!({"function_call": {"name": "f"}}),
+        ] {
+            let mut c = chat_continuer(chat_body());
+            text(&mut c);
+            assert!(c.can_continue());
+            c.take(chunk("a", 1, delta.clone(), Value::Null));
+            assert!(!c.can_continue(), "{delta}");
+        }
+        let mut body = chat_body();
+        body["n"] = json!(2);
+        let mut c = chat_continuer(body);
+        text(&mut c);
+        assert!(!c.can_continue(), "n = 2");
+        let error = Bytes::from_static(
+            b"data: {\"error\": {\"type\": \"server_error\", \"message\": \"busy\"}}\n\n",
+        );
+        assert_eq!(error_type(&error).as_deref(), Some("server_error"));
+        assert_eq!(
+            error_type(&chunk("a", 1, json!({"content": "x"}), Value::Null)),
+            None
+        );
     }
 
     /// A block of a generated answer: text pieces, or a tool call's input pieces.
@@ -998,6 +1426,136 @@ mod tests {
             let (sent, trimmed, continuation) = last;
             prop_assert_eq!(text, expected_text(&sent, trimmed, &continuation));
             prop_assert_eq!(tool_input, tools);
+        }
+    }
+
+    /// The chunks of an OpenAI answer `n`: the role, text pieces, then a tool call's
+    /// argument pieces if any, the finish, the usage chunk, `[DONE]`.
+    fn chat_answer(n: u64, text: &[String], tool: Option<&Vec<String>>) -> Vec<Bytes> {
+        let id = format!("chatcmpl-{n}");
+        let mut out = vec![chunk(
+            &id,
+            n,
+            json!({"role": "assistant", "content": ""}),
+            Value::Null,
+        )];
+        out.extend(
+            text.iter()
+                .map(|t| chunk(&id, n, json!({"content": t}), Value::Null)),
+        );
+        if let Some(pieces) = tool {
+            out.push(chunk(
+                &id,
+                n,
+                json!({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                "function": {"name": "f", "arguments": ""}}]}),
+                Value::Null,
+            ));
+            out.extend(pieces.iter().map(|p| {
+                chunk(
+                    &id,
+                    n,
+                    json!({"tool_calls": [{"index": 0, "function": {"arguments": p}}]}),
+                    Value::Null,
+                )
+            }));
+        }
+        let finish = if tool.is_some() { "tool_calls" } else { "stop" };
+        out.push(chunk(&id, n, json!({}), json!(finish)));
+        out.push(usage_chunk(&id, 7, 3));
+        out.push(Bytes::from_static(b"data: [DONE]\n\n"));
+        out
+    }
+
+    proptest! {
+        /// An OpenAI text answer cut anywhere before its finish reason, then
+        /// continued by answers of text and perhaps a tool call (a text-only one may
+        /// be cut and continued again): the agent reads one well-formed completion
+        /// (every chunk under the first answer's id and time; one role, first; one
+        /// finish reason, in the last chunk before `[DONE]`; one `[DONE]`, last;
+        /// the usage chunk only if it asked for usage), whose text is what it had
+        /// at each cut and then the continuation's, and whose tool call comes whole.
+        #[test]
+        fn a_stitched_openai_turn_is_one_well_formed_completion(
+            first in prop::collection::vec("[ab \n]{0,4}", 0..5),
+            cuts in prop::collection::vec(any::<prop::sample::Index>(), 2),
+            continuations in prop::collection::vec(
+                (arb_pieces(), prop::option::weighted(0.3, arb_pieces())), 1..3),
+            agent_usage in any::<bool>(),
+        ) {
+            let mut body = chat_body();
+            if agent_usage {
+                body["stream_options"] = json!({"include_usage": true});
+            }
+            let mut c = chat_continuer(body);
+            c.how.left = 2;
+            let events = chat_answer(0, &first, None);
+            // Delivered: at least the role chunk, never the finish.
+            let delivered = 1 + cuts[0].index(first.len() + 1);
+            let mut out = Vec::new();
+            for ev in &events[..delivered] {
+                out.extend(c.take(ev.clone()).0);
+            }
+            let mut counted = 0;
+            let mut last = (String::new(), false, Vec::new());
+            let mut tools = String::new();
+            for (i, (text, tool)) in continuations.iter().enumerate() {
+                prop_assert!(c.can_continue());
+                let sent = c.sent.text(0);
+                let (_, trimmed) = c.request().unwrap();
+                c.begin(trimmed, None);
+                let events = chat_answer(i as u64 + 1, text, tool.as_ref());
+                let cut_again = i + 1 < continuations.len() && tool.is_none();
+                let delivered = if cut_again {
+                    1 + cuts[1].index(text.len() + 1)
+                } else {
+                    events.len()
+                };
+                for ev in &events[..delivered] {
+                    let (mapped, usage) = c.take(ev.clone());
+                    counted += usize::from(usage.is_some());
+                    out.extend(mapped);
+                }
+                let mut blocks = vec![Block::Text(text.clone())];
+                blocks.extend(tool.clone().map(Block::Tool));
+                last = (sent, trimmed, blocks);
+                if !cut_again {
+                    tools = tool.as_ref().map(|t| t.concat()).unwrap_or_default();
+                    break;
+                }
+            }
+            prop_assert_eq!(counted, usize::from(!agent_usage), "the usage not shown is counted");
+
+            let done = Bytes::from_static(b"data: [DONE]\n\n");
+            prop_assert_eq!(out.last(), Some(&done));
+            prop_assert_eq!(out.iter().filter(|e| **e == done).count(), 1);
+            let chunks: Vec<Value> = out[..out.len() - 1]
+                .iter()
+                .map(|e| named_data(e).map(|(_, v)| v).unwrap_or_default())
+                .collect();
+            prop_assert!(chunks.iter().all(|v| v["id"] == "chatcmpl-0" && v["created"] == 0));
+            let roles: Vec<usize> = chunks.iter().enumerate()
+                .filter(|(_, v)| !v["choices"][0]["delta"]["role"].is_null())
+                .map(|(n, _)| n)
+                .collect();
+            prop_assert_eq!(roles, vec![0]);
+            let usage_chunks = chunks.iter().filter(|v| v["usage"].is_object()).count();
+            prop_assert_eq!(usage_chunks, usize::from(agent_usage));
+            let finishes: Vec<usize> = chunks.iter().enumerate()
+                .filter(|(_, v)| !v["choices"][0]["finish_reason"].is_null())
+                .map(|(n, _)| n)
+                .collect();
+            prop_assert_eq!(finishes.len(), 1);
+            prop_assert_eq!(finishes[0] + 1 + usage_chunks, chunks.len(), "the finish comes last");
+            let text: String = chunks.iter()
+                .filter_map(|v| v["choices"][0]["delta"]["content"].as_str())
+                .collect();
+            let (sent, trimmed, continuation) = last;
+            prop_assert_eq!(text, expected_text(&sent, trimmed, &continuation));
+            let arguments: String = chunks.iter()
+                .filter_map(|v| v["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str())
+                .collect();
+            prop_assert_eq!(arguments, tools);
         }
     }
 }

@@ -1146,7 +1146,7 @@ impl Producer {
             return Err(reason.to_owned());
         };
         let metrics = &self.shared.metrics;
-        let target = &continuer.provider().name;
+        let target = &continuer.provider().name.clone();
         let failed = |why: String| {
             metrics.stream_continuation(target, false);
             format!("{reason}; continuing it failed: {why}")

@@ -726,7 +726,7 @@ fn the_journal_lock_wait() {
 }
 
 #[test]
-fn a_continuation_is_for_anthropic_providers_and_named_recipes_only() {
+fn a_continuation_is_a_named_recipe_and_openai_takes_only_instruction() {
     let provider = |kind: &str, continuation: &str| {
         format!(
             "[[providers]]\nname = \"p\"\nkind = \"{kind}\"\nbase_url = \"http://127.0.0.1:1\"\n\
@@ -744,9 +744,14 @@ fn a_continuation_is_for_anthropic_providers_and_named_recipes_only() {
         c.proxy.providers[0].caps.continuation,
         Some(popts::Continuation::Instruction)
     );
+    let c = load_str(&provider("openai", "instruction"), &[]).unwrap();
+    assert_eq!(
+        c.proxy.providers[0].caps.continuation,
+        Some(popts::Continuation::Instruction)
+    );
     let err = load_str(&provider("openai", "prefill"), &[]).unwrap_err();
     assert_eq!(paths(&err), ["providers[0].continuation"]);
-    assert!(err.to_string().contains("anthropic"), "{err}");
+    assert!(err.to_string().contains("\"instruction\""), "{err}");
     let err = load_str(&provider("anthropic", "stitch"), &[]).unwrap_err();
     assert_eq!(paths(&err), ["providers[0].continuation"]);
     assert!(err.to_string().contains("\"prefill\""), "{err}");
