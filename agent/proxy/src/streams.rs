@@ -241,6 +241,9 @@ pub struct Live {
     pub dialect: Dialect,
     events: Mutex<Vec<Bytes>>,
     finished: AtomicBool,
+    /// Nothing more will be pushed (the generation may not have finished yet: its
+    /// end is being recorded and metered).
+    last_in: AtomicBool,
     version: watch::Sender<u64>,
     clients: AtomicUsize,
     cancel: Notify,
@@ -279,6 +282,7 @@ impl Live {
             dialect,
             events: Mutex::new(Vec::new()),
             finished: AtomicBool::new(false),
+            last_in: AtomicBool::new(false),
             version: watch::channel(0).0,
             clients: AtomicUsize::new(0),
             cancel: Notify::new(),
@@ -294,7 +298,13 @@ impl Live {
         self.version.send_modify(|v| *v += 1);
     }
 
+    /// Nothing more will be pushed.
+    fn last_is_in(&self) {
+        self.last_in.store(true, Ordering::Release);
+    }
+
     fn finish(&self) {
+        self.last_in.store(true, Ordering::Release);
         self.finished.store(true, Ordering::Release);
         self.version.send_modify(|v| *v += 1);
     }
@@ -942,6 +952,12 @@ impl Producer {
         if !batch.out.is_empty() {
             self.live.push(batch.out);
         }
+        if batch.terminal || self.gate.closed() {
+            // Nothing follows the terminal event, or the typed error that closed the
+            // gate: a client that resumes after it is told so at once (`204`), not
+            // kept on an empty stream until the generation ends.
+            self.live.last_is_in();
+        }
         batch.terminal
     }
 
@@ -1252,6 +1268,7 @@ impl Producer {
                         .await;
                 }
                 live.push(with_ids(live.attempt, self.seq, std::slice::from_ref(&ev)));
+                live.last_is_in();
                 self.interrupted = true;
                 StreamEnd::Abandoned {
                     reason: reason.clone(),
@@ -1503,9 +1520,9 @@ pub(crate) async fn serve_attempt(
                 Some((a, CLOSING_SEQ)) if a == live.attempt => return Ok(nothing_more()),
                 Some((a, seq)) if a == live.attempt => {
                     let from = live.resume_index(seq)?;
-                    // A finished generation whose last event the client has: an
-                    // empty `200` would have an event source reconnect for ever.
-                    if live.is_finished() && from >= live.sent() {
+                    // A generation whose last event the client has: an empty `200`
+                    // would have an event source reconnect for ever.
+                    if live.last_in.load(Ordering::Acquire) && from >= live.sent() {
                         return Ok(nothing_more());
                     }
                     return Ok(live_response(live, from, true));
@@ -2023,6 +2040,58 @@ mod tests {
         live.finish();
         assert_eq!(status((1, 0)).await, StatusCode::OK);
         assert_eq!(status((1, 1)).await, StatusCode::NO_CONTENT);
+    }
+
+    /// Once the producer has settled its terminal event (or the typed error that
+    /// closed the gate, or its interruption event), a client resuming at that
+    /// event is told there is nothing more at once, while the generation's end is
+    /// still being recorded and metered: `204`, not an empty `200`.
+    #[tokio::test]
+    async fn a_hub_is_over_for_its_clients_once_its_last_event_is_in() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let text = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        let done = b"data: [DONE]\n\n";
+        let (shared, key, live, mut generation) =
+            producer(&j, "m/openai/last", vec![Bytes::from_static(text)]).await;
+        let batch = generation.take_in();
+        assert!(!generation.settle(batch).await);
+        assert!(!live.last_in.load(Ordering::Acquire));
+        generation.scratch.push(Bytes::from_static(done));
+        let batch = generation.take_in();
+        assert!(generation.settle(batch).await, "the terminal event");
+        assert!(!live.is_finished(), "its end is metered first");
+        assert!(shared.streams.get(&key).is_some(), "not yet closed");
+        let served = serve_attempt(&shared, &j.journal, &key, None, Some((1, 1)))
+            .await
+            .expect("an answer");
+        assert_eq!(served.status(), StatusCode::NO_CONTENT);
+        generation.finish(Ended::Completed).await;
+        assert!(shared.streams.get(&key).is_none(), "closed by finish");
+
+        // An interrupted generation: its typed error event goes in, and the hub is
+        // over for its clients before the end is recorded and the hub closed.
+        let (shared, key, live, mut generation) =
+            producer(&j, "m/openai/cut", vec![Bytes::from_static(text)]).await;
+        let batch = generation.take_in();
+        assert!(!generation.settle(batch).await);
+        let ended = generation.finish(Ended::Abandoned("the upstream broke".into()));
+        tokio::pin!(ended);
+        for _ in 0..1000 {
+            if live.last_in.load(Ordering::Acquire)
+                || futures_util::poll!(ended.as_mut()).is_ready()
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(!live.is_finished(), "its end is being recorded");
+        assert!(shared.streams.get(&key).is_some());
+        assert_eq!(live.sent(), 2, "the text and the typed error");
+        let served = serve_attempt(&shared, &j.journal, &key, None, Some((1, 1)))
+            .await
+            .expect("an answer");
+        assert_eq!(served.status(), StatusCode::NO_CONTENT);
+        ended.await;
     }
 
     /// A hub still in the registry for an attempt the journal has moved past is not
