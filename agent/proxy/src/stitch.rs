@@ -105,8 +105,12 @@ impl Continuer {
         self.how.left > 0
             && self.sent.started
             && !self.sent.other_block
-            // Only choice 0 is followed: a turn of several is not continued.
-            && !self.agent_asked(|v| v["n"].as_u64().is_some_and(|n| n > 1))
+            // Only choice 0 is followed: a turn of several is not continued; nor is
+            // structured output, which a second answer would not go on with.
+            && !self.agent_asked(|v| {
+                v["n"].as_u64().is_some_and(|n| n > 1)
+                    || !(v["response_format"].is_null() || v["response_format"]["type"] == "text")
+            })
     }
 
     /// Whether the agent's OpenAI request says `what` (read only when a turn is
@@ -175,11 +179,23 @@ impl Continuer {
 
     /// The turn's usage with what the pieces before the one streaming now
     /// consumed and generated (unchanged when no continuation was taken).
-    pub fn with_carried(&self, usage: Option<ReportedUsage>) -> Option<ReportedUsage> {
+    ///
+    /// A continuation that did not reach its terminal event (`whole` false) is
+    /// counted as a piece that broke: its prompt as reported or estimated, its text
+    /// estimated if it reported less.
+    pub fn with_carried(&self, usage: Option<ReportedUsage>, whole: bool) -> Option<ReportedUsage> {
         if self.taken == 0 {
             return usage;
         }
-        let u = usage.unwrap_or_default();
+        let mut u = usage.unwrap_or_default();
+        if !whole {
+            if usage.is_none() {
+                u.input = self.piece_prompt.unwrap_or_default();
+            }
+            u.output = u
+                .output
+                .max(estimate_tokens(&self.sent.text(self.sent.piece_start)));
+        }
         Some(ReportedUsage {
             input: u.input + self.carried.input,
             output: u.output + self.carried.output,
@@ -234,6 +250,16 @@ impl Default for Sent {
     }
 }
 
+/// Whether a member of an OpenAI delta says something (not null, `""` or `[]`).
+fn filled(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        _ => true,
+    }
+}
+
 /// The members of an OpenAI chunk that name its completion.
 const IDENTITY: [&str; 4] = ["id", "created", "model", "system_fingerprint"];
 
@@ -248,8 +274,10 @@ static STRUCTURE: LazyLock<[memmem::Finder<'static>; 3]> = LazyLock::new(|| {
 static TEXT_DELTA: LazyLock<memmem::Finder<'static>> =
     LazyLock::new(|| memmem::Finder::new(b"\"text_delta\""));
 /// The members of an OpenAI delta that are not text: a chunk that names one is read.
-static CHAT_OTHER: LazyLock<[memmem::Finder<'static>; 5]> = LazyLock::new(|| {
+static CHAT_OTHER: LazyLock<[memmem::Finder<'static>; 6]> = LazyLock::new(|| {
     [
+        // Typed parts: content that is not a string, a tool call.
+        memmem::Finder::new(b"\"type\""),
         memmem::Finder::new(b"\"tool_calls\""),
         memmem::Finder::new(b"\"function_call\""),
         memmem::Finder::new(b"\"refusal\""),
@@ -316,22 +344,25 @@ impl Sent {
         let Some((_, v)) = named_data(raw) else {
             return;
         };
-        if !self.started {
+        let choices = v["choices"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        if !self.started && !choices.is_empty() {
+            // The first chunk of the completion (Azure's opens with one of
+            // `prompt_filter_results`, with no choice and blank names).
             self.started = true;
             self.identity = IDENTITY
                 .iter()
-                .filter_map(|k| Some((k.to_string(), v.get(*k)?.clone())))
+                .map(|k| (k.to_string(), v.get(*k).cloned().unwrap_or(Value::Null)))
                 .collect();
         }
-        let filled = |v: &Value| match v {
-            Value::Null => false,
-            Value::String(s) => !s.is_empty(),
-            Value::Array(a) => !a.is_empty(),
-            _ => true,
-        };
-        for choice in v["choices"].as_array().into_iter().flatten() {
+        for choice in choices {
             let delta = &choice["delta"];
+            let content = &delta["content"];
             let other = choice["index"].as_u64() != Some(0)
+                // Content that is not a string is not text (Mistral's thinking).
+                || !(content.is_null() || content.is_string())
                 || delta.as_object().is_some_and(|d| {
                     d.iter()
                         .any(|(k, v)| !matches!(k.as_str(), "role" | "content") && filled(v))
@@ -339,7 +370,7 @@ impl Sent {
             if other {
                 self.other_block = true;
             }
-            if delta["content"].as_str().is_some_and(|t| !t.is_empty()) {
+            if content.as_str().is_some_and(|t| !t.is_empty()) {
                 self.texts.push(raw.clone());
             }
         }
@@ -367,11 +398,17 @@ impl Sent {
 }
 
 /// The error type of a provider's error event (Anthropic's `event: error`, an
-/// OpenAI chunk that is an `error` object); `None` for any other event.
+/// OpenAI chunk with an `error`); `None` for any other event.
 pub(crate) fn error_type(raw: &[u8]) -> Option<String> {
     let (name, v) = named_data(raw)?;
-    (name == "error" || v["error"].is_object())
-        .then(|| v["error"]["type"].as_str().unwrap_or("unknown").to_owned())
+    let error = &v["error"];
+    (name == "error" || !error.is_null()).then(|| {
+        error["type"]
+            .as_str()
+            .or_else(|| error.as_str())
+            .unwrap_or("unknown")
+            .to_owned()
+    })
 }
 
 /// An event's name (its `event:` line, else its data's `type`) and its data, when
@@ -579,8 +616,12 @@ impl ChatStitch {
         let Some(chunk) = v.as_object_mut() else {
             return (vec![raw], None);
         };
+        // The completion's names, as the agent has them; one its first chunk did
+        // not have is not shown either.
         for (k, value) in &self.identity {
-            if chunk.contains_key(k) {
+            if value.is_null() {
+                chunk.remove(k);
+            } else if chunk.contains_key(k) {
                 chunk.insert(k.clone(), value.clone());
             }
         }
@@ -623,7 +664,7 @@ impl ChatStitch {
                     }
                 }
             }
-            if delta.values().any(|v| !v.is_null()) {
+            if delta.values().any(filled) {
                 keep = true;
             }
         }
@@ -678,7 +719,9 @@ fn continuation_body(
         return Ok((Bytes::from(v.to_string()), trimmed));
     }
     match mode {
-        Continuation::Prefill => {
+        // OpenAI's chat completions do not continue a prefill (configuration
+        // refuses it there): they are asked.
+        Continuation::Prefill if dialect == Dialect::Anthropic => {
             match messages.last_mut() {
                 // The agent prefilled the answer itself: the text goes on from it.
                 Some(last) if last["role"] == "assistant" => match &mut last["content"] {
@@ -693,7 +736,7 @@ fn continuation_body(
                 _ => messages.push(serde_json::json!({"role": "assistant", "content": kept})),
             }
         }
-        Continuation::Instruction => messages.push(serde_json::json!({
+        Continuation::Prefill | Continuation::Instruction => messages.push(serde_json::json!({
             "role": "user",
             "content": format!(
                 "Your previous response was interrupted and ended with:\n\n{kept}\n\n\
@@ -1159,8 +1202,81 @@ mod tests {
         let (out, _) = c.take(Bytes::from_static(b"data: [DONE]\n\n"));
         assert_eq!(out, [Bytes::from_static(b"data: [DONE]\n\n")]);
         let prompt = estimate_prompt_tokens(chat_body().to_string().as_bytes());
-        let total = c.with_carried(Some(usage)).unwrap();
+        let total = c.with_carried(Some(usage), true).unwrap();
         assert_eq!((total.input, total.output), (20 + prompt, 3 + 2));
+    }
+
+    #[test]
+    fn an_azure_turn_takes_its_names_from_its_first_choice_and_shows_no_new_ones() {
+        let mut c = chat_continuer(chat_body());
+        // Azure opens with the prompt's filter results: no choice, blank names.
+        let filter = Bytes::from(format!(
+            "data: {}\n\n",
+            json!({"choices": [], "created": 0, "id": "", "model": "", "object": "",
+                   "prompt_filter_results": [{"prompt_index": 0, "content_filter_results": {}}]})
+        ));
+        c.take(filter);
+        assert!(!c.can_continue(), "no choice has come");
+        c.take(chunk(
+            "chatcmpl-a",
+            1,
+            json!({"role": "assistant", "content": "Hi"}),
+            Value::Null,
+        ));
+        assert!(c.can_continue());
+        let (_, trimmed) = c.request().unwrap();
+        c.begin(trimmed, None);
+        // The continuation's role chunk goes even with an empty tool-call list, and
+        // a fingerprint the agent's chunks did not have is not shown.
+        let role = chunk(
+            "chatcmpl-b",
+            2,
+            json!({"role": "assistant", "content": "", "tool_calls": []}),
+            Value::Null,
+        );
+        assert!(c.take(role).0.is_empty());
+        let mut more: Value = named_data(&chunk(
+            "chatcmpl-b",
+            2,
+            json!({"content": " there"}),
+            Value::Null,
+        ))
+        .unwrap()
+        .1;
+        more["system_fingerprint"] = json!("fp_2");
+        let (out, _) = c.take(Bytes::from(format!("data: {more}\n\n")));
+        let v = named_data(&out[0]).unwrap().1;
+        assert_eq!(
+            (v["id"].as_str(), v["created"].as_u64()),
+            (Some("chatcmpl-a"), Some(1))
+        );
+        assert!(v.get("system_fingerprint").is_none(), "{v}");
+        assert_eq!(v["choices"][0]["delta"], json!({"content": " there"}));
+    }
+
+    #[test]
+    fn a_continued_openai_turn_that_breaks_again_counts_the_broken_continuation() {
+        let mut c = chat_continuer(chat_body());
+        c.take(chunk(
+            "chatcmpl-a",
+            1,
+            json!({"role": "assistant", "content": "Hello"}),
+            Value::Null,
+        ));
+        let (req, trimmed) = c.request().unwrap();
+        let asked = estimate_prompt_tokens(&req.into_body().into_inner().unwrap());
+        c.begin(trimmed, None);
+        c.take(chunk(
+            "chatcmpl-b",
+            2,
+            json!({"content": " there, you"}),
+            Value::Null,
+        ));
+        let first = estimate_prompt_tokens(chat_body().to_string().as_bytes());
+        // Cut again before its end: nothing reported; both prompts and both
+        // pieces' text are estimated.
+        let total = c.with_carried(None, false).unwrap();
+        assert_eq!((total.input, total.output), (first + asked, 2 + 3));
     }
 
     #[test]
@@ -1221,15 +1337,36 @@ mod tests {
             c.take(chunk("a", 1, delta.clone(), Value::Null));
             assert!(!c.can_continue(), "{delta}");
         }
+        // Mistral's thinking comes as typed content parts.
+        let mut c = chat_continuer(chat_body());
+        text(&mut c);
+        c.take(chunk("a", 1, json!({"content": [{"type": "thinking", "thinking": [{"type": "text", "text": "hm"}]}]}), Value::Null));
+        assert!(!c.can_continue(), "typed content");
+        for (member, value) in [
+            ("n", json!(2)),
+            (
+                "response_format",
+                json!({"type": "json_schema", "json_schema": {"name": "x"}}),
+            ),
+            ("response_format", json!({"type": "json_object"})),
+        ] {
+            let mut body = chat_body();
+            body[member] = value.clone();
+            let mut c = chat_continuer(body);
+            text(&mut c);
+            assert!(!c.can_continue(), "{member}: {value}");
+        }
         let mut body = chat_body();
-        body["n"] = json!(2);
+        body["response_format"] = json!({"type": "text"});
         let mut c = chat_continuer(body);
         text(&mut c);
-        assert!(!c.can_continue(), "n = 2");
+        assert!(c.can_continue(), "plain text output");
         let error = Bytes::from_static(
             b"data: {\"error\": {\"type\": \"server_error\", \"message\": \"busy\"}}\n\n",
         );
         assert_eq!(error_type(&error).as_deref(), Some("server_error"));
+        let bare = Bytes::from_static(b"data: {\"error\": \"overloaded\"}\n\n");
+        assert_eq!(error_type(&bare).as_deref(), Some("overloaded"));
         assert_eq!(
             error_type(&chunk("a", 1, json!({"content": "x"}), Value::Null)),
             None

@@ -975,7 +975,7 @@ impl Producer {
     /// The turn's usage, over all its pieces when it was continued.
     fn usage(&self) -> Option<crate::events::ReportedUsage> {
         match &self.continuer {
-            Some(c) => c.with_carried(self.gate.turn.usage),
+            Some(c) => c.with_carried(self.gate.turn.usage, self.gate.turn.terminal),
             None => self.gate.turn.usage,
         }
     }
