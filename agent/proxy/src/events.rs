@@ -204,11 +204,17 @@ impl Turn {
             self.errored = true;
             return Kind::Error;
         }
-        if let Some(m) = v["model"].as_str() {
-            self.response_model.get_or_insert_with(|| m.to_string());
-        }
-        if let Some(id) = v["id"].as_str() {
-            self.response_id.get_or_insert_with(|| id.to_string());
+        // Named by its first chunk's names, or the first that are not blank (Azure
+        // opens with a chunk of prompt filter results whose names are blank).
+        for (name, kept) in [
+            (&v["model"], &mut self.response_model),
+            (&v["id"], &mut self.response_id),
+        ] {
+            if let Some(n) = name.as_str()
+                && kept.as_ref().is_none_or(String::is_empty)
+            {
+                *kept = Some(n.to_owned());
+            }
         }
         self.openai_usage(&v);
         let mut kind = Kind::Other;
@@ -657,6 +663,20 @@ mod tests {
 
     fn named(name: &str, data: &Value) -> Vec<u8> {
         format!("event: {name}\ndata: {data}\n\n").into_bytes()
+    }
+
+    /// Azure opens a stream with a chunk of prompt filter results whose names are
+    /// blank: the turn is named by the first chunk that names it.
+    #[test]
+    fn a_turn_is_named_by_its_first_names_that_are_not_blank() {
+        let mut g = Gate::new(Dialect::OpenAi);
+        g.push(
+            ev(&json!({"choices": [], "id": "", "model": "", "prompt_filter_results": []})).into(),
+        );
+        g.push(ev(&json!({"id": "chatcmpl-1", "model": "gpt-4o", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})).into());
+        g.push(ev(&json!({"id": "chatcmpl-2", "model": "other", "choices": [{"index": 0, "delta": {"content": "x"}}]})).into());
+        assert_eq!(g.turn.response_id.as_deref(), Some("chatcmpl-1"));
+        assert_eq!(g.turn.response_model.as_deref(), Some("gpt-4o"));
     }
 
     /// A choice index near `u64::MAX` once overflowed the block key (a panic in the

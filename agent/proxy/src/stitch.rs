@@ -132,9 +132,7 @@ impl Continuer {
             estimate_tokens(&piece) + self.carried.output,
         )
         .map_err(crate::Error::BuildRequest)?;
-        if self.sent.dialect == Dialect::OpenAi {
-            self.requested_prompt = estimate_prompt_tokens(&body);
-        }
+        self.requested_prompt = estimate_prompt_tokens(&body);
         let req = crate::model::build_request(
             &self.how.provider,
             self.how.suffix,
@@ -180,15 +178,16 @@ impl Continuer {
     /// The turn's usage with what the pieces before the one streaming now
     /// consumed and generated (unchanged when no continuation was taken).
     ///
-    /// A continuation that did not reach its terminal event (`whole` false) is
-    /// counted as a piece that broke: its prompt as reported or estimated, its text
-    /// estimated if it reported less.
+    /// A continuation that did not reach its terminal event (`whole` false), or
+    /// reported no usage, is counted as a piece that broke: its prompt as reported
+    /// or estimated, its text estimated if it reported less.
     pub fn with_carried(&self, usage: Option<ReportedUsage>, whole: bool) -> Option<ReportedUsage> {
         if self.taken == 0 {
             return usage;
         }
         let mut u = usage.unwrap_or_default();
-        if !whole {
+        // Unreported (a server that ignores `include_usage`) is estimated too.
+        if !whole || usage.is_none() {
             if usage.is_none() {
                 u.input = self.piece_prompt.unwrap_or_default();
             }
@@ -274,10 +273,12 @@ static STRUCTURE: LazyLock<[memmem::Finder<'static>; 3]> = LazyLock::new(|| {
 static TEXT_DELTA: LazyLock<memmem::Finder<'static>> =
     LazyLock::new(|| memmem::Finder::new(b"\"text_delta\""));
 /// The members of an OpenAI delta that are not text: a chunk that names one is read.
-static CHAT_OTHER: LazyLock<[memmem::Finder<'static>; 6]> = LazyLock::new(|| {
+static CHAT_OTHER: LazyLock<[memmem::Finder<'static>; 8]> = LazyLock::new(|| {
     [
         // Typed parts: content that is not a string, a tool call.
         memmem::Finder::new(b"\"type\""),
+        memmem::Finder::new(b"\"thinking\""),
+        memmem::Finder::new(b"\"annotations\""),
         memmem::Finder::new(b"\"tool_calls\""),
         memmem::Finder::new(b"\"function_call\""),
         memmem::Finder::new(b"\"refusal\""),
@@ -402,7 +403,8 @@ impl Sent {
 pub(crate) fn error_type(raw: &[u8]) -> Option<String> {
     let (name, v) = named_data(raw)?;
     let error = &v["error"];
-    (name == "error" || !error.is_null()).then(|| {
+    // As the gate reads a chunk: one that has an `error` member is an error.
+    (name == "error" || v.get("error").is_some()).then(|| {
         error["type"]
             .as_str()
             .or_else(|| error.as_str())
@@ -1280,6 +1282,31 @@ mod tests {
     }
 
     #[test]
+    fn a_continuation_that_reports_no_usage_is_estimated() {
+        let mut c = chat_continuer(chat_body());
+        c.take(chunk(
+            "chatcmpl-a",
+            1,
+            json!({"role": "assistant", "content": "Hello"}),
+            Value::Null,
+        ));
+        let (req, trimmed) = c.request().unwrap();
+        let asked = estimate_prompt_tokens(&req.into_body().into_inner().unwrap());
+        c.begin(trimmed, None);
+        c.take(chunk(
+            "chatcmpl-b",
+            2,
+            json!({"content": " there, you"}),
+            Value::Null,
+        ));
+        c.take(chunk("chatcmpl-b", 2, json!({}), json!("stop")));
+        // Whole, but its server ignored `include_usage`.
+        let first = estimate_prompt_tokens(chat_body().to_string().as_bytes());
+        let total = c.with_carried(None, true).unwrap();
+        assert_eq!((total.input, total.output), (first + asked, 2 + 3));
+    }
+
+    #[test]
     fn an_openai_usage_chunk_the_agent_asked_for_is_passed_on_under_its_names() {
         let mut body = chat_body();
         body["stream_options"] = json!({"include_usage": true});
@@ -1330,6 +1357,8 @@ mod tests {
             json!({"refusal": "I can't"}),
             json!({"reasoning_content": "thinking"}),
             json!({"function_call": {"name": "f"}}),
+            json!({"content": "", "thinking": "hm"}),
+            json!({"content": "x", "annotations": [{"type": "url_citation"}]}),
         ] {
             let mut c = chat_continuer(chat_body());
             text(&mut c);
