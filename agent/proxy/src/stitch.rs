@@ -1256,54 +1256,39 @@ mod tests {
         assert_eq!(v["choices"][0]["delta"], json!({"content": " there"}));
     }
 
+    /// A continuation that broke again, or that ended but reported no usage (its
+    /// server ignored `include_usage`), is counted by estimate: both prompts and
+    /// both pieces' text.
     #[test]
-    fn a_continued_openai_turn_that_breaks_again_counts_the_broken_continuation() {
-        let mut c = chat_continuer(chat_body());
-        c.take(chunk(
-            "chatcmpl-a",
-            1,
-            json!({"role": "assistant", "content": "Hello"}),
-            Value::Null,
-        ));
-        let (req, trimmed) = c.request().unwrap();
-        let asked = estimate_prompt_tokens(&req.into_body().into_inner().unwrap());
-        c.begin(trimmed, None);
-        c.take(chunk(
-            "chatcmpl-b",
-            2,
-            json!({"content": " there, you"}),
-            Value::Null,
-        ));
-        let first = estimate_prompt_tokens(chat_body().to_string().as_bytes());
-        // Cut again before its end: nothing reported; both prompts and both
-        // pieces' text are estimated.
-        let total = c.with_carried(None, false).unwrap();
-        assert_eq!((total.input, total.output), (first + asked, 2 + 3));
-    }
-
-    #[test]
-    fn a_continuation_that_reports_no_usage_is_estimated() {
-        let mut c = chat_continuer(chat_body());
-        c.take(chunk(
-            "chatcmpl-a",
-            1,
-            json!({"role": "assistant", "content": "Hello"}),
-            Value::Null,
-        ));
-        let (req, trimmed) = c.request().unwrap();
-        let asked = estimate_prompt_tokens(&req.into_body().into_inner().unwrap());
-        c.begin(trimmed, None);
-        c.take(chunk(
-            "chatcmpl-b",
-            2,
-            json!({"content": " there, you"}),
-            Value::Null,
-        ));
-        c.take(chunk("chatcmpl-b", 2, json!({}), json!("stop")));
-        // Whole, but its server ignored `include_usage`.
-        let first = estimate_prompt_tokens(chat_body().to_string().as_bytes());
-        let total = c.with_carried(None, true).unwrap();
-        assert_eq!((total.input, total.output), (first + asked, 2 + 3));
+    fn an_openai_continuation_that_reports_no_usage_is_estimated() {
+        for whole in [false, true] {
+            let mut c = chat_continuer(chat_body());
+            c.take(chunk(
+                "chatcmpl-a",
+                1,
+                json!({"role": "assistant", "content": "Hello"}),
+                Value::Null,
+            ));
+            let (req, trimmed) = c.request().unwrap();
+            let asked = estimate_prompt_tokens(&req.into_body().into_inner().unwrap());
+            c.begin(trimmed, None);
+            c.take(chunk(
+                "chatcmpl-b",
+                2,
+                json!({"content": " there, you"}),
+                Value::Null,
+            ));
+            if whole {
+                c.take(chunk("chatcmpl-b", 2, json!({}), json!("stop")));
+            }
+            let first = estimate_prompt_tokens(chat_body().to_string().as_bytes());
+            let total = c.with_carried(None, whole).unwrap();
+            assert_eq!(
+                (total.input, total.output),
+                (first + asked, 2 + 3),
+                "whole: {whole}"
+            );
+        }
     }
 
     #[test]
