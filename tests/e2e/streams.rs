@@ -745,6 +745,37 @@ async fn an_attempt_whose_events_the_journal_lost_ends_abandoned_and_its_key_gen
         last.contains("stream_interrupted") && last.contains("journal lost events"),
         "{last}"
     );
+    // A client that has the last event the stream's clients were sent has all there
+    // was: nothing more (the journal lacks some, but no error is owed to it); one
+    // that lacks some it was sent gets the typed error.
+    let ids: Vec<String> = events(&got)
+        .iter()
+        .filter_map(|e| e.lines().next()?.strip_prefix("id: ").map(str::to_owned))
+        .collect();
+    let url = sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F")));
+    let at = |id: String| {
+        let url = url.clone();
+        async move {
+            send(request(
+                Method::GET,
+                &url,
+                &[("last-event-id", id.as_str())],
+                Bytes::new(),
+            ))
+            .await
+        }
+    };
+    let all = at(ids[ids.len() - 1].clone()).await;
+    assert_eq!(all.status, StatusCode::NO_CONTENT, "{}", all.text());
+    let short = at(ids[ids.len() - 2].clone()).await;
+    assert_eq!(short.status, StatusCode::OK, "{}", short.text());
+    assert!(
+        events(&short.body)
+            .last()
+            .is_some_and(|e| e.contains("journal lost events")),
+        "{}",
+        short.text()
+    );
     // It is not left open (and never completed with a hole): the same request
     // generates afresh.
     let again = send(post(&sidecar, D::OpenAi, Some("holed"), &[])).await;

@@ -584,9 +584,7 @@ impl Journal {
                     let StreamBegin::New { attempt } = begin else {
                         return;
                     };
-                    let end = StreamEnd::Abandoned {
-                        reason: UNANSWERED_START.to_owned(),
-                    };
+                    let end = StreamEnd::abandoned(UNANSWERED_START);
                     if let Err(e) = journal.stream_end(&started, attempt, end).await {
                         tracing::warn!(key = %started, error = %e, "could not end a stream whose caller went away");
                     }
@@ -795,9 +793,9 @@ fn recover(store: &Store, core: &mut Core, epoch: u64) -> Result<(Recovery, [i64
             continue;
         }
         meta.state = StreamState::Abandoned;
-        meta.end = Some(StreamEnd::Abandoned {
-            reason: "restart: the sidecar stopped while the stream was open".to_owned(),
-        });
+        meta.end = Some(StreamEnd::abandoned(
+            "restart: the sidecar stopped while the stream was open",
+        ));
         meta.updated_at = stamp;
         recovery.abandoned_streams.push(meta.key.clone());
         core.write_stream(&mut batch, meta, true)?;

@@ -100,7 +100,14 @@ pub enum StreamEnd {
     /// The provider answered with a definitive error.
     Failed { reason: String },
     /// The attempt broke off (upstream break, half a tool call, restart).
-    Abandoned { reason: String },
+    Abandoned {
+        reason: String,
+        /// The last event its clients were sent, when the journal lost some of its
+        /// events (it holds fewer than that): a client that has this one has all
+        /// there was.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sent_to: Option<u64>,
+    },
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -108,6 +115,14 @@ fn is_zero(n: &u32) -> bool {
 }
 
 impl StreamEnd {
+    /// An attempt that broke off for `reason`, every event it sent journaled.
+    pub fn abandoned(reason: impl Into<String>) -> Self {
+        Self::Abandoned {
+            reason: reason.into(),
+            sent_to: None,
+        }
+    }
+
     pub fn state(&self) -> StreamState {
         match self {
             StreamEnd::Completed { .. } => StreamState::Completed,
@@ -358,5 +373,23 @@ mod tests {
         let text = serde_json::to_string(&stitched).unwrap();
         assert!(text.contains(r#""continued":2"#), "{text}");
         assert_eq!(serde_json::from_str::<StreamEnd>(&text).unwrap(), stitched);
+    }
+
+    #[test]
+    fn an_abandoned_end_says_how_far_its_clients_got_only_when_the_journal_lost_events() {
+        let plain = StreamEnd::abandoned("cut");
+        let text = serde_json::to_string(&plain).unwrap();
+        assert_eq!(
+            text, r#"{"end":"abandoned","reason":"cut"}"#,
+            "written as before"
+        );
+        assert_eq!(serde_json::from_str::<StreamEnd>(&text).unwrap(), plain);
+        let holed = StreamEnd::Abandoned {
+            reason: "lost".into(),
+            sent_to: Some(41),
+        };
+        let text = serde_json::to_string(&holed).unwrap();
+        assert!(text.contains(r#""sent_to":41"#), "{text}");
+        assert_eq!(serde_json::from_str::<StreamEnd>(&text).unwrap(), holed);
     }
 }

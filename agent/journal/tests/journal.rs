@@ -899,9 +899,7 @@ async fn held_events_lost_to_a_failed_write_end_the_attempt_instead_of_leaving_a
     j.stream_end(
         &key,
         1,
-        StreamEnd::Abandoned {
-            reason: "the journal lost events of this attempt".into(),
-        },
+        StreamEnd::abandoned("the journal lost events of this attempt"),
     )
     .await?;
     assert_eq!(
@@ -1554,13 +1552,7 @@ async fn a_stream_is_kept_for_its_retention_after_its_last_change() -> TestResul
     let stream = StreamKey::new("s-late")?;
     run.journal.stream_begin(&stream, stream_request(1)).await?;
     run.journal
-        .stream_end(
-            &stream,
-            1,
-            StreamEnd::Abandoned {
-                reason: "cut".into(),
-            },
-        )
+        .stream_end(&stream, 1, StreamEnd::abandoned("cut"))
         .await?;
     run.stop().await?;
 

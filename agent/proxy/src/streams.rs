@@ -583,9 +583,7 @@ impl Starting {
     /// error event naming the cancel.
     pub(crate) async fn cancelled(mut self) {
         self.armed = false;
-        let end = StreamEnd::Abandoned {
-            reason: CANCELLED.into(),
-        };
+        let end = StreamEnd::abandoned(CANCELLED);
         let _ = self.end(end).await;
         self.close(Some(CANCELLED));
     }
@@ -618,9 +616,7 @@ impl Drop for Starting {
             // ends the attempt.
             return;
         }
-        self.end(StreamEnd::Abandoned {
-            reason: reason.to_string(),
-        });
+        self.end(StreamEnd::abandoned(reason.to_string()));
     }
 }
 
@@ -765,9 +761,7 @@ impl Drop for Producer {
             // The process is stopping: the next start's recovery ends the attempt.
             return;
         }
-        let end = StreamEnd::Abandoned {
-            reason: PRODUCER_STOPPED.into(),
-        };
+        let end = StreamEnd::abandoned(PRODUCER_STOPPED);
         spawn_end(self.journal.clone(), live.key.clone(), live.attempt, end);
     }
 }
@@ -1270,9 +1264,7 @@ impl Producer {
                 live.push(with_ids(live.attempt, self.seq, std::slice::from_ref(&ev)));
                 live.last_is_in();
                 self.interrupted = true;
-                StreamEnd::Abandoned {
-                    reason: reason.clone(),
-                }
+                StreamEnd::abandoned(reason.clone())
             }
         };
         // An attempt whose events the journal lost cannot be replayed: it ends as
@@ -1283,6 +1275,9 @@ impl Producer {
         } else {
             StreamEnd::Abandoned {
                 reason: "the journal lost events of this attempt".into(),
+                // Its clients were sent events the journal has not: one that has
+                // the last of them has everything there was.
+                sent_to: (live.sent() as u64).checked_sub(1),
             }
         };
         if !self.end_recorded
@@ -1596,8 +1591,19 @@ fn from_journal(
             key: key.to_string(),
         });
     }
-    // Not to a client that has the closing event already.
-    if after != Some(CLOSING_SEQ) {
+    // Not to a client that has the closing event already, or the last event its
+    // clients were sent where the journal lost some (it has all there was).
+    let has_all = match (&meta.end, after) {
+        (
+            Some(StreamEnd::Abandoned {
+                sent_to: Some(last),
+                ..
+            }),
+            Some(after),
+        ) => attempt == meta.attempt && after >= *last,
+        _ => false,
+    };
+    if after != Some(CLOSING_SEQ) && !has_all {
         events.extend(ended_short(shared, journal, meta, attempt)?);
     }
     if events.is_empty() {
@@ -1620,7 +1626,9 @@ pub(crate) fn ended_short(
 ) -> Result<Option<(u64, Bytes)>, crate::Error> {
     let (reason, last) = if attempt == meta.attempt {
         let reason = match &meta.end {
-            Some(StreamEnd::Failed { reason } | StreamEnd::Abandoned { reason }) => reason.clone(),
+            Some(StreamEnd::Failed { reason } | StreamEnd::Abandoned { reason, .. }) => {
+                reason.clone()
+            }
             Some(StreamEnd::Completed { .. }) | None => return Ok(None),
         };
         let last = match meta.last_seq {
