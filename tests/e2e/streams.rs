@@ -73,6 +73,20 @@ impl D {
 }
 
 /// Events of an SSE body (split on blank lines; the mock and the sidecar use LF).
+/// `GET /v1/streams/{key}` after the event `last_id`.
+fn resume_by_key(
+    sidecar: &Sidecar,
+    key: &str,
+    last_id: &str,
+) -> impl std::future::Future<Output = Reply> + use<> {
+    send(request(
+        Method::GET,
+        &sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F"))),
+        &[("last-event-id", last_id)],
+        Bytes::new(),
+    ))
+}
+
 fn events(body: &[u8]) -> Vec<String> {
     String::from_utf8_lossy(body)
         .split_inclusive("\n\n")
@@ -726,15 +740,9 @@ async fn an_attempt_whose_events_the_journal_lost_ends_abandoned_and_its_key_gen
     }
     assert!(events(&got).last().unwrap().contains("[DONE]"));
     let resume = |last: &'static str| {
-        let url = sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F")));
+        let r = resume_by_key(&sidecar, &key, last);
         async move {
-            let r = send(request(
-                Method::GET,
-                &url,
-                &[("last-event-id", last)],
-                Bytes::new(),
-            ))
-            .await;
+            let r = r.await;
             assert_eq!(r.status, StatusCode::OK, "{}", r.text());
             events(&r.body).last().cloned().unwrap_or_default()
         }
@@ -752,22 +760,9 @@ async fn an_attempt_whose_events_the_journal_lost_ends_abandoned_and_its_key_gen
         .iter()
         .filter_map(|e| e.lines().next()?.strip_prefix("id: ").map(str::to_owned))
         .collect();
-    let url = sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F")));
-    let at = |id: String| {
-        let url = url.clone();
-        async move {
-            send(request(
-                Method::GET,
-                &url,
-                &[("last-event-id", id.as_str())],
-                Bytes::new(),
-            ))
-            .await
-        }
-    };
-    let all = at(ids[ids.len() - 1].clone()).await;
+    let all = resume_by_key(&sidecar, &key, &ids[ids.len() - 1]).await;
     assert_eq!(all.status, StatusCode::NO_CONTENT, "{}", all.text());
-    let short = at(ids[ids.len() - 2].clone()).await;
+    let short = resume_by_key(&sidecar, &key, &ids[ids.len() - 2]).await;
     assert_eq!(short.status, StatusCode::OK, "{}", short.text());
     assert!(
         events(&short.body)
