@@ -16,19 +16,24 @@ use crate::support::*;
 
 async fn setup(continuation: &str, default: Behaviour) -> (MockProvider, Sidecar) {
     let mock = MockProvider::start(default).await.expect("mock");
-    let config = format!(
-        r#"
+    let config = config("", &mock.anthropic_base(), continuation);
+    let sidecar = Sidecar::start(&config, &[]).await;
+    (mock, sidecar)
+}
+
+/// A configuration of `before`, then the Anthropic provider at `base` with
+/// `continuation` set.
+fn config(before: &str, base: &str, continuation: &str) -> String {
+    format!(
+        r#"{before}
 [[providers]]
 name = "an"
 kind = "anthropic"
-base_url = "{}"
+base_url = "{base}"
 models = ["claude-mock"]
 continuation = "{continuation}"
-"#,
-        mock.anthropic_base()
-    );
-    let sidecar = Sidecar::start(&config, &[]).await;
-    (mock, sidecar)
+"#
+    )
 }
 
 /// `b` cut after `events`, paced so that the first events reach the agent before the
@@ -452,19 +457,10 @@ async fn a_continuation_that_stalls_or_opens_with_an_error_ends_with_the_typed_e
     ];
     for (second, says) in cases {
         let upstream = breaking_upstream(second).await;
-        let config = format!(
-            r#"
-[limits]
-first_byte_timeout = "300ms"
-
-[[providers]]
-name = "an"
-kind = "anthropic"
-base_url = "{}"
-models = ["claude-mock"]
-continuation = "prefill"
-"#,
-            upstream.url()
+        let config = config(
+            "[limits]\nfirst_byte_timeout = \"300ms\"\n",
+            &upstream.url(),
+            "prefill",
         );
         let sidecar = Sidecar::start(&config, &[]).await;
         let started = std::time::Instant::now();
@@ -824,4 +820,44 @@ async fn the_openai_sdk_reads_a_continued_turn_as_one_completion() {
     assert_eq!(mock.exchanges().len(), 2);
 
     raises_on_a_cut_tool_call(&mock, read, 4, "sdk-chat-tool", "APIError");
+}
+
+/// A continuation goes through its provider's breaker: while another call's
+/// failure has opened the circuit, the broken turn is not continued (the provider
+/// is not asked) and ends with the typed error naming the open circuit.
+#[tokio::test]
+async fn a_continuation_is_not_sent_to_a_provider_whose_circuit_is_open() {
+    let mock = MockProvider::start(Behaviour::default())
+        .await
+        .expect("mock");
+    let config = config(
+        "[resilience]\nbreaker_failures = 1\nbreaker_min_penalty = \"30s\"\n\
+         breaker_max_penalty = \"60s\"\n",
+        &mock.anthropic_base(),
+        "prefill",
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    // The turn is cut after its fifth event, 100 ms in; meanwhile another call is
+    // answered 500 and opens the circuit.
+    mock.push(cut(Behaviour::default(), 5));
+    mock.push(Behaviour {
+        status: Some(500),
+        ..Behaviour::default()
+    });
+    let turn = tokio::spawn(send(post(&sidecar, "open-circuit")));
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    let failing = send(post(&sidecar, "failing")).await;
+    assert_eq!(failing.status.as_u16() / 100, 5, "{}", failing.text());
+    let turn = turn.await.expect("the turn");
+    let events = parsed(&turn.body);
+    let (name, data) = events.last().unwrap();
+    assert_eq!(name, "error", "{}", turn.text());
+    let message = data["error"]["message"].as_str().unwrap();
+    assert!(message.contains("continuing it failed"), "{message}");
+    assert!(message.contains("circuit is open"), "{message}");
+    assert_eq!(
+        mock.exchanges().len(),
+        2,
+        "the provider was not asked again"
+    );
 }

@@ -1162,14 +1162,34 @@ impl Producer {
             format!("{reason}; continuing it failed: {why}")
         };
         let (req, trimmed) = continuer.request().map_err(|e| failed(e.to_string()))?;
+        // Through the provider's breaker, like any attempt: an open circuit is not
+        // asked, and what the continuation meets is news of the provider.
+        let breakers = &self.shared.breakers;
+        let pass = breakers.pass(target).map_err(|retry_after| {
+            failed(format!(
+                "{target}'s circuit is open (for {:.1}s more)",
+                retry_after.as_secs_f64()
+            ))
+        })?;
+        let record = |pass: crate::resilience::breaker::Pass<'_>, alive: bool| {
+            metrics.breaker_state(target, pass.record(alive, rand::random::<f64>()));
+        };
         let limits = &self.shared.options.limits;
-        let resp = self
+        let resp = match self
             .shared
             .upstream
             .send(req, limits.first_byte_timeout)
             .await
-            .map_err(|e| failed(e.to_string()))?;
+        {
+            Ok(resp) => resp,
+            Err(e) => {
+                record(pass, false);
+                return Err(failed(e.to_string()));
+            }
+        };
         if !resp.status().is_success() || !crate::headers::is_event_stream(resp.headers()) {
+            // A server error is the provider failing; any other answer shows it alive.
+            record(pass, !resp.status().is_server_error());
             return Err(failed(format!(
                 "{target} answered {} (not a stream of events)",
                 resp.status()
@@ -1203,6 +1223,7 @@ impl Producer {
                 Err(_) => format!("no event within {:?}", limits.first_byte_timeout),
             };
             self.scratch.clear();
+            record(pass, false);
             return Err(failed(why));
         }
         if let Some(error) = self
@@ -1212,10 +1233,12 @@ impl Producer {
             .and_then(|raw| crate::stitch::error_type(raw))
         {
             self.scratch.clear();
+            record(pass, false);
             return Err(failed(format!(
                 "its answer opened with an error event ({error})"
             )));
         }
+        record(pass, true);
         metrics.stream_continuation(target, true);
         tracing::info!(key = %self.live.key, provider = %target, %reason, "continuing an interrupted text-only stream");
         continuer.begin(trimmed, self.gate.turn.usage.take());
