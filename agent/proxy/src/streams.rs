@@ -1188,8 +1188,13 @@ impl Producer {
             }
         };
         if !resp.status().is_success() || !crate::headers::is_event_stream(resp.headers()) {
-            // A server error is the provider failing; any other answer shows it alive.
-            record(pass, !resp.status().is_server_error());
+            // Read as an attempt's answer is (a server error or a 408 is the provider
+            // failing; a rate limit or a refusal shows it alive).
+            let status = resp.status();
+            record(
+                pass,
+                !(status.is_success() || crate::model::attempts::answer_says_broken(status, &[])),
+            );
             return Err(failed(format!(
                 "{target} answered {} (not a stream of events)",
                 resp.status()
@@ -1226,14 +1231,15 @@ impl Producer {
             record(pass, false);
             return Err(failed(why));
         }
-        if let Some(error) = self
+        if let Some((raw, error)) = self
             .scratch
             .iter()
             .find(|raw| is_event(raw))
-            .and_then(|raw| crate::stitch::error_type(raw))
+            .and_then(|raw| Some((raw, crate::stitch::error_type(raw)?)))
         {
+            let broken = crate::model::attempts::error_event_says_broken(raw);
             self.scratch.clear();
-            record(pass, false);
+            record(pass, !broken);
             return Err(failed(format!(
                 "its answer opened with an error event ({error})"
             )));
@@ -1279,10 +1285,11 @@ impl Producer {
                 }
                 let ev = interruption_event(live.dialect, reason);
                 if self.journal_ok {
-                    let _ = self
+                    let r = self
                         .journal
                         .stream_append(&live.key, live.attempt, self.seq, vec![ev.clone()], true)
                         .await;
+                    self.journal_result(r);
                 }
                 live.push(with_ids(live.attempt, self.seq, std::slice::from_ref(&ev)));
                 live.last_is_in();
@@ -1297,7 +1304,12 @@ impl Producer {
             end
         } else {
             StreamEnd::Abandoned {
-                reason: "the journal lost events of this attempt".into(),
+                reason: match &ended {
+                    Ended::Abandoned(reason) => {
+                        format!("{reason}; the journal lost events of this attempt")
+                    }
+                    _ => "the journal lost events of this attempt".into(),
+                },
                 // Its clients were sent events the journal has not: one that has
                 // the last of them has everything there was.
                 sent_to: (live.sent() as u64).checked_sub(1),

@@ -712,6 +712,18 @@ async fn first_event<'a, B: HttpBody<Data = Bytes, Error: Into<BoxError>> + Unpi
 /// The status an error event stands for, from its error's `type` (or `code`): what
 /// the provider answers with that error outside a stream (Anthropic documents the
 /// pairs; OpenAI's types map the same way). Unknown types are server errors.
+/// Whether an answer with `status` (and `body`, as far as it was read) says its
+/// provider is broken, as an attempt's breaker reads it.
+pub(crate) fn answer_says_broken(status: StatusCode, body: &[u8]) -> bool {
+    classify(status, None, body).as_ref().is_some_and(broken)
+}
+
+/// Whether a stream's opening error event says its provider is broken, as an
+/// attempt's breaker reads it (a rate limit or a refused request says it is alive).
+pub(crate) fn error_event_says_broken(raw: &[u8]) -> bool {
+    answer_says_broken(error_event_status(raw), raw)
+}
+
 fn error_event_status(raw: &[u8]) -> StatusCode {
     let data = crate::sse::parse(raw).data.unwrap_or_default();
     let v: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();

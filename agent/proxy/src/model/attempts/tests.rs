@@ -1071,3 +1071,36 @@ async fn a_text_turn_starts_at_its_first_event() {
     let s = ok.ok().expect("a stream");
     assert_eq!(s.first_events.len(), 1);
 }
+
+/// What a continuation meets is read as an attempt's answer is: a server error, a
+/// 408 or an overloaded stream is the provider failing; a rate limit or a refused
+/// request shows it alive.
+#[test]
+fn answers_and_opening_error_events_say_whether_the_provider_is_broken() {
+    for (status, broken) in [
+        (500, true),
+        (529, true),
+        (408, true),
+        (429, false),
+        (400, false),
+        (401, false),
+    ] {
+        let status = StatusCode::from_u16(status).expect("a status");
+        assert_eq!(answer_says_broken(status, &[]), broken, "{status}");
+    }
+    let event = |kind: &str| {
+        format!(
+            "event: error\ndata: {{\"type\":\"error\",\"error\":{{\"type\":\"{kind}\",\"message\":\"m\"}}}}\n\n"
+        )
+    };
+    assert!(error_event_says_broken(
+        event("overloaded_error").as_bytes()
+    ));
+    assert!(error_event_says_broken(event("api_error").as_bytes()));
+    assert!(!error_event_says_broken(
+        event("rate_limit_error").as_bytes()
+    ));
+    assert!(!error_event_says_broken(
+        event("invalid_request_error").as_bytes()
+    ));
+}
