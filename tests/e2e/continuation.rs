@@ -24,13 +24,24 @@ async fn setup(continuation: &str, default: Behaviour) -> (MockProvider, Sidecar
 /// A configuration of `before`, then the Anthropic provider at `base` with
 /// `continuation` set.
 fn config(before: &str, base: &str, continuation: &str) -> String {
+    provider_config(before, "anthropic", base, continuation)
+}
+
+/// A configuration of `before`, then one provider of `kind` (`an` serving
+/// `claude-mock`, or `oa` serving `gpt-mock`) at `base` with `continuation` set.
+fn provider_config(before: &str, kind: &str, base: &str, continuation: &str) -> String {
+    let (name, model) = if kind == "openai" {
+        ("oa", "gpt-mock")
+    } else {
+        ("an", "claude-mock")
+    };
     format!(
         r#"{before}
 [[providers]]
-name = "an"
-kind = "anthropic"
+name = "{name}"
+kind = "{kind}"
 base_url = "{base}"
-models = ["claude-mock"]
+models = ["{model}"]
 continuation = "{continuation}"
 "#
     )
@@ -56,14 +67,24 @@ fn with_tool() -> Behaviour {
 }
 
 fn post(sidecar: &Sidecar, key: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
+    post_at(sidecar, "/v1/messages", "claude-mock", key)
+}
+
+/// A streamed request for `model` at `path`, under the `Idempotency-Key` `key`.
+fn post_at(
+    sidecar: &Sidecar,
+    path: &str,
+    model: &str,
+    key: &str,
+) -> http::Request<http_body_util::Full<bytes::Bytes>> {
     request(
         Method::POST,
-        &sidecar.url("/v1/messages"),
+        &sidecar.url(path),
         &[
             ("content-type", "application/json"),
             ("idempotency-key", key),
         ],
-        json!({"model": "claude-mock", "stream": true, "max_tokens": 99,
+        json!({"model": model, "stream": true, "max_tokens": 99,
                "messages": [{"role": "user", "content": "go"}]})
         .to_string(),
     )
@@ -578,33 +599,13 @@ async fn setup_openai() -> (MockProvider, Sidecar) {
     let mock = MockProvider::start(Behaviour::default())
         .await
         .expect("mock");
-    let config = format!(
-        r#"
-[[providers]]
-name = "oa"
-kind = "openai"
-base_url = "{}"
-models = ["gpt-mock"]
-continuation = "instruction"
-"#,
-        mock.openai_base()
-    );
+    let config = provider_config("", "openai", &mock.openai_base(), "instruction");
     let sidecar = Sidecar::start(&config, &[]).await;
     (mock, sidecar)
 }
 
 fn post_openai(sidecar: &Sidecar, key: &str) -> http::Request<http_body_util::Full<bytes::Bytes>> {
-    request(
-        Method::POST,
-        &sidecar.url("/v1/chat/completions"),
-        &[
-            ("content-type", "application/json"),
-            ("idempotency-key", key),
-        ],
-        json!({"model": "gpt-mock", "stream": true, "max_tokens": 99,
-               "messages": [{"role": "user", "content": "go"}]})
-        .to_string(),
-    )
+    post_at(sidecar, "/v1/chat/completions", "gpt-mock", key)
 }
 
 /// Each chunk's JSON data (`Value::Null` for `[DONE]`), and whether `[DONE]` came.

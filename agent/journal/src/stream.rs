@@ -354,42 +354,44 @@ pub(crate) mod chunk {
 mod tests {
     use super::*;
 
+    /// `end` as the journal writes it, after checking it reads back the same.
+    fn written(end: &StreamEnd) -> String {
+        let text = serde_json::to_string(end).unwrap();
+        assert_eq!(&serde_json::from_str::<StreamEnd>(&text).unwrap(), end);
+        text
+    }
+
     #[test]
     fn a_completed_end_says_continued_only_when_it_was() {
         let plain = StreamEnd::Completed {
             usage: serde_json::json!({"output_tokens": 3}),
             continued: 0,
         };
-        let text = serde_json::to_string(&plain).unwrap();
         assert_eq!(
-            text, r#"{"end":"completed","usage":{"output_tokens":3}}"#,
+            written(&plain),
+            r#"{"end":"completed","usage":{"output_tokens":3}}"#,
             "written as before continuations existed"
         );
-        assert_eq!(serde_json::from_str::<StreamEnd>(&text).unwrap(), plain);
         let stitched = StreamEnd::Completed {
             usage: serde_json::Value::Null,
             continued: 2,
         };
-        let text = serde_json::to_string(&stitched).unwrap();
+        let text = written(&stitched);
         assert!(text.contains(r#""continued":2"#), "{text}");
-        assert_eq!(serde_json::from_str::<StreamEnd>(&text).unwrap(), stitched);
     }
 
     #[test]
     fn an_abandoned_end_says_how_far_its_clients_got_only_when_the_journal_lost_events() {
-        let plain = StreamEnd::abandoned("cut");
-        let text = serde_json::to_string(&plain).unwrap();
         assert_eq!(
-            text, r#"{"end":"abandoned","reason":"cut"}"#,
+            written(&StreamEnd::abandoned("cut")),
+            r#"{"end":"abandoned","reason":"cut"}"#,
             "written as before"
         );
-        assert_eq!(serde_json::from_str::<StreamEnd>(&text).unwrap(), plain);
         let holed = StreamEnd::Abandoned {
             reason: "lost".into(),
             sent_to: Some(41),
         };
-        let text = serde_json::to_string(&holed).unwrap();
+        let text = written(&holed);
         assert!(text.contains(r#""sent_to":41"#), "{text}");
-        assert_eq!(serde_json::from_str::<StreamEnd>(&text).unwrap(), holed);
     }
 }

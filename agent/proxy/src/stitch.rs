@@ -147,16 +147,10 @@ impl Continuer {
     /// the turn reported of the piece that broke (OpenAI reports nothing before
     /// the end: its prompt is then estimated, at 4 bytes a token).
     pub fn begin(&mut self, trimmed: bool, broke: Option<ReportedUsage>) {
-        let piece = self.sent.text(self.sent.piece_start);
-        let broke = broke.unwrap_or_else(|| ReportedUsage {
-            input: self
-                .piece_prompt
-                .unwrap_or_else(|| estimate_prompt_tokens(&self.how.body)),
-            output: 0,
-        });
+        let broke = self.broken_piece(broke);
         self.piece_prompt = Some(self.requested_prompt);
         self.carried.input += broke.input;
-        self.carried.output += broke.output.max(estimate_tokens(&piece));
+        self.carried.output += broke.output;
         self.sent.piece_start = self.sent.texts.len();
         self.stitch = Some(match self.sent.dialect {
             Dialect::Anthropic => Stitcher::Messages(Stitch::new(&self.sent, trimmed)),
@@ -168,6 +162,25 @@ impl Continuer {
         });
         self.how.left -= 1;
         self.taken += 1;
+    }
+
+    /// What the piece streaming now consumed and generated, counted as broken: its
+    /// prompt as `reported`, else estimated (its request's, at 4 bytes a token);
+    /// its text estimated if it reported less.
+    fn broken_piece(&self, reported: Option<ReportedUsage>) -> ReportedUsage {
+        let text = estimate_tokens(&self.sent.text(self.sent.piece_start));
+        match reported {
+            Some(r) => ReportedUsage {
+                input: r.input,
+                output: r.output.max(text),
+            },
+            None => ReportedUsage {
+                input: self
+                    .piece_prompt
+                    .unwrap_or_else(|| estimate_prompt_tokens(&self.how.body)),
+                output: text,
+            },
+        }
     }
 
     /// The provider this generation continues at.
@@ -185,16 +198,11 @@ impl Continuer {
         if self.taken == 0 {
             return usage;
         }
-        let mut u = usage.unwrap_or_default();
-        // Unreported (a server that ignores `include_usage`) is estimated too.
-        if !whole || usage.is_none() {
-            if usage.is_none() {
-                u.input = self.piece_prompt.unwrap_or_default();
-            }
-            u.output = u
-                .output
-                .max(estimate_tokens(&self.sent.text(self.sent.piece_start)));
-        }
+        let u = match usage {
+            Some(u) if whole => u,
+            // Unreported (a server that ignores `include_usage`) is estimated too.
+            _ => self.broken_piece(usage),
+        };
         Some(ReportedUsage {
             input: u.input + self.carried.input,
             output: u.output + self.carried.output,

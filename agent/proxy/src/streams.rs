@@ -1156,7 +1156,8 @@ impl Producer {
             return Err(reason.to_owned());
         };
         let metrics = &self.shared.metrics;
-        let target = &continuer.provider().name.clone();
+        let target = continuer.provider().name.clone();
+        let target = target.as_str();
         let failed = |why: String| {
             metrics.stream_continuation(target, false);
             format!("{reason}; continuing it failed: {why}")

@@ -216,8 +216,8 @@ pub struct Provider {
     pub price_in: Option<f64>,
     /// Dollars per million output tokens.
     pub price_out: Option<f64>,
-    /// How an interrupted text-only stream is continued: `"prefill"` or
-    /// `"instruction"` (Anthropic providers only; off when absent).
+    /// How an interrupted text-only stream is continued: `"prefill"` (Anthropic
+    /// providers only) or `"instruction"`; off when absent.
     pub continuation: Option<String>,
 }
 
