@@ -1190,15 +1190,14 @@ impl Producer {
         };
         if !resp.status().is_success() || !crate::headers::is_event_stream(resp.headers()) {
             // Read as an attempt's answer is (a server error or a 408 is the provider
-            // failing; a rate limit or a refusal shows it alive).
+            // failing; a rate limit, a refusal or a plain answer shows it alive).
             let status = resp.status();
             record(
                 pass,
-                !(status.is_success() || crate::model::attempts::answer_says_broken(status, &[])),
+                !crate::model::attempts::answer_says_broken(status, &[]),
             );
             return Err(failed(format!(
-                "{target} answered {} (not a stream of events)",
-                resp.status()
+                "{target} answered {status} (not a stream of events)"
             )));
         }
         let provider = continuer.provider();

@@ -1084,6 +1084,8 @@ fn answers_and_opening_error_events_say_whether_the_provider_is_broken() {
         (429, false),
         (400, false),
         (401, false),
+        // A plain answer where a stream was asked for: the provider is alive.
+        (200, false),
     ] {
         let status = StatusCode::from_u16(status).expect("a status");
         assert_eq!(answer_says_broken(status, &[]), broken, "{status}");
