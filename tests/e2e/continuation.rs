@@ -405,9 +405,12 @@ impl hyper::body::Body for Fed {
 }
 
 /// An Anthropic upstream whose first answer sends `message_start`, a text block's
-/// start and one delta, then breaks; the second (the continuation) gets `second`
-/// written to it, and is then held open (its sender is kept).
-async fn breaking_upstream(second: &'static [&'static str]) -> outrigger_testing::http::Server {
+/// start and one delta, then breaks; the second (the continuation) gets each chunk
+/// of `second` written to it after its delay (in milliseconds), and is then held
+/// open (its sender is kept).
+async fn breaking_upstream(
+    second: &'static [(u64, &'static str)],
+) -> outrigger_testing::http::Server {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::{Arc, Mutex};
     let count = Arc::new(AtomicUsize::new(0));
@@ -437,10 +440,13 @@ async fn breaking_upstream(second: &'static [&'static str]) -> outrigger_testing
                         let _ = tx.send(Err("cut".to_owned()));
                     });
                 } else {
-                    for chunk in second {
-                        let _ = tx.send(Ok(bytes::Bytes::from_static(chunk.as_bytes())));
-                    }
-                    held.lock().unwrap().push(tx);
+                    tokio::spawn(async move {
+                        for (delay, chunk) in second {
+                            tokio::time::sleep(Duration::from_millis(*delay)).await;
+                            let _ = tx.send(Ok(bytes::Bytes::from_static(chunk.as_bytes())));
+                        }
+                        held.lock().unwrap().push(tx);
+                    });
                 }
                 let mut resp = http::Response::new(
                     http_body_util::BodyExt::boxed_unsync(Fed(rx)),
@@ -459,27 +465,31 @@ async fn breaking_upstream(second: &'static [&'static str]) -> outrigger_testing
 
 /// A continuation is an attempt like any other before its first event: one that
 /// says nothing within `first_byte_timeout`, or opens with the provider's error
-/// event, ends the turn with the typed error that says so.
+/// event, ends the turn with the typed error that says so. A keep-alive comment is
+/// no event, but as the answer's first bytes it ends the first-byte wait: from then
+/// on the first event may take as long as any other (`stream_idle_timeout`).
 #[tokio::test]
 async fn a_continuation_that_stalls_or_opens_with_an_error_ends_with_the_typed_error() {
     const OVERLOADED: &str = "event: error\ndata: {\"type\":\"error\",\"error\":{\"type\":\"overloaded_error\",\"message\":\"Overloaded\"}}\n\n";
-    // A keep-alive comment is no event: it neither ends the wait nor hides the error.
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[(u64, &str)], &str); 4] = [
         (&[], "no event within 300ms"),
-        (&[": keep-alive\n\n"], "no event within 300ms"),
         (
-            &[OVERLOADED],
+            &[(0, ": keep-alive\n\n")],
+            "its answer broke before its first event",
+        ),
+        (
+            &[(0, OVERLOADED)],
             "opened with an error event (overloaded_error)",
         ),
         (
-            &[": keep-alive\n\n", OVERLOADED],
+            &[(0, ": keep-alive\n\n"), (0, OVERLOADED)],
             "opened with an error event (overloaded_error)",
         ),
     ];
     for (second, says) in cases {
         let upstream = breaking_upstream(second).await;
         let config = config(
-            "[limits]\nfirst_byte_timeout = \"300ms\"\n",
+            "[limits]\nfirst_byte_timeout = \"300ms\"\nstream_idle_timeout = \"1s\"\n",
             &upstream.url(),
             "prefill",
         );
@@ -505,6 +515,68 @@ async fn a_continuation_that_stalls_or_opens_with_an_error_ends_with_the_typed_e
             first.text()
         );
     }
+}
+
+/// A continuation that sends a keep-alive comment at once and its first event only
+/// after `first_byte_timeout` (a model thinking) is waited for, as a first attempt's
+/// would be: the turn is continued.
+#[tokio::test]
+async fn a_continuation_that_keeps_alive_before_its_first_event_is_waited_for() {
+    const REST: &[(u64, &str)] = &[
+        (0, ": keep-alive\n\n"),
+        (
+            500,
+            "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_2\",\"model\":\"claude-mock\",\"usage\":{\"input_tokens\":12,\"output_tokens\":1}}}\n\n\
+             event: content_block_start\ndata: {\"type\":\"content_block_start\",\"index\":0,\"content_block\":{\"type\":\"text\",\"text\":\"\"}}\n\n\
+             event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\" world\"}}\n\n\
+             event: content_block_stop\ndata: {\"type\":\"content_block_stop\",\"index\":0}\n\n\
+             event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":2}}\n\n\
+             event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+        ),
+    ];
+    let upstream = breaking_upstream(REST).await;
+    let config = config(
+        "[limits]\nfirst_byte_timeout = \"300ms\"\n",
+        &upstream.url(),
+        "prefill",
+    );
+    let sidecar = Sidecar::start(&config, &[]).await;
+    let first = send(post(&sidecar, "kept-alive")).await;
+    let events = parsed(&first.body);
+    assert!(named(&events, "error").is_empty(), "{}", first.text());
+    assert_eq!(named(&events, "message_start").len(), 1, "{}", first.text());
+    assert_eq!(named(&events, "message_stop").len(), 1, "{}", first.text());
+    assert_eq!(text(&events), "Hello world", "{}", first.text());
+}
+
+/// A continuation answered with a rate limit is news to the provider's limiter, as
+/// an attempt's would be: the turn ends with the typed error, and the limiter pauses
+/// for the `Retry-After`, so the next call to that provider waits it out.
+#[tokio::test]
+async fn a_continuation_answered_with_a_rate_limit_pauses_the_providers_limiter() {
+    let (mock, sidecar) = setup("prefill", Behaviour::default()).await;
+    mock.push(cut(Behaviour::default(), 5));
+    mock.push(Behaviour {
+        status: Some(429),
+        retry_after: Some(2),
+        ..Behaviour::default()
+    });
+    let first = send(post(&sidecar, "rate-limited")).await;
+    let events = parsed(&first.body);
+    let (name, data) = events.last().unwrap();
+    assert_eq!(name, "error", "{}", first.text());
+    let message = data["error"]["message"].as_str().unwrap();
+    assert!(message.contains("continuing it failed"), "{message}");
+    assert!(message.contains("429"), "{message}");
+    let started = std::time::Instant::now();
+    let next = send(post(&sidecar, "after-the-rate-limit")).await;
+    let waited = started.elapsed();
+    assert_eq!(next.status, StatusCode::OK, "{}", next.text());
+    assert_eq!(mock.exchanges().len(), 3);
+    assert!(
+        waited >= Duration::from_millis(1500),
+        "the next call waited out the pause: {waited:?}"
+    );
 }
 
 /// Reads a streamed message through the sidecar with the stock Anthropic SDK

@@ -1163,17 +1163,25 @@ impl Producer {
             format!("{reason}; continuing it failed: {why}")
         };
         let (req, trimmed) = continuer.request().map_err(|e| failed(e.to_string()))?;
-        // Through the provider's breaker, like any attempt: an open circuit is not
-        // asked, and what the continuation meets is news of the provider.
+        // Through the provider's breaker and its limiter, like any attempt: an open
+        // circuit is not asked, and what the continuation meets is news of the
+        // provider to both (a rate limit halves the limiter's concurrency and pauses it
+        // for the `Retry-After`). It goes on in the turn's own limiter slot.
         let breakers = &self.shared.breakers;
+        let limiter = self.shared.limiters.get(target);
         let pass = breakers.pass(target).map_err(|retry_after| {
             failed(format!(
                 "{target}'s circuit is open (for {:.1}s more)",
                 retry_after.as_secs_f64()
             ))
         })?;
-        let record = |pass: crate::resilience::breaker::Pass<'_>, alive: bool| {
-            metrics.breaker_state(target, pass.record(alive, rand::random::<f64>()));
+        let heard = |pass: crate::resilience::breaker::Pass<'_>,
+                     status: http::StatusCode,
+                     headers: &http::HeaderMap,
+                     broken: bool| {
+            let retry_after = crate::model::attempts::retry_after(headers);
+            limiter.observe(status.as_u16(), headers, retry_after);
+            metrics.breaker_state(target, pass.record(!broken, rand::random::<f64>()));
         };
         let limits = &self.shared.options.limits;
         let resp = match self
@@ -1184,43 +1192,51 @@ impl Producer {
         {
             Ok(resp) => resp,
             Err(e) => {
-                record(pass, false);
+                metrics.breaker_state(target, pass.record(false, rand::random::<f64>()));
                 return Err(failed(e.to_string()));
             }
         };
-        if !resp.status().is_success() || !crate::headers::is_event_stream(resp.headers()) {
+        let (parts, body) = resp.into_parts();
+        if !parts.status.is_success() || !crate::headers::is_event_stream(&parts.headers) {
             // Read as an attempt's answer is (a server error or a 408 is the provider
             // failing; a rate limit, a refusal or a plain answer shows it alive).
-            let status = resp.status();
-            record(
-                pass,
-                !crate::model::attempts::answer_says_broken(status, &[]),
-            );
+            let status = parts.status;
+            let broken = crate::model::attempts::answer_says_broken(status, &[]);
+            heard(pass, status, &parts.headers, broken);
             return Err(failed(format!(
                 "{target} answered {status} (not a stream of events)"
             )));
         }
         let provider = continuer.provider();
-        let mut body = UpstreamBody::new(
-            resp.into_body(),
-            provider.api_key.as_ref().map(|k| k.expose()),
-        )
-        .idle_limit(limits.stream_idle_timeout)
-        .gathering();
+        let mut body = UpstreamBody::new(body, provider.api_key.as_ref().map(|k| k.expose()))
+            .idle_limit(limits.stream_idle_timeout)
+            .gathering();
         // What was left of the broken event is not an event.
         self.framer = crate::sse::Framer::new(limits.max_event_bytes);
-        // Like any attempt, the continuation has `first_byte_timeout` for its first
-        // event, and one that opens with the provider's error event is no answer.
-        let deadline = tokio::time::Instant::now() + limits.first_byte_timeout;
+        // Like any attempt, the continuation's first bytes must come within
+        // `first_byte_timeout`; once the provider is sending (a keep-alive comment
+        // while it thinks), its first event may take as long as any later one (the
+        // stream's idle limit). One that opens with the provider's error event is no
+        // answer.
+        let mut deadline = Some(tokio::time::Instant::now() + limits.first_byte_timeout);
         // An event is a block with data: a comment (a keep-alive) is none.
         let is_event = |raw: &Bytes| crate::sse::parse(raw).data.is_some();
         while !self.scratch.iter().any(is_event) {
-            let why = match tokio::time::timeout_at(deadline, body.frame()).await {
+            let frame = match deadline {
+                Some(at) => tokio::time::timeout_at(at, body.frame()).await,
+                None => Ok(body.frame().await),
+            };
+            let why = match frame {
                 Ok(Some(Ok(frame))) => match frame.into_data() {
-                    Ok(data) => match self.framer.push(&data, &mut self.scratch) {
-                        Ok(()) => continue,
-                        Err(e) => e.to_string(),
-                    },
+                    Ok(data) => {
+                        if !data.is_empty() {
+                            deadline = None;
+                        }
+                        match self.framer.push(&data, &mut self.scratch) {
+                            Ok(()) => continue,
+                            Err(e) => e.to_string(),
+                        }
+                    }
                     Err(_) => continue,
                 },
                 Ok(Some(Err(e))) => format!("its answer broke before its first event: {e}"),
@@ -1228,7 +1244,7 @@ impl Producer {
                 Err(_) => format!("no event within {:?}", limits.first_byte_timeout),
             };
             self.scratch.clear();
-            record(pass, false);
+            metrics.breaker_state(target, pass.record(false, rand::random::<f64>()));
             return Err(failed(why));
         }
         if let Some((raw, error)) = self
@@ -1237,14 +1253,17 @@ impl Producer {
             .find(|raw| is_event(raw))
             .and_then(|raw| Some((raw, crate::stitch::error_type(raw)?)))
         {
+            // An error event stands for the error status it names (a rate limit
+            // event is a 429 to the limiter).
+            let status = crate::model::attempts::error_event_status(raw);
             let broken = crate::model::attempts::error_event_says_broken(raw);
             self.scratch.clear();
-            record(pass, !broken);
+            heard(pass, status, &parts.headers, broken);
             return Err(failed(format!(
                 "its answer opened with an error event ({error})"
             )));
         }
-        record(pass, true);
+        heard(pass, parts.status, &parts.headers, false);
         metrics.stream_continuation(target, true);
         tracing::info!(key = %self.live.key, provider = %target, %reason, "continuing an interrupted text-only stream");
         continuer.begin(trimmed, self.gate.turn.usage.take());

@@ -724,7 +724,7 @@ pub(crate) fn error_event_says_broken(raw: &[u8]) -> bool {
     answer_says_broken(error_event_status(raw), raw)
 }
 
-fn error_event_status(raw: &[u8]) -> StatusCode {
+pub(crate) fn error_event_status(raw: &[u8]) -> StatusCode {
     let data = crate::sse::parse(raw).data.unwrap_or_default();
     let v: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();
     let error = &v["error"];
