@@ -102,19 +102,30 @@ impl Continuer {
     /// Whether the turn can be continued: a continuation is left, the message has
     /// begun, and every block the agent saw (or that is held) is text.
     pub fn can_continue(&self) -> bool {
-        self.how.left > 0
-            && self.sent.started
-            && !self.sent.other_block
-            // Only choice 0 is followed: a turn of several is not continued; nor is
-            // structured output, which a second answer would not go on with.
-            && !self.agent_asked(|v| {
-                v["n"].as_u64().is_some_and(|n| n > 1)
-                    || !(v["response_format"].is_null() || v["response_format"]["type"] == "text")
-            })
+        self.how.left > 0 && self.sent.started && !self.sent.other_block && !self.structured()
     }
 
-    /// Whether the agent's OpenAI request says `what` (read only when a turn is
-    /// to be continued; `false` for Anthropic).
+    /// Whether the agent's request asked for what a second answer would not go on
+    /// with: several choices (only choice 0 is followed), or structured output
+    /// (OpenAI's `response_format` other than text; Anthropic's `output_config.format`,
+    /// or `output_format` of the beta): a continuation would start a new JSON
+    /// document, not finish the first. Read only when a turn is to be continued.
+    fn structured(&self) -> bool {
+        let Ok(v) = serde_json::from_slice::<Value>(&self.how.body) else {
+            return false;
+        };
+        match self.sent.dialect {
+            Dialect::OpenAi => {
+                v["n"].as_u64().is_some_and(|n| n > 1)
+                    || !(v["response_format"].is_null() || v["response_format"]["type"] == "text")
+            }
+            Dialect::Anthropic => {
+                !v["output_format"].is_null() || !v["output_config"]["format"].is_null()
+            }
+        }
+    }
+
+    /// Whether the agent's OpenAI request says `what` (`false` for Anthropic).
     fn agent_asked(&self, what: impl Fn(&Value) -> bool) -> bool {
         self.sent.dialect == Dialect::OpenAi
             && serde_json::from_slice::<Value>(&self.how.body).is_ok_and(|v| what(&v))
@@ -789,6 +800,15 @@ mod tests {
     }
 
     fn continuer(mode: Continuation) -> Continuer {
+        continuer_of(
+            mode,
+            json!({"model": "m", "max_tokens": 100, "stream": true,
+                   "messages": [{"role": "user", "content": "hi"}]}),
+        )
+    }
+
+    /// An Anthropic continuer of the agent's request `body`.
+    fn continuer_of(mode: Continuation, body: Value) -> Continuer {
         Continuer::new(Continuable {
             mode,
             provider: Provider {
@@ -801,11 +821,7 @@ mod tests {
             },
             suffix: "/v1/messages",
             agent_headers: HeaderMap::new(),
-            body: Bytes::from(
-                json!({"model": "m", "max_tokens": 100, "stream": true,
-                       "messages": [{"role": "user", "content": "hi"}]})
-                .to_string(),
-            ),
+            body: Bytes::from(body.to_string()),
             left: 1,
         })
     }
@@ -970,6 +986,33 @@ mod tests {
             "nothing began: the attempt is retried instead"
         );
         c.take(message_start(10));
+        assert!(c.can_continue());
+    }
+
+    #[test]
+    fn an_anthropic_turn_with_structured_output_is_not_continued() {
+        let schema = json!({"type": "json_schema", "schema": {"type": "object"}});
+        let base = json!({"model": "m", "max_tokens": 100, "stream": true,
+                          "messages": [{"role": "user", "content": "hi"}]});
+        for (member, value) in [
+            ("output_config", json!({"format": schema})),
+            ("output_format", schema.clone()),
+        ] {
+            let mut body = base.clone();
+            body[member] = value.clone();
+            let mut c = continuer_of(Continuation::Instruction, body);
+            c.take(message_start(10));
+            c.take(text_start(0));
+            c.take(text_delta(0, "{\"a\": "));
+            assert!(!c.can_continue(), "{member}: {value}");
+        }
+        // Other output settings (effort) leave a text turn continuable.
+        let mut body = base;
+        body["output_config"] = json!({"effort": "low"});
+        let mut c = continuer_of(Continuation::Instruction, body);
+        c.take(message_start(10));
+        c.take(text_start(0));
+        c.take(text_delta(0, "Hi"));
         assert!(c.can_continue());
     }
 
