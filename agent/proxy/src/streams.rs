@@ -291,7 +291,7 @@ impl Live {
         })
     }
 
-    fn push(&self, events: impl IntoIterator<Item = Bytes>) {
+    pub(crate) fn push(&self, events: impl IntoIterator<Item = Bytes>) {
         if let Ok(mut e) = self.events.lock() {
             e.extend(events);
         }
@@ -299,8 +299,14 @@ impl Live {
     }
 
     /// Nothing more will be pushed.
-    fn last_is_in(&self) {
+    pub(crate) fn last_is_in(&self) {
         self.last_in.store(true, Ordering::Release);
+    }
+
+    /// Whether its last event is in: the generation is ending (its end being
+    /// recorded, when it did not complete, after the events its clients have).
+    pub(crate) fn is_ending(&self) -> bool {
+        self.last_in.load(Ordering::Acquire)
     }
 
     fn finish(&self) {
@@ -1571,7 +1577,7 @@ pub(crate) async fn serve_attempt(
                     let from = live.resume_index(seq)?;
                     // A generation whose last event the client has: an empty `200`
                     // would have an event source reconnect for ever.
-                    if live.last_in.load(Ordering::Acquire) && from >= live.sent() {
+                    if live.is_ending() && from >= live.sent() {
                         return Ok(nothing_more());
                     }
                     return Ok(live_response(live, from, true));

@@ -322,11 +322,14 @@ async fn replay(
             }
             StreamState::Open => {
                 // The hub of this attempt: an earlier one's may still be leaving the
-                // registry while the attempt that replaced it registers its own.
+                // registry while the attempt that replaced it registers its own. One
+                // whose last event is in is ending: its end is awaited (a failed or
+                // abandoned attempt is then begun again, not replayed with its error,
+                // to an agent that repeats the call the moment it reads that error).
                 if let Some(live) = shared
                     .streams
                     .get(&keyed.key)
-                    .filter(|live| live.attempt == meta.attempt)
+                    .filter(|live| live.attempt == meta.attempt && !live.is_ending())
                 {
                     if !request.stream {
                         return Err(Error::StreamInProgress {
@@ -1254,13 +1257,9 @@ mod tests {
         }
     }
 
-    /// A call dropped before its first event removes its hub at once and records its
-    /// end a moment later. A repeat that began in between finds the stream open and
-    /// then ended: that is no answer (a 204) but a reason to begin again, as the key's
-    /// next attempt.
-    #[tokio::test]
-    async fn a_repeat_that_meets_an_attempt_ending_begins_the_next_one() {
-        let j = TempJournal::open().expect("a journal");
+    /// A proxy with the one provider over `j`'s journal, and the keyed request every
+    /// repeat below sends (`Idempotency-Key: k`).
+    fn keyed_setup(j: &TempJournal) -> (Arc<Shared>, ModelRequest, streams::Keyed) {
         let proxy = crate::Proxy::new(
             crate::Options {
                 providers: vec![provider()],
@@ -1282,15 +1281,12 @@ mod tests {
         let keyed = streams::key_for(&h, &ctx(), &request, &shared.options.streams)
             .expect("keyed")
             .expect("a key");
-        let primary = provider();
-        let first = begin(&shared, &j.journal, &keyed, &request, &primary, &ctx())
-            .await
-            .expect("begun");
-        assert!(matches!(first, Begun::New(1)));
-        let starting =
-            streams::Starting::new(&shared, j.journal.clone(), keyed.key.clone(), 1, &request);
-        // The repeat begins while the first call waits for its first event…
-        let meta = match j
+        (shared, request, keyed)
+    }
+
+    /// A repeat's begin of `keyed` while its attempt is open: the open stream.
+    async fn begin_existing(j: &TempJournal, keyed: &streams::Keyed) -> StreamMeta {
+        let begun = j
             .journal
             .stream_begin(
                 &keyed.key,
@@ -1304,11 +1300,38 @@ mod tests {
                 },
             )
             .await
-            .expect("begun")
-        {
+            .expect("begun");
+        match begun {
             StreamBegin::Existing { meta } => meta,
-            _ => panic!("the first attempt is open"),
-        };
+            other => panic!("the first attempt is open: {other:?}"),
+        }
+    }
+
+    /// The first call of `keyed` begun (attempt 1), waiting for its first event.
+    async fn first_attempt(
+        shared: &Arc<Shared>,
+        j: &TempJournal,
+        request: &ModelRequest,
+        keyed: &streams::Keyed,
+    ) -> streams::Starting {
+        let first = begin(shared, &j.journal, keyed, request, &provider(), &ctx())
+            .await
+            .expect("begun");
+        assert!(matches!(first, Begun::New(1)));
+        streams::Starting::new(shared, j.journal.clone(), keyed.key.clone(), 1, request)
+    }
+
+    /// A call dropped before its first event removes its hub at once and records its
+    /// end a moment later. A repeat that began in between finds the stream open and
+    /// then ended: that is no answer (a 204) but a reason to begin again, as the key's
+    /// next attempt.
+    #[tokio::test]
+    async fn a_repeat_that_meets_an_attempt_ending_begins_the_next_one() {
+        let j = TempJournal::open().expect("a journal");
+        let (shared, request, keyed) = keyed_setup(&j);
+        let starting = first_attempt(&shared, &j, &request, &keyed).await;
+        // The repeat begins while the first call waits for its first event…
+        let meta = begin_existing(&j, &keyed).await;
         // …which its agent then leaves.
         drop(starting);
         let replayed = replay(&shared, &j.journal, &keyed, meta, &request, &ctx())
@@ -1319,7 +1342,53 @@ mod tests {
             "answered {:?}",
             replayed.map(|r| r.status())
         );
-        let again = begin(&shared, &j.journal, &keyed, &request, &primary, &ctx())
+        let again = begin(&shared, &j.journal, &keyed, &request, &provider(), &ctx())
+            .await
+            .expect("begun");
+        assert!(matches!(again, Begun::New(2)));
+    }
+
+    /// An agent that repeats its call the moment it reads the typed error of an
+    /// interrupted stream meets that attempt still open, its hub still registered
+    /// while its end is being recorded. It is not answered with the broken attempt
+    /// again (its events and its error): the repeat waits for the end, and then
+    /// begins the key afresh.
+    #[tokio::test]
+    async fn a_repeat_of_a_broken_stream_whose_end_is_being_recorded_begins_afresh() {
+        let j = TempJournal::open().expect("a journal");
+        let (shared, request, keyed) = keyed_setup(&j);
+        let starting = first_attempt(&shared, &j, &request, &keyed).await;
+        let (journal, live) = starting.started();
+        // The text the agent read, then the interruption's typed error: the last
+        // event is in, and the end is not yet recorded.
+        live.push([
+            Bytes::from_static(
+                b"id: 1:0\ndata: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
+            ),
+            Bytes::from_static(b"id: 1:1\ndata: {\"error\":{\"type\":\"stream_interrupted\"}}\n\n"),
+        ]);
+        live.last_is_in();
+        let meta = begin_existing(&j, &keyed).await;
+        let repeat = tokio::spawn({
+            let (shared, journal, keyed, request) = (
+                shared.clone(),
+                j.journal.clone(),
+                keyed.clone(),
+                request.clone(),
+            );
+            async move { replay(&shared, &journal, &keyed, meta, &request, &ctx()).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!repeat.is_finished(), "the repeat waits for the end");
+        let end = outrigger_journal::StreamEnd::abandoned("the upstream broke");
+        journal.stream_end(&keyed.key, 1, end).await.expect("ended");
+        let replayed = repeat.await.expect("joined").expect("no error");
+        assert!(
+            replayed.is_none(),
+            "answered {:?}",
+            replayed.map(|r| r.status())
+        );
+        let again = begin(&shared, &j.journal, &keyed, &request, &provider(), &ctx())
             .await
             .expect("begun");
         assert!(matches!(again, Begun::New(2)));
