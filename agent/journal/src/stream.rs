@@ -82,6 +82,12 @@ pub enum StreamState {
     Completed,
     Failed,
     Abandoned,
+    /// Past `stream_retention`: its events are gone. The metadata stays as long
+    /// again, so that a resume is told the stream expired (not that it never
+    /// existed), a different body under the key is still a mismatch, and a new
+    /// attempt of the key takes the next number. `end` still says how the last
+    /// attempt ended.
+    Expired,
 }
 
 /// How an attempt ended.

@@ -829,7 +829,10 @@ async fn format_2_streams_are_read_under_their_key_and_new_streams_get_slots() -
         count_prefix(&store, &keys::events_prefix(keys::Events::Slot(fresh_slot))),
         0
     );
-    assert_eq!(store.get(&keys::stream("old"))?, None);
+    // Its metadata stays, expired.
+    let old = store.get(&keys::stream("old"))?.ok_or("expired metadata")?;
+    let old = crate::writer::decode_stream("old", &old)?;
+    assert_eq!(old.state, crate::StreamState::Expired);
     Ok(())
 }
 

@@ -109,7 +109,11 @@ pub struct ReapReport {
     pub tombstoned: u64,
     /// Tombstones forgotten (the key may be used again as new).
     pub purged: u64,
+    /// Streams past `stream_retention` whose events were dropped (each kept as
+    /// `expired` metadata for as long again).
     pub streams_dropped: u64,
+    /// Expired streams forgotten (the key is then unknown).
+    pub streams_forgotten: u64,
     /// Records past retention that are still unsettled (in flight, in doubt, waiting
     /// for an operator): kept, and looked at again one retention period later.
     pub deferred: u64,
@@ -1164,7 +1168,8 @@ impl Core {
                 report.deferred += 1;
             }
             // Retention runs from the stream's last change (its last attempt's start
-            // or end), not its first attempt: a key retried late is kept as long.
+            // or end, or its expiry), not its first attempt: a key retried late is
+            // kept as long.
             Some(meta)
                 if meta
                     .updated_at
@@ -1177,7 +1182,12 @@ impl Core {
                 batch.expire_later(keys::DROP_STREAM, again, key);
                 report.deferred += 1;
             }
-            Some(meta) => {
+            Some(meta) if meta.state == StreamState::Expired => {
+                batch.set(keys::stream(&key), None);
+                batch.streams.insert(id, None);
+                report.streams_forgotten += 1;
+            }
+            Some(mut meta) => {
                 let events: Vec<Vec<u8>> = self
                     .store
                     .scan_prefix(&keys::events_prefix(meta.events_at()))
@@ -1186,8 +1196,13 @@ impl Core {
                 for event in events {
                     batch.set(event, None);
                 }
-                batch.set(keys::stream(&key), None);
-                batch.streams.insert(id, None);
+                // The metadata stays, expired, for as long again (see
+                // `StreamState::Expired`).
+                meta.state = StreamState::Expired;
+                meta.updated_at = now;
+                let again = now.saturating_add(self.options.stream_retention);
+                batch.expire_later(keys::DROP_STREAM, again, key);
+                self.write_stream(batch, meta, false)?;
                 report.streams_dropped += 1;
             }
             None => {}

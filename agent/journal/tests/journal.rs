@@ -635,7 +635,13 @@ async fn retention_tombstones_then_purges() -> TestResult {
         Some(State::NeedsOperator),
         "unsettled calls outlive retention"
     );
-    assert_eq!(run.journal.stream_meta(&stream)?, None);
+    // Its events are gone; its metadata stays, expired, with how it ended.
+    let expired = run
+        .journal
+        .stream_meta(&stream)?
+        .ok_or("expired metadata")?;
+    assert_eq!(expired.state, StreamState::Expired);
+    assert!(matches!(expired.end, Some(StreamEnd::Completed { .. })));
     assert!(run.journal.stream_events(&stream, 1, None)?.is_empty());
     assert!(run.journal.verify()?.is_clean());
 
@@ -1563,7 +1569,79 @@ async fn a_stream_is_kept_for_its_retention_after_its_last_change() -> TestResul
     assert!(run.journal.stream_meta(&stream)?.is_some());
     let due = run.journal.reap(start + minutes(21)).await?;
     assert_eq!(due.streams_dropped, 1, "{due:?}");
+    let expired = run
+        .journal
+        .stream_meta(&stream)?
+        .ok_or("expired metadata")?;
+    assert_eq!(expired.state, StreamState::Expired);
+    assert_eq!(expired.attempt, 1);
+    // Remembered as expired for as long again, then forgotten.
+    let kept = run.journal.reap(start + minutes(40)).await?;
+    assert_eq!(kept.streams_forgotten, 0, "{kept:?}");
+    assert!(run.journal.stream_meta(&stream)?.is_some());
+    let forgotten = run.journal.reap(start + minutes(42)).await?;
+    assert_eq!(forgotten.streams_forgotten, 1, "{forgotten:?}");
     assert_eq!(run.journal.stream_meta(&stream)?, None);
+    run.stop().await
+}
+
+/// An expired stream's key still knows its body and its attempts: a different body
+/// is a mismatch, the same one begins the next attempt (its events not mixed with
+/// the dropped ones), and that attempt is kept its full retention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_stream_begins_its_next_attempt_and_keeps_it() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let minutes = |m: u64| Duration::from_secs(60 * m);
+    let options = Options {
+        stream_retention: minutes(10),
+        ..Options::new(dir.path())
+    };
+    let start = SystemTime::now();
+    let (run, _) = Running::open(options)?;
+    let stream = StreamKey::new("s-expires")?;
+    run.journal.stream_begin(&stream, stream_request(1)).await?;
+    run.journal
+        .stream_append(&stream, 1, 0, vec![event(0), event(1)], true)
+        .await?;
+    run.journal
+        .stream_end(
+            &stream,
+            1,
+            StreamEnd::Completed {
+                usage: serde_json::Value::Null,
+                continued: 0,
+            },
+        )
+        .await?;
+    let due = run.journal.reap(start + minutes(11)).await?;
+    assert_eq!(due.streams_dropped, 1, "{due:?}");
+    assert!(matches!(
+        run.journal.stream_begin(&stream, stream_request(2)).await?,
+        StreamBegin::Mismatch { .. }
+    ));
+    assert!(matches!(
+        run.journal.stream_begin(&stream, stream_request(1)).await?,
+        StreamBegin::New { attempt: 2 }
+    ));
+    run.journal
+        .stream_append(&stream, 2, 0, vec![event(7)], true)
+        .await?;
+    assert!(run.journal.stream_events(&stream, 1, None)?.is_empty());
+    assert_eq!(
+        run.journal.stream_events(&stream, 2, None)?,
+        vec![(0, event(7))]
+    );
+    // The expired metadata's own drop, due 10 minutes after its expiry, finds the
+    // attempt begun since: kept 10 minutes from then.
+    let early = run.journal.reap(start + minutes(22)).await?;
+    assert_eq!(
+        (early.streams_dropped, early.streams_forgotten),
+        (0, 0),
+        "{early:?}"
+    );
+    let meta = run.journal.stream_meta(&stream)?.ok_or("the stream")?;
+    assert_eq!((meta.state, meta.attempt), (StreamState::Open, 2));
+    assert!(run.journal.verify()?.is_clean());
     run.stop().await
 }
 

@@ -65,6 +65,8 @@ pub enum Error {
     StreamInProgress { key: String },
     #[error("no stream {key}")]
     UnknownStream { key: String },
+    #[error("stream {key} is past retention: its events are gone")]
+    StreamExpired { key: String },
 }
 
 impl From<ReadError> for Error {
@@ -250,6 +252,16 @@ impl Error {
                 format!(
                     "No journaled stream {key}: it never existed here or is past retention \
                      ([journal] stream_retention, 6 h by default)."
+                ),
+            ),
+            Self::StreamExpired { key } => Problem::new(
+                StatusCode::GONE,
+                "stream-expired",
+                "Stream expired",
+                format!(
+                    "The journaled stream {key} is past retention ([journal] \
+                     stream_retention, 6 h by default): its events are gone and cannot be \
+                     resumed. Repeat the request without Last-Event-ID to generate afresh."
                 ),
             ),
             Self::BudgetExceeded { reason } => Problem::new(

@@ -752,7 +752,8 @@ fn rpc_failure(id: &Value, e: &Error) -> Response<Body> {
         | Error::BudgetExceeded { .. }
         | Error::StreamKeyReused { .. }
         | Error::StreamInProgress { .. }
-        | Error::UnknownStream { .. } => -32603,
+        | Error::UnknownStream { .. }
+        | Error::StreamExpired { .. } => -32603,
     };
     let problem = e.to_problem();
     let mut data = problem.to_json();

@@ -293,7 +293,8 @@ pub(crate) fn failed_of(e: &Error) -> Failed {
         | Error::BodyTimeout { .. }
         | Error::MissingKey { .. }
         | Error::StreamKeyReused { .. }
-        | Error::UnknownStream { .. } => Failed::InvalidRequest,
+        | Error::UnknownStream { .. }
+        | Error::StreamExpired { .. } => Failed::InvalidRequest,
         Error::BudgetExceeded { .. } => Failed::PolicyDenied,
         Error::Upstream { source, .. } => failed_of_upstream(source),
         Error::StreamBroke { .. } => Failed::Transport,

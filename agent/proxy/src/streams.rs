@@ -1599,6 +1599,11 @@ pub(crate) async fn serve_attempt(
         if attempt == 0 || attempt > meta.attempt {
             return Ok(nothing_more());
         }
+        if meta.state == outrigger_journal::StreamState::Expired {
+            return Err(crate::Error::StreamExpired {
+                key: key.to_string(),
+            });
+        }
         if live.is_none()
             && attempt == meta.attempt
             && meta.state == outrigger_journal::StreamState::Open
@@ -1617,9 +1622,10 @@ pub(crate) async fn serve_attempt(
 
 /// Attempt `attempt` of the stream `meta` describes after its event `after`, from
 /// the journal, ended by the typed error event of an attempt that did not complete;
-/// `204` when nothing is left. Retention drops a stream's events and its metadata
-/// in one commit: a stream dropped since `meta` was read is `404 unknown-stream`,
-/// as it would have been a moment later, not a silent end.
+/// `204` when nothing is left. Retention drops a stream's events and marks it
+/// expired in one commit (and forgets it later): a stream expired since `meta` was
+/// read is `410 stream-expired` (or, forgotten, `404 unknown-stream`), as it would
+/// have been a moment later, not a silent end.
 fn from_journal(
     shared: &Shared,
     journal: &Journal,
@@ -1641,15 +1647,20 @@ fn from_journal(
             None => plain_response(body.clone()),
         });
     }
-    if events.is_empty()
-        && journal
-            .stream_meta(key)
-            .map_err(crate::Error::Journal)?
-            .is_none()
-    {
-        return Err(crate::Error::UnknownStream {
-            key: key.to_string(),
-        });
+    if events.is_empty() {
+        match journal.stream_meta(key).map_err(crate::Error::Journal)? {
+            None => {
+                return Err(crate::Error::UnknownStream {
+                    key: key.to_string(),
+                });
+            }
+            Some(now) if now.state == outrigger_journal::StreamState::Expired => {
+                return Err(crate::Error::StreamExpired {
+                    key: key.to_string(),
+                });
+            }
+            Some(_) => {}
+        }
     }
     // Not to a client that has the closing event already, or the last event its
     // clients were sent where the journal lost some (it has all there was).
@@ -2199,10 +2210,11 @@ mod tests {
         );
     }
 
-    /// A completed stream that retention drops between the read of its metadata and
-    /// the read of its events is unknown (`404`), not over (`204`).
+    /// A completed stream that retention expires between the read of its metadata
+    /// and the read of its events is expired (`410`), not over (`204`); once retention
+    /// forgets it, it is unknown (`404`).
     #[tokio::test]
-    async fn a_stream_dropped_between_two_reads_is_unknown_not_over() {
+    async fn a_stream_expired_between_two_reads_is_expired_not_over() {
         let j = crate::test_journal::TempJournal::open().expect("a journal");
         let proxy = proxy(&j.journal, crate::Options::default());
         let shared = proxy.shared.clone();
@@ -2245,11 +2257,32 @@ mod tests {
         for after in [None, Some(0)] {
             let served = from_journal(&shared, &j.journal, &meta, 1, after);
             assert!(
-                matches!(served, Err(crate::Error::UnknownStream { .. })),
+                matches!(served, Err(crate::Error::StreamExpired { .. })),
                 "{after:?}: {:?}",
                 served.map(|r| r.status())
             );
         }
+        // Read now, the stream is expired too; once forgotten, it is unknown.
+        for from in [None, Some((1, 0))] {
+            let served = serve_attempt(&shared, &j.journal, &key, None, from).await;
+            assert!(
+                matches!(served, Err(crate::Error::StreamExpired { .. })),
+                "{from:?}: {:?}",
+                served.map(|r| r.status())
+            );
+        }
+        let forgotten = j
+            .journal
+            .reap(later + Duration::from_secs(400 * 24 * 3600))
+            .await
+            .expect("reaped");
+        assert_eq!(forgotten.streams_forgotten, 1, "{forgotten:?}");
+        let served = from_journal(&shared, &j.journal, &meta, 1, None);
+        assert!(
+            matches!(served, Err(crate::Error::UnknownStream { .. })),
+            "{:?}",
+            served.map(|r| r.status())
+        );
     }
 
     #[test]

@@ -340,8 +340,11 @@ async fn replay(
                 }
             }
             // The journal answers a begin with a stream that is open or completed:
-            // this one ended while the request waited (its hub gone first).
-            StreamState::Failed | StreamState::Abandoned => return Ok(None),
+            // this one ended while the request waited (its hub gone first), or
+            // retention expired it.
+            StreamState::Failed | StreamState::Abandoned | StreamState::Expired => {
+                return Ok(None);
+            }
         }
         // Open, but its producer is finishing: read again.
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
