@@ -228,9 +228,15 @@ impl Correlator {
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let q = tasks.entry(task.clone()).or_default();
         for c in calls {
-            if !q.iter().any(|(_, e)| e.id == c.id) {
-                q.push_back((turn, c));
+            // A call recorded before (its turn replayed to a restarted agent) is the
+            // newest again, with this turn: the agent is about to make it.
+            if let Some(at) = q.iter().position(|(_, e)| e.id == c.id) {
+                if q[at].0 == turn {
+                    continue;
+                }
+                q.remove(at);
             }
+            q.push_back((turn, c));
         }
         while q.len() > PER_TASK {
             q.pop_front();
@@ -448,6 +454,29 @@ mod tests {
             arguments_fingerprint(&serde_json::json!({"n": 1})),
             arguments_fingerprint(&serde_json::Value::Null)
         );
+    }
+
+    /// Two turns issue the same call (same name and arguments, new ids). A
+    /// restarted agent has the first turn replayed: its call is the newest again,
+    /// so the agent's repeat of it derives the first call's key, not the second's;
+    /// the second turn's replay then makes its own call the newest.
+    #[test]
+    fn a_replayed_turns_calls_are_the_newest_again() {
+        let c = Correlator::default();
+        let t = TaskId::new("t").unwrap();
+        let args = serde_json::json!({"sym": "X"});
+        let turn = |id: &str| vec![IssuedCall::new(id, "get_price", &args)];
+        c.record(&t, turn("call_1"));
+        c.record(&t, turn("call_2"));
+        let received = fingerprint(&args);
+        assert_eq!(c.find(&t, None, &received).as_deref(), Some("call_2"));
+        c.record(&t, turn("call_1"));
+        assert_eq!(c.find(&t, None, &received).as_deref(), Some("call_1"));
+        c.record(&t, turn("call_2"));
+        assert_eq!(c.find(&t, None, &received).as_deref(), Some("call_2"));
+        // One response listing a call twice records it once.
+        c.record(&t, [turn("call_3"), turn("call_3")].concat());
+        assert_eq!(c.find(&t, None, &received).as_deref(), Some("call_3"));
     }
 
     /// Full, the correlator forgets the task whose last turn is oldest, not one

@@ -1491,20 +1491,7 @@ pub(crate) async fn endpoint(
     };
     let method = req.method().clone();
     if cancel {
-        return Ok(match shared.streams.get(&key) {
-            Some(live) => {
-                live.cancel();
-                json_response(
-                    StatusCode::ACCEPTED,
-                    &serde_json::json!({"key": key, "cancelled": true}),
-                )
-            }
-            None => json_response(
-                StatusCode::OK,
-                &serde_json::json!({"key": key, "cancelled": false,
-                "detail": "the stream is not being generated (it is over, or was never here)"}),
-            ),
-        });
+        return Ok(cancel_generation(shared, &key));
     }
     if method != http::Method::GET {
         return Err(crate::Error::MethodNotAllowed {
@@ -1520,6 +1507,27 @@ pub(crate) async fn endpoint(
             .replay(outrigger_telemetry::ReplayKind::StreamResume);
     }
     Ok(with_key(resp, &key))
+}
+
+/// `POST /v1/streams/{key}/cancel`: `202` when a generation of this process was told
+/// to stop; `200` with `"cancelled": false` when there is none, or when its last
+/// event is already out (it is ending as it will, its end being recorded: too late
+/// to cancel).
+fn cancel_generation(shared: &Shared, key: &StreamKey) -> Response<Body> {
+    match shared.streams.get(key).filter(|l| !l.is_ending()) {
+        Some(live) => {
+            live.cancel();
+            json_response(
+                StatusCode::ACCEPTED,
+                &serde_json::json!({"key": key, "cancelled": true}),
+            )
+        }
+        None => json_response(
+            StatusCode::OK,
+            &serde_json::json!({"key": key, "cancelled": false,
+            "detail": "the stream is not being generated (it is over, or was never here)"}),
+        ),
+    }
 }
 
 /// What a repeated model request with `Last-Event-ID: a:s` gets: the rest of attempt
@@ -1604,12 +1612,10 @@ pub(crate) async fn serve_attempt(
                 key: key.to_string(),
             });
         }
-        if live.is_none()
-            && attempt == meta.attempt
-            && meta.state == outrigger_journal::StreamState::Open
-        {
-            // Its hub is gone and its end on the way to the journal: wait for it, or
-            // a replay would end silently, as if whole.
+        if attempt == meta.attempt && meta.state == outrigger_journal::StreamState::Open {
+            // Not served from a hub above: its hub is gone (or a newer attempt's has
+            // replaced it since `meta` was read) and its end is on the way to the
+            // journal. Wait for it, or a replay would end silently, as if whole.
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
         }
@@ -2171,6 +2177,88 @@ mod tests {
             .expect("an answer");
         assert_eq!(served.status(), StatusCode::NO_CONTENT);
         ended.await;
+    }
+
+    /// A cancel reaches a generation still running, not one whose last event is out
+    /// (its end being recorded): that one is answered `"cancelled": false`, and is
+    /// not marked cancelled.
+    #[tokio::test]
+    async fn a_generation_whose_last_event_is_out_is_not_cancelled() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let proxy = proxy(&j.journal, crate::Options::default());
+        let shared = proxy.shared.clone();
+        let key = StreamKey::new("m/openai/ending".to_owned()).expect("a key");
+        let running = Live::new(key.clone(), 1, Dialect::OpenAi, false);
+        shared.streams.insert(running.clone());
+        let answer = cancel_generation(&shared, &key);
+        assert_eq!(answer.status(), StatusCode::ACCEPTED);
+        assert!(running.is_cancelled());
+
+        let ending = Live::new(key.clone(), 2, Dialect::OpenAi, false);
+        ending.push([Bytes::from_static(b"id: 2:0\ndata: [DONE]\n\n")]);
+        ending.last_is_in();
+        shared.streams.insert(ending.clone());
+        let answer = cancel_generation(&shared, &key);
+        assert_eq!(answer.status(), StatusCode::OK);
+        let body = http_body_util::BodyExt::collect(answer.into_body())
+            .await
+            .expect("a body")
+            .to_bytes();
+        let body: serde_json::Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(body["cancelled"], false, "{body}");
+        assert!(!ending.is_cancelled());
+    }
+
+    /// A resume of an attempt whose end is not yet in the journal, while a newer
+    /// attempt's hub has already replaced its own, waits for that end: it is served
+    /// ending with the typed error, not cut silently as if whole.
+    #[tokio::test]
+    async fn a_resume_of_an_attempt_a_newer_hub_replaced_waits_for_its_end() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let proxy = proxy(&j.journal, crate::Options::default());
+        let shared = proxy.shared.clone();
+        let request = streamed();
+        let key = StreamKey::new("m/openai/superseded".to_owned()).expect("a key");
+        let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
+        assert!(matches!(
+            begun,
+            Ok(outrigger_journal::StreamBegin::New { attempt: 1 })
+        ));
+        let state = state_within(&j.journal, &key, outrigger_journal::StreamState::Open).await;
+        assert_eq!(state, Some(outrigger_journal::StreamState::Open));
+        let text = Bytes::from_static(
+            b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
+        );
+        j.journal
+            .stream_append(&key, 1, 0, vec![text.clone(), text], true)
+            .await
+            .expect("appended");
+        // Attempt 2's hub is registered; attempt 1's end has not reached the journal.
+        shared
+            .streams
+            .insert(Live::new(key.clone(), 2, Dialect::OpenAi, false));
+        let resume = tokio::spawn({
+            let (shared, journal, key) = (shared.clone(), j.journal.clone(), key.clone());
+            async move { serve_attempt(&shared, &journal, &key, None, Some((1, 0))).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!resume.is_finished(), "it waits for attempt 1's end");
+        j.journal
+            .stream_end(&key, 1, StreamEnd::abandoned("the upstream broke"))
+            .await
+            .expect("ended");
+        let served = resume.await.expect("joined").expect("an answer");
+        assert_eq!(served.status(), StatusCode::OK);
+        let body = http_body_util::BodyExt::collect(served.into_body())
+            .await
+            .expect("a body")
+            .to_bytes();
+        let body = String::from_utf8_lossy(&body);
+        assert!(body.starts_with("id: 1:1\n"), "{body}");
+        assert!(
+            body.contains("the upstream broke"),
+            "ends with the typed error: {body}"
+        );
     }
 
     /// A hub still in the registry for an attempt the journal has moved past is not
