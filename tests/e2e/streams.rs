@@ -250,6 +250,16 @@ async fn a_client_that_drops_at_any_event_boundary_resumes_byte_identical() {
             .iter()
             .all(|e| e.stream_end() == Some(StreamEnd::Completed))
     );
+    // A repeat that resumes past a completed stream's end has nothing to get
+    // (`204`): no replay, and no call to the provider.
+    let past_the_end = send(post(
+        &sidecar,
+        D::OpenAi,
+        Some("drop-OpenAi-1"),
+        &[("last-event-id", "1:999")],
+    ))
+    .await;
+    assert_eq!(past_the_end.status, StatusCode::NO_CONTENT);
     // Each resume, and each whole replay after it, is counted as what it was.
     let resumes = mock.generation_count() - 2;
     let metrics = get(&sidecar.admin_url("/metrics")).await.text();

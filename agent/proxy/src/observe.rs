@@ -153,6 +153,13 @@ impl ModelCall {
         self.shared.metrics.replay(kind);
     }
 
+    /// Answered by the sidecar with nothing from the journal or a provider (a
+    /// resume with nothing after the client's id): counted as neither a provider's
+    /// call nor a replay.
+    pub fn answered_here(&mut self) {
+        self.replayed = true;
+    }
+
     pub fn chunk(&mut self, at: Instant) {
         match self.last_chunk {
             None => self.first_chunk = Some(at),

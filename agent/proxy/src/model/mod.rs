@@ -125,8 +125,14 @@ async fn call_inner(
     // client's mistake, not a reason to send the whole stream again.
     if let Some(last) = streams::last_event_id(&parts.headers)? {
         let resp = resume(shared, &parts.headers, &request, ctx, last).await?;
+        // A resume that had nothing to send (`204`) is no replay, as on
+        // `GET /v1/streams/{key}`.
         if let Some(r) = rec.as_mut() {
-            r.replayed(outrigger_telemetry::ReplayKind::StreamResume);
+            if resp.status() == http::StatusCode::OK {
+                r.replayed(outrigger_telemetry::ReplayKind::StreamResume);
+            } else {
+                r.answered_here();
+            }
         }
         return Ok(resp);
     }
