@@ -30,8 +30,11 @@ use crate::writer::{
 /// The on-disk format this build writes: records in slots, found through an index
 /// in generations ([`crate::slots`]), their bytes in files of their own
 /// ([`crate::bodies`]), each new stream's events in a slot of their own
-/// ([`keys::Events`]), and a task's records indexed by slot ([`keys::TASKS`]).
-const FORMAT: &[u8] = b"6";
+/// ([`keys::Events`]), a task's records indexed by slot ([`keys::TASKS`]), and
+/// streams past retention kept as `expired` metadata ([`StreamState::Expired`]).
+const FORMAT: &[u8] = b"7";
+/// Format 6: a stream past retention was deleted whole. Read as it is.
+const FORMAT_6: &[u8] = b"6";
 /// Format 5: the task index by creation time ([`keys::TASKS_BY_TIME`]). Still read
 /// as it is by an audit; opening it moves the task index.
 const FORMAT_5: &[u8] = b"5";
@@ -45,11 +48,13 @@ const FORMAT_3: &[u8] = b"3";
 /// keep that layout (their metadata names no slot), new streams get slots.
 const FORMAT_2: &[u8] = b"2";
 /// Format 1: each record stored under its key; opening it moves each record to a
-/// slot. Opening an older journal marks it format 6, so that an older build refuses
+/// slot. Opening an older journal marks it format 7, so that an older build refuses
 /// it rather than misread it.
 const FORMAT_1: &[u8] = b"1";
 /// Every format this build reads.
-const READABLE: [&[u8]; 6] = [FORMAT, FORMAT_5, FORMAT_4, FORMAT_3, FORMAT_2, FORMAT_1];
+const READABLE: [&[u8]; 7] = [
+    FORMAT, FORMAT_6, FORMAT_5, FORMAT_4, FORMAT_3, FORMAT_2, FORMAT_1,
+];
 
 /// The format the journal in `dir` is marked with (`None`: a new journal), or an
 /// error if this build cannot read it (a newer build wrote it).
@@ -59,7 +64,7 @@ pub(crate) fn stored_format(store: &Store, dir: &Path) -> Result<Option<Vec<u8>>
             what: "journal format",
             detail: format!(
                 "{} holds journal format {:?}, which this build does not know (it reads \
-                 formats 1 to 6; a newer build of outrigger wrote it?): use the build that \
+                 formats 1 to 7; a newer build of outrigger wrote it?): use the build that \
                  wrote it",
                 dir.display(),
                 String::from_utf8_lossy(&format)
@@ -125,7 +130,7 @@ impl Journal {
                 tracing::info!(
                     from = %String::from_utf8_lossy(&format),
                     index_entries = moved,
-                    "journal moved to format 6 (its record index in generations)"
+                    "journal moved to format 7 (its record index in generations)"
                 );
             }
             let moved = slots::migrate_tasks(&store, FORMAT)?;
@@ -133,7 +138,7 @@ impl Journal {
                 tracing::info!(
                     from = %String::from_utf8_lossy(&format),
                     task_entries = moved,
-                    "journal moved to format 6 (its task index by slot)"
+                    "journal moved to format 7 (its task index by slot)"
                 );
             }
         }

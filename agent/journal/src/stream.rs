@@ -159,6 +159,18 @@ pub struct StreamMeta {
     /// events are stored under its key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub events_slot: Option<u64>,
+    /// The attempt the stream was at when retention expired it (dropping the events
+    /// of it and every earlier attempt): a resume of any of them is told the stream
+    /// expired, also after a later attempt has begun.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expired_through: Option<u32>,
+}
+
+impl StreamMeta {
+    /// Whether retention dropped the events of `attempt`.
+    pub fn expired(&self, attempt: u32) -> bool {
+        self.expired_through.is_some_and(|last| attempt <= last)
+    }
 }
 
 impl StreamMeta {

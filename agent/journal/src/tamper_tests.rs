@@ -414,7 +414,7 @@ async fn a_move_to_the_current_format_cut_short_is_finished_at_the_next_open() -
 
 /// Three calls ("done" and "kept" completed, "cut" left in flight) rewritten the way
 /// `format` stored them, the journal then marked `marked`. An offline audit reads it
-/// as it is; opening it moves it to format 6 (two keys per frame in tests), and every
+/// as it is; opening it moves it to format 7 (two keys per frame in tests), and every
 /// record reads, replays, verifies and expires as before.
 async fn an_older_journal_is_read_then_moved_to_the_current_format(
     format: u8,
@@ -498,7 +498,7 @@ async fn an_older_journal_is_read_then_moved_to_the_current_format(
     task.await?;
 
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"6"[..]));
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"7"[..]));
     assert_eq!(
         store.scan_prefix(keys::RECORDS).count(),
         0,
@@ -784,7 +784,7 @@ async fn format_2_streams_are_read_under_their_key_and_new_streams_get_slots() -
     task.await?;
 
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"6"[..]));
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"7"[..]));
     let raw = store.get(&keys::stream("fresh"))?.ok_or("fresh missing")?;
     let fresh_slot = crate::writer::decode_stream("fresh", &raw)?
         .events_slot

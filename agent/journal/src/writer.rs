@@ -815,6 +815,7 @@ impl Core {
                     end: None,
                     last_seq: None,
                     events_slot: Some(events_slot),
+                    expired_through: None,
                 }
             }
         };
@@ -1199,6 +1200,7 @@ impl Core {
                 // The metadata stays, expired, for as long again (see
                 // `StreamState::Expired`).
                 meta.state = StreamState::Expired;
+                meta.expired_through = Some(meta.attempt);
                 meta.updated_at = now;
                 let again = now.saturating_add(self.options.stream_retention);
                 batch.expire_later(keys::DROP_STREAM, again, key);

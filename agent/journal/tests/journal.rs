@@ -1631,6 +1631,8 @@ async fn an_expired_stream_begins_its_next_attempt_and_keeps_it() -> TestResult 
         run.journal.stream_events(&stream, 2, None)?,
         vec![(0, event(7))]
     );
+    let meta = run.journal.stream_meta(&stream)?.ok_or("the stream")?;
+    assert!(meta.expired(1) && !meta.expired(2), "{meta:?}");
     // The expired metadata's own drop, due 10 minutes after its expiry, finds the
     // attempt begun since: kept 10 minutes from then.
     let early = run.journal.reap(start + minutes(22)).await?;

@@ -37,6 +37,8 @@ pub(crate) struct ModelCall {
     fallbacks: u32,
     policy_versions: Vec<PolicyVersion>,
     replayed: bool,
+    /// Answered with nothing (a resume past the end): no provider's call, no replay.
+    answered_here: bool,
     gpu_unhealthy: bool,
     /// [`Shared::gpu_unhealthy_spells`] when the call started.
     gpu_spells: u64,
@@ -111,6 +113,7 @@ impl ModelCall {
             fallbacks: 0,
             policy_versions: Vec::new(),
             replayed: false,
+            answered_here: false,
             gpu_unhealthy: gpu.state == GpuState::Unhealthy,
             gpu_spells: shared.gpu_unhealthy_spells.load(Ordering::Acquire),
             local: false,
@@ -155,9 +158,10 @@ impl ModelCall {
 
     /// Answered by the sidecar with nothing from the journal or a provider (a
     /// resume with nothing after the client's id): counted as neither a provider's
-    /// call nor a replay.
+    /// call nor a replay, in the metrics, the SLOs or the task (as `GET
+    /// /v1/streams/{key}` is not); only its span is kept.
     pub fn answered_here(&mut self) {
-        self.replayed = true;
+        self.answered_here = true;
     }
 
     pub fn chunk(&mut self, at: Instant) {
@@ -206,7 +210,7 @@ impl ModelCall {
         let trace_id = spans::trace_id(&self.span);
         let error_type = end.error_type.as_deref();
         let metrics = &self.shared.metrics;
-        if !self.replayed {
+        if !self.replayed && !self.answered_here {
             metrics.model_call(&ModelCallRecord {
                 provider: &self.provider,
                 request_model: &self.model,
@@ -232,8 +236,12 @@ impl ModelCall {
         event.inter_token = inter_token;
         event.aborted = end.aborted;
         event.trace_id = trace_id;
-        self.shared.slos.record(&event);
-        if let (Some(tasks), Some(task)) = (&self.shared.tasks, &self.task) {
+        if !self.answered_here {
+            self.shared.slos.record(&event);
+        }
+        if let (Some(tasks), Some(task)) = (&self.shared.tasks, &self.task)
+            && !self.answered_here
+        {
             let (tokens_in, tokens_out) = if self.replayed {
                 (0, 0)
             } else {

@@ -244,6 +244,9 @@ pub struct Live {
     /// Nothing more will be pushed (the generation may not have finished yet: its
     /// end is being recorded and metered).
     last_in: AtomicBool,
+    /// The producer is ending the generation (its upstream read is over): see
+    /// [`Live::is_ending`].
+    ending: AtomicBool,
     version: watch::Sender<u64>,
     clients: AtomicUsize,
     cancel: Notify,
@@ -283,6 +286,7 @@ impl Live {
             events: Mutex::new(Vec::new()),
             finished: AtomicBool::new(false),
             last_in: AtomicBool::new(false),
+            ending: AtomicBool::new(false),
             version: watch::channel(0).0,
             clients: AtomicUsize::new(0),
             cancel: Notify::new(),
@@ -299,18 +303,26 @@ impl Live {
     }
 
     /// Nothing more will be pushed.
-    pub(crate) fn last_is_in(&self) {
+    fn last_is_in(&self) {
         self.last_in.store(true, Ordering::Release);
     }
 
-    /// Whether its last event is in: the generation is ending (its end being
-    /// recorded, when it did not complete, after the events its clients have).
+    /// Whether the generation is ending: its upstream is no longer read, and its
+    /// end is being recorded (after the events its clients have). Too late to
+    /// cancel it or to attach to it; a turn whose gate an error closed while its
+    /// upstream still runs is not ending yet.
     pub(crate) fn is_ending(&self) -> bool {
-        self.last_in.load(Ordering::Acquire)
+        self.ending.load(Ordering::Acquire)
+    }
+
+    /// The producer's upstream read is over: the generation ends.
+    pub(crate) fn mark_ending(&self) {
+        self.ending.store(true, Ordering::Release);
     }
 
     fn finish(&self) {
         self.last_in.store(true, Ordering::Release);
+        self.ending.store(true, Ordering::Release);
         self.finished.store(true, Ordering::Release);
         self.version.send_modify(|v| *v += 1);
     }
@@ -1289,6 +1301,7 @@ impl Producer {
     /// Ends the generation: the typed error event of an interruption, the end
     /// record, and the hub's end.
     async fn finish(mut self, mut ended: Ended) {
+        self.live.mark_ending();
         // Held deltas go before whatever ends the attempt.
         self.release_held().await;
         let live = self.live.clone();
@@ -1550,7 +1563,8 @@ pub(crate) async fn resume_repeat(
 /// journal, ending with the typed error event of an attempt that did not complete
 /// (an earlier attempt, whatever is being generated now, is over). `204` when there
 /// is no attempt `a` (`0`, or past the latest) or nothing after `s`; `404
-/// unknown-stream` when the key is unknown or past retention. With `fingerprint`, a
+/// unknown-stream` when the key is unknown (or expired long ago: forgotten), `410
+/// stream-expired` for an attempt retention expired. With `fingerprint`, a
 /// key recorded for another request is `422 key-reused`.
 pub(crate) async fn serve_attempt(
     shared: &Shared,
@@ -1585,7 +1599,7 @@ pub(crate) async fn serve_attempt(
                     let from = live.resume_index(seq)?;
                     // A generation whose last event the client has: an empty `200`
                     // would have an event source reconnect for ever.
-                    if live.is_ending() && from >= live.sent() {
+                    if live.last_in.load(Ordering::Acquire) && from >= live.sent() {
                         return Ok(nothing_more());
                     }
                     return Ok(live_response(live, from, true));
@@ -1607,7 +1621,7 @@ pub(crate) async fn serve_attempt(
         if attempt == 0 || attempt > meta.attempt {
             return Ok(nothing_more());
         }
-        if meta.state == outrigger_journal::StreamState::Expired {
+        if meta.expired(attempt) {
             return Err(crate::Error::StreamExpired {
                 key: key.to_string(),
             });
@@ -1660,7 +1674,7 @@ fn from_journal(
                     key: key.to_string(),
                 });
             }
-            Some(now) if now.state == outrigger_journal::StreamState::Expired => {
+            Some(now) if now.expired(attempt) => {
                 return Err(crate::Error::StreamExpired {
                     key: key.to_string(),
                 });
@@ -2197,6 +2211,12 @@ mod tests {
         let ending = Live::new(key.clone(), 2, Dialect::OpenAi, false);
         ending.push([Bytes::from_static(b"id: 2:0\ndata: [DONE]\n\n")]);
         ending.last_is_in();
+        assert_eq!(
+            cancel_generation(&shared, &key).status(),
+            StatusCode::ACCEPTED,
+            "its last event is out, its upstream still read: it can be cancelled"
+        );
+        ending.mark_ending();
         shared.streams.insert(ending.clone());
         let answer = cancel_generation(&shared, &key);
         assert_eq!(answer.status(), StatusCode::OK);
@@ -2206,7 +2226,6 @@ mod tests {
             .to_bytes();
         let body: serde_json::Value = serde_json::from_slice(&body).expect("json");
         assert_eq!(body["cancelled"], false, "{body}");
-        assert!(!ending.is_cancelled());
     }
 
     /// A resume of an attempt whose end is not yet in the journal, while a newer
@@ -2298,16 +2317,16 @@ mod tests {
         );
     }
 
-    /// A completed stream that retention expires between the read of its metadata
-    /// and the read of its events is expired (`410`), not over (`204`); once retention
-    /// forgets it, it is unknown (`404`).
-    #[tokio::test]
-    async fn a_stream_expired_between_two_reads_is_expired_not_over() {
-        let j = crate::test_journal::TempJournal::open().expect("a journal");
+    /// A proxy over `j`'s journal, and a stream under `key` whose attempt 1
+    /// completed: `data: a`, then `[DONE]`.
+    async fn completed_stream(
+        j: &crate::test_journal::TempJournal,
+        key: &str,
+    ) -> (Arc<Shared>, StreamKey) {
         let proxy = proxy(&j.journal, crate::Options::default());
         let shared = proxy.shared.clone();
         let request = streamed();
-        let key = StreamKey::new("m/openai/dropped".to_owned()).expect("a key");
+        let key = StreamKey::new(key.to_owned()).expect("a key");
         let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
         assert!(
             matches!(
@@ -2331,6 +2350,16 @@ mod tests {
             continued: 0,
         };
         j.journal.stream_end(&key, 1, done).await.expect("ended");
+        (shared, key)
+    }
+
+    /// A completed stream that retention expires between the read of its metadata
+    /// and the read of its events is expired (`410`), not over (`204`); once retention
+    /// forgets it, it is unknown (`404`).
+    #[tokio::test]
+    async fn a_stream_expired_between_two_reads_is_expired_not_over() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let (shared, key) = completed_stream(&j, "m/openai/dropped").await;
         let meta = j
             .journal
             .stream_meta(&key)
@@ -2371,6 +2400,45 @@ mod tests {
             "{:?}",
             served.map(|r| r.status())
         );
+    }
+
+    /// Retention expired attempt 1; a repeat then began attempt 2. A client that
+    /// resumes attempt 1 is told it expired (`410`), not that it did not complete.
+    #[tokio::test]
+    async fn an_expired_attempt_stays_expired_after_the_next_one_began() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let (shared, key) = completed_stream(&j, "m/openai/expired-then-again").await;
+        let request = streamed();
+        let later = std::time::SystemTime::now() + Duration::from_secs(400 * 24 * 3600);
+        let reaped = j.journal.reap(later).await.expect("reaped");
+        assert_eq!(reaped.streams_dropped, 1, "{reaped:?}");
+        let again = j.journal.stream_begin(&key, stream_request(&request)).await;
+        assert!(
+            matches!(
+                again,
+                Ok(outrigger_journal::StreamBegin::New { attempt: 2 })
+            ),
+            "{again:?}"
+        );
+        let state = state_within(&j.journal, &key, outrigger_journal::StreamState::Open).await;
+        assert_eq!(state, Some(outrigger_journal::StreamState::Open));
+        j.journal
+            .stream_end(&key, 2, StreamEnd::abandoned("cut"))
+            .await
+            .expect("ended");
+        for from in [(1, 0), (1, 1)] {
+            let served = serve_attempt(&shared, &j.journal, &key, None, Some(from)).await;
+            assert!(
+                matches!(served, Err(crate::Error::StreamExpired { .. })),
+                "{from:?}: {:?}",
+                served.map(|r| r.status())
+            );
+        }
+        // Attempt 2 is not expired: it ends with its typed error.
+        let served = serve_attempt(&shared, &j.journal, &key, None, None)
+            .await
+            .expect("served");
+        assert_eq!(served.status(), StatusCode::OK);
     }
 
     #[test]

@@ -329,9 +329,10 @@ async fn replay(
             StreamState::Open => {
                 // The hub of this attempt: an earlier one's may still be leaving the
                 // registry while the attempt that replaced it registers its own. One
-                // whose last event is in is ending: its end is awaited (a failed or
-                // abandoned attempt is then begun again, not replayed with its error,
-                // to an agent that repeats the call the moment it reads that error).
+                // that is ending (its upstream read over) has its end awaited: a
+                // failed or abandoned attempt is then begun again, not replayed with
+                // its error, to an agent that repeats the call the moment it reads
+                // that error.
                 if let Some(live) = shared
                     .streams
                     .get(&keyed.key)
@@ -1368,15 +1369,15 @@ mod tests {
         let (shared, request, keyed) = keyed_setup(&j);
         let starting = first_attempt(&shared, &j, &request, &keyed).await;
         let (journal, live) = starting.started();
-        // The text the agent read, then the interruption's typed error: the last
-        // event is in, and the end is not yet recorded.
+        // The text the agent read, then the interruption's typed error: the
+        // generation is ending, its end not yet recorded.
         live.push([
             Bytes::from_static(
                 b"id: 1:0\ndata: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
             ),
             Bytes::from_static(b"id: 1:1\ndata: {\"error\":{\"type\":\"stream_interrupted\"}}\n\n"),
         ]);
-        live.last_is_in();
+        live.mark_ending();
         let meta = begin_existing(&j, &keyed).await;
         let repeat = tokio::spawn({
             let (shared, journal, keyed, request) = (
