@@ -1431,13 +1431,17 @@ async fn t4_an_mcp_server_that_dies_mid_call_keeps_the_id_and_is_not_reinvoked()
     let doc = again.json();
     assert_eq!(doc["id"], 42, "{doc}");
     assert_eq!(
-        doc["result"]["structuredContent"]["state"], "needs_operator",
+        doc["result"]["_meta"]["outrigger/outcome"]["state"], "needs_operator",
         "{doc}"
     );
     assert_eq!(mcp.effects().len(), 1, "not re-invoked");
     // The operator's resolution answers the next retry as a JSON-RPC response with
     // that retry's id: a tools/call result.
-    let resolve_url = doc["result"]["structuredContent"]["resolveUrl"]
+    assert!(
+        doc["result"].get("structuredContent").is_none(),
+        "no structured content a client would check against the tool's output schema: {doc}"
+    );
+    let resolve_url = doc["result"]["_meta"]["outrigger/outcome"]["resolveUrl"]
         .as_str()
         .expect("a resolve url")
         .to_string();

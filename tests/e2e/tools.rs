@@ -570,6 +570,35 @@ async fn a_keyed_tool_in_doubt_is_resent_with_the_same_key() {
     assert_eq!(e.keyed.received(), 2);
 }
 
+/// A keyed call in doubt whose re-send cannot reach the tool (it is down) stays in
+/// doubt, and the agent is told so (`502 outcome-unknown`), not that nothing was
+/// sent: the first attempt may have executed.
+#[tokio::test]
+async fn a_resend_that_cannot_reach_the_tool_says_the_call_is_still_in_doubt() {
+    let Env { keyed, sidecar, .. } = env().await;
+    keyed.push(ToolBehaviour {
+        fail: Some(Fail::Reset),
+        dedupe: true,
+        ..ToolBehaviour::default()
+    });
+    let body = json!({"entry": "debit"});
+    let first = call(&sidecar, "/tools/ledger/post", Some("k-gone"), &body, &[]).await;
+    assert_eq!(first.status, StatusCode::BAD_GATEWAY, "{}", first.text());
+    assert_eq!(keyed.effects().len(), 1);
+    drop(keyed);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let again = call(&sidecar, "/tools/ledger/post", Some("k-gone"), &body, &[]).await;
+    assert_eq!(again.status, StatusCode::BAD_GATEWAY, "{}", again.text());
+    assert_eq!(
+        again.json()["type"],
+        "urn:outrigger:problem:outcome-unknown",
+        "{}",
+        again.text()
+    );
+    let record = get(&sidecar.admin_url("/v1/journal/ledger%2Fk-gone")).await;
+    assert_eq!(record.json()["state"], "in_doubt", "{}", record.text());
+}
+
 #[tokio::test]
 async fn a_probe_tool_in_doubt_is_checked_before_anything_is_resent() {
     let e = env().await;
@@ -862,7 +891,7 @@ async fn mcp_tool_calls_are_journaled_and_everything_else_passes_through() {
     let doubt = post_json(&url, &[], &call2).await;
     assert_eq!(doubt.json()["result"]["isError"], true, "{}", doubt.text());
     assert_eq!(
-        doubt.json()["result"]["structuredContent"]["attempt"],
+        doubt.json()["result"]["_meta"]["outrigger/outcome"]["attempt"],
         1,
         "{}",
         doubt.text()
@@ -875,7 +904,7 @@ async fn mcp_tool_calls_are_journaled_and_everything_else_passes_through() {
     );
     let doubt_again = post_json(&url, &[], &call2).await;
     assert_eq!(
-        doubt_again.json()["result"]["structuredContent"]["state"],
+        doubt_again.json()["result"]["_meta"]["outrigger/outcome"]["state"],
         "needs_operator"
     );
     assert_eq!(e.mcp.effects().len(), 2);
@@ -1047,41 +1076,61 @@ async fn mcp_tool_call_errors_are_json_rpc_errors() {
     );
 }
 
+/// An MCP answer over SSE (a progress notification, then the response) is
+/// journaled and replayed; a server that keeps its stream open after the response
+/// (it SHOULD close it) has answered all the same: the call completes at once,
+/// not in doubt at the tool's timeout.
 #[tokio::test]
 async fn mcp_answers_over_sse_are_journaled() {
-    let mcp = MockMcp::start(ToolBehaviour::default(), true)
+    for keep_open in [false, true] {
+        let mcp = MockMcp::start(
+            ToolBehaviour {
+                keep_open,
+                ..ToolBehaviour::default()
+            },
+            true,
+        )
         .await
         .expect("mcp");
-    let config = format!(
-        "[[tools]]\nname = \"m\"\nkind = \"mcp\"\nbase_url = \"{}\"\nclass = \"unsafe\"\n",
-        mcp.url()
-    );
-    let sidecar = Sidecar::start(&config, &[]).await;
-    let msg = |id: u64| {
-        json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
-        "params": {"name": "send_email", "arguments": {"to": "z"}}})
-    };
-    let first = post_json(
-        &sidecar.url("/mcp/m"),
-        &[("idempotency-key", "sse-1")],
-        &msg(1),
-    )
-    .await;
-    assert_eq!(
-        first.json()["result"]["structuredContent"]["effect"],
-        1,
-        "{}",
-        first.text()
-    );
-    let again = post_json(
-        &sidecar.url("/mcp/m"),
-        &[("idempotency-key", "sse-1")],
-        &msg(2),
-    )
-    .await;
-    assert_eq!(again.json()["id"], 2);
-    assert_eq!(again.json()["result"]["structuredContent"]["effect"], 1);
-    assert_eq!(mcp.effects().len(), 1);
+        let config = format!(
+            "[[tools]]\nname = \"m\"\nkind = \"mcp\"\nbase_url = \"{}\"\nclass = \"unsafe\"\n\
+             timeout = \"20s\"\n",
+            mcp.url()
+        );
+        let sidecar = Sidecar::start(&config, &[]).await;
+        let msg = |id: u64| {
+            json!({"jsonrpc": "2.0", "id": id, "method": "tools/call",
+            "params": {"name": "send_email", "arguments": {"to": "z"}}})
+        };
+        let started = std::time::Instant::now();
+        let first = post_json(
+            &sidecar.url("/mcp/m"),
+            &[("idempotency-key", "sse-1")],
+            &msg(1),
+        )
+        .await;
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "keep_open {keep_open}: {:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            first.json()["result"]["structuredContent"]["effect"],
+            1,
+            "keep_open {keep_open}: {}",
+            first.text()
+        );
+        let again = post_json(
+            &sidecar.url("/mcp/m"),
+            &[("idempotency-key", "sse-1")],
+            &msg(2),
+        )
+        .await;
+        assert_eq!(again.json()["id"], 2);
+        assert_eq!(again.json()["result"]["structuredContent"]["effect"], 1);
+        assert_eq!(again.header("outrigger-replayed"), Some("true"));
+        assert_eq!(mcp.effects().len(), 1);
+    }
 }
 
 #[tokio::test]
@@ -1135,6 +1184,21 @@ async fn keys_are_derived_from_the_models_tool_call_ids() {
     let d = call(&e.sidecar, "/tools/payments/weather", None, &args, &h).await;
     assert_eq!(d.status, StatusCode::BAD_REQUEST, "{}", d.text());
     assert!(d.text().contains("Outrigger-Tool-Call-Id"), "{}", d.text());
+    // So is one without a task id, which would leave the call unprotected.
+    let orphan = call(
+        &e.sidecar,
+        "/tools/payments/weather",
+        None,
+        &args,
+        &[("outrigger-tool-call-id", "call_1")],
+    )
+    .await;
+    assert_eq!(orphan.status, StatusCode::BAD_REQUEST, "{}", orphan.text());
+    assert!(
+        orphan.text().contains("Outrigger-Task-Id"),
+        "{}",
+        orphan.text()
+    );
     assert_eq!(e.tool.effects().len(), 2);
 }
 

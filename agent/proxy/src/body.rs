@@ -70,15 +70,49 @@ where
     }
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) => {
-            if e.is::<http_body_util::LengthLimitError>() {
-                Err(ReadError::TooLarge { limit })
-            } else if let Some(IdleTimeout(idle)) = e.downcast_ref() {
-                Err(ReadError::TimedOut { idle: *idle })
-            } else {
-                Err(ReadError::Io(e))
-            }
+        Err(e) => Err(read_error(e, limit)),
+    }
+}
+
+/// Reads `body` (up to `limit` bytes) until it ends, or until `done` says that what
+/// has arrived is enough (asked whenever a line has ended): the rest is not read.
+pub async fn read_until<B>(
+    body: B,
+    limit: usize,
+    done: impl Fn(&[u8]) -> bool,
+) -> Result<Bytes, ReadError>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Err(ReadError::TooLarge { limit });
+    }
+    let mut body = std::pin::pin!(body);
+    let mut read = bytes::BytesMut::new();
+    while let Some(frame) = body.as_mut().frame().await {
+        let frame = frame.map_err(|e| read_error(e.into(), limit))?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if read.len() + data.len() > limit {
+            return Err(ReadError::TooLarge { limit });
         }
+        read.extend_from_slice(&data);
+        if data.contains(&b'\n') && done(&read) {
+            break;
+        }
+    }
+    Ok(read.freeze())
+}
+
+fn read_error(e: BoxError, limit: usize) -> ReadError {
+    if e.is::<http_body_util::LengthLimitError>() {
+        ReadError::TooLarge { limit }
+    } else if let Some(IdleTimeout(idle)) = e.downcast_ref() {
+        ReadError::TimedOut { idle: *idle }
+    } else {
+        ReadError::Io(e)
     }
 }
 

@@ -56,7 +56,17 @@ pub(crate) trait Protocol {
     /// Who to tell how the call ended if it ends without its agent (the call's
     /// observer, for metrics, SLOs and the task).
     fn on_detached(&self) -> DetachedEnd;
+    /// Whether an answer read in part (its head's headers, its body's first bytes)
+    /// already holds the call's outcome, so that the rest is not waited for: an MCP
+    /// server's event stream that holds the response but is kept open. `None`: the
+    /// whole body is the answer.
+    fn answered_early(&self) -> Option<AnsweredEarly> {
+        None
+    }
 }
+
+/// See [`Protocol::answered_early`].
+pub(crate) type AnsweredEarly = Box<dyn Fn(&HeaderMap, &[u8]) -> bool + Send + Sync>;
 
 /// Told how a call ended that ended without its agent: how it settled and, when it
 /// failed, its `error.type`; or the error it ended in.
@@ -422,8 +432,9 @@ async fn execute(
     let fault = shared.faults.tool(&tool.name);
     let (owned_journal, owned_ticket) = (journal.clone(), ticket.clone());
     let answer = proto.answerer();
+    let early = proto.answered_early();
     let at_tool = async move {
-        let reached = dispatch(upstream, req, timeout, max_body, fault).await;
+        let reached = dispatch(upstream, req, timeout, max_body, early, fault).await;
         record(&owned_journal, &owned_ticket, reached, answer).await
     };
     let (key, on_detached) = (ticket.key().clone(), proto.on_detached());
@@ -460,13 +471,15 @@ enum Reached {
     Lost(String, Failed),
 }
 
-/// Sends one attempt and reads its answer whole, each within the tool's `timeout`.
-/// It owns all it uses, so that it can finish on its own once the agent has gone.
+/// Sends one attempt and reads its answer whole (or until `early` finds the outcome
+/// in it), each within the tool's `timeout`. It owns all it uses, so that it can
+/// finish on its own once the agent has gone.
 async fn dispatch(
     upstream: crate::upstream::Upstream,
     req: Request<Full<Bytes>>,
     timeout: Duration,
     max_body: usize,
+    early: Option<AnsweredEarly>,
     fault: Option<FaultKind>,
 ) -> Reached {
     let injected = |status: StatusCode, mut h: HeaderMap, body: &'static [u8]| {
@@ -515,7 +528,13 @@ async fn dispatch(
         Err(e) => return Reached::Lost(e.to_string(), crate::observe::failed_of_upstream(&e)),
     };
     let (parts, body) = resp.into_parts();
-    match tokio::time::timeout(timeout, body::read_limited(body, max_body)).await {
+    let read = async {
+        match &early {
+            Some(done) => body::read_until(body, max_body, |read| done(&parts.headers, read)).await,
+            None => body::read_limited(body, max_body).await,
+        }
+    };
+    match tokio::time::timeout(timeout, read).await {
         Ok(Ok(bytes)) => Reached::Answer(parts.status, parts.headers, bytes),
         Ok(Err(e)) => Reached::Lost(
             format!("the response body broke off: {e}"),
@@ -670,6 +689,16 @@ async fn record(
         Reached::Answer(status, headers, bytes) => (status, headers, bytes),
         Reached::NotSent(e) => {
             return match journal.failed_before_send(ticket, &e.to_string()).await {
+                // The re-send of a call an earlier attempt of which may have
+                // executed never left: the call is still in doubt, and the agent is
+                // told so, not that nothing was sent.
+                Ok(state @ (State::InDoubt | State::NeedsOperator)) => Recorded::InDoubt {
+                    cause: format!(
+                        "this attempt could not reach the tool ({e}), and an earlier one may \
+                         have executed"
+                    ),
+                    settled: Settled::of(state, Some(crate::observe::failed_of_upstream(&e))),
+                },
                 Ok(_) => Recorded::NotSent(e),
                 Err(e) => Recorded::Failed(e),
             };

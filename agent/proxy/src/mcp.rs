@@ -310,6 +310,15 @@ impl Protocol for McpCall<'_> {
         move |status, h, body| answer(&id, status, h, body)
     }
 
+    /// A server SHOULD close its event stream once it has sent the response; one
+    /// that keeps it open has answered all the same: its response is the outcome.
+    fn answered_early(&self) -> Option<journaled::AnsweredEarly> {
+        let id = self.id.clone();
+        Some(Box::new(move |h, read| {
+            crate::headers::is_event_stream(h) && find_response(h, read, &id).is_some()
+        }))
+    }
+
     fn replay(&self, record: &Record) -> Response<Body> {
         let resolved = record
             .resolutions
@@ -591,6 +600,12 @@ fn answer(id: &Value, status: StatusCode, h: &HeaderMap, body: Bytes) -> Answere
     Answered::Outcome(stored, resp)
 }
 
+/// Where an in-doubt result names its state for programs: `result._meta`, not
+/// `structuredContent`, which a client validates against the tool's `outputSchema`
+/// even on an error result (the TypeScript SDK throws `-32602` on a mismatch, so the
+/// model would never read the text).
+pub const OUTCOME_META: &str = "outrigger/outcome";
+
 /// A `CallToolResult` the model can read: the call may have happened.
 fn unknown_result(id: &Value, key: &IdempotencyKey, state: &str, attempt: u32) -> Response<Body> {
     let mut text = format!(
@@ -608,9 +623,9 @@ fn unknown_result(id: &Value, key: &IdempotencyKey, state: &str, attempt: u32) -
         id,
         &json!({"result": {
             "content": [{"type": "text", "text": text}],
-            "structuredContent": {"state": state, "key": key.as_str(), "attempt": attempt,
-                                  "resolveUrl": tools::resolve_url(key)},
             "isError": true,
+            "_meta": {OUTCOME_META: {"state": state, "key": key.as_str(), "attempt": attempt,
+                                     "resolveUrl": tools::resolve_url(key)}},
         }}),
         false,
     )

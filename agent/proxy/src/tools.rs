@@ -351,6 +351,17 @@ pub(crate) fn choose_key(
         });
     }
     let Some(task) = &ctx.task_id else {
+        // A model's tool-call id names a call within a task: without the task there
+        // is no key to derive, and the call would go unprotected unnoticed.
+        if h.contains_key(TOOL_CALL_ID) {
+            return Err(Error::BadHeader {
+                header: "Outrigger-Tool-Call-Id",
+                detail: "it needs Outrigger-Task-Id (the key is derived from the task and \
+                         the model's tool_call_id): send the task id too, or an \
+                         Idempotency-Key instead"
+                    .into(),
+            });
+        }
         return Ok(KeyChoice::None);
     };
     // A header that is there but unreadable is refused, as a bad `Idempotency-Key`

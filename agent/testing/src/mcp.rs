@@ -1,7 +1,8 @@
 //! A scripted MCP server (Streamable HTTP, `POST /mcp`) with two tools whose calls
 //! are side effects recorded by idempotency key (from `params._meta` or the
 //! `Idempotency-Key` header). Answers in JSON, or as an SSE stream with a progress
-//! notification before the result when the behaviour says `sse`. Faults as for
+//! notification before the result when the behaviour says `sse` (and the stream kept
+//! open after it with `keep_open`). Faults as for
 //! [`crate::tool`] (`x-mock-tool` header or a queue).
 
 use std::collections::VecDeque;
@@ -195,7 +196,17 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
             "params": {"progressToken": "p1", "progress": 1, "total": 1}});
         let body =
             format!("event: message\ndata: {progress}\n\nevent: message\ndata: {response}\n\n");
-        let mut resp = Response::new(full(body));
+        let body = if b.keep_open {
+            // The response, then nothing more, and the stream never closed.
+            use futures_util::StreamExt;
+            let frames =
+                futures_util::stream::iter([Ok(hyper::body::Frame::data(Bytes::from(body)))])
+                    .chain(futures_util::stream::pending());
+            http_body_util::BodyExt::boxed_unsync(http_body_util::StreamBody::new(frames))
+        } else {
+            full(body)
+        };
+        let mut resp = Response::new(body);
         resp.headers_mut().insert(
             hyper::header::CONTENT_TYPE,
             hyper::header::HeaderValue::from_static("text/event-stream"),

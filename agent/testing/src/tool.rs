@@ -34,6 +34,9 @@ pub struct ToolBehaviour {
     pub fail: Option<Fail>,
     pub status: Option<u16>,
     pub dedupe: bool,
+    /// An MCP server answering as an event stream keeps it open after the response
+    /// (which a server SHOULD close).
+    pub keep_open: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,6 +64,7 @@ impl ToolBehaviour {
                     self.status = Some(v.parse().map_err(|_| format!("bad status {v:?}"))?)
                 }
                 ("dedupe", v) => self.dedupe = v == "true",
+                ("keep_open", v) => self.keep_open = v == "true",
                 _ => return Err(format!("x-mock-tool: unknown setting {part:?}")),
             }
         }
