@@ -522,7 +522,14 @@ fn kind(v: Option<&Value>) -> &'static str {
 /// HTTP tool's answer is.
 fn replay(id: &Value, stored: Option<&StoredResponse>) -> Response<Body> {
     let Some(stored) = stored else {
-        let mut resp = Response::new(body::full(Bytes::new()));
+        // A JSON-RPC error with the call's id, as every error of a `tools/call` is
+        // (an HTTP tool's replay answers `500 journal-inconsistent`).
+        let mut resp = rpc_error(
+            id,
+            -32603,
+            "the journal says this call completed but holds no response (journal-inconsistent)",
+            Some(json!({"type": "urn:outrigger:problem:journal-inconsistent", "status": 500})),
+        );
         *resp.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
         resp.headers_mut()
             .insert(headers::REPLAYED, HeaderValue::from_static("true"));
@@ -833,6 +840,29 @@ mod tests {
         assert_eq!(
             operator_outcome(&stored(502, result))["result"]["isError"],
             true
+        );
+    }
+
+    /// A completed record that holds no response (a damaged journal) is replayed as
+    /// a JSON-RPC error with the retry's id, not as an empty HTTP 500.
+    #[tokio::test]
+    async fn a_completed_call_with_no_stored_response_replays_as_a_json_rpc_error() {
+        let resp = replay(&json!(7), None);
+        assert_eq!(resp.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        assert_eq!(
+            resp.headers().get(headers::REPLAYED).map(|v| v.as_bytes()),
+            Some(&b"true"[..])
+        );
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .expect("a body")
+            .to_bytes();
+        let doc: Value = serde_json::from_slice(&body).expect("json");
+        assert_eq!(doc["id"], 7, "{doc}");
+        assert_eq!(doc["error"]["code"], -32603, "{doc}");
+        assert_eq!(
+            doc["error"]["data"]["type"],
+            "urn:outrigger:problem:journal-inconsistent"
         );
     }
 
