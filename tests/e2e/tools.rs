@@ -595,6 +595,16 @@ async fn a_resend_that_cannot_reach_the_tool_says_the_call_is_still_in_doubt() {
         "{}",
         again.text()
     );
+    // It names the attempt that may have executed (the first), and why this one
+    // could not tell.
+    assert_eq!(again.json()["attempt"], 1, "{}", again.text());
+    assert!(
+        again
+            .text()
+            .contains("its re-send, attempt 2, could not reach the tool"),
+        "{}",
+        again.text()
+    );
     let record = get(&sidecar.admin_url("/v1/journal/ledger%2Fk-gone")).await;
     assert_eq!(record.json()["state"], "in_doubt", "{}", record.text());
 }

@@ -75,11 +75,13 @@ where
 }
 
 /// Reads `body` (up to `limit` bytes) until it ends, or until `done` says that what
-/// has arrived is enough (asked whenever a line has ended): the rest is not read.
+/// has arrived is enough: asked, with what has arrived and the offset of what is new
+/// since it was last asked, whenever a part ends a line (a line feed or a carriage
+/// return). The rest is not read.
 pub async fn read_until<B>(
     body: B,
     limit: usize,
-    done: impl Fn(&[u8]) -> bool,
+    done: impl Fn(&[u8], usize) -> bool,
 ) -> Result<Bytes, ReadError>
 where
     B: HttpBody<Data = Bytes>,
@@ -90,6 +92,7 @@ where
     }
     let mut body = std::pin::pin!(body);
     let mut read = bytes::BytesMut::new();
+    let mut asked = 0;
     while let Some(frame) = body.as_mut().frame().await {
         let frame = frame.map_err(|e| read_error(e.into(), limit))?;
         let Ok(data) = frame.into_data() else {
@@ -99,8 +102,11 @@ where
             return Err(ReadError::TooLarge { limit });
         }
         read.extend_from_slice(&data);
-        if data.contains(&b'\n') && done(&read) {
-            break;
+        if data.iter().any(|b| matches!(b, b'\n' | b'\r')) {
+            if done(&read, asked) {
+                break;
+            }
+            asked = read.len();
         }
     }
     Ok(read.freeze())
@@ -354,6 +360,37 @@ mod tests {
             Ok::<_, Infallible>(Frame::data(Bytes::from_static(c.as_bytes())))
         });
         StreamBody::new(Box::pin(frames))
+    }
+
+    /// `read_until` stops once `done` says so, asked at each part that ends a line
+    /// with everything new since it was last asked (a part that ends none is not
+    /// asked about, but is in the next window); the rest of the body, which never
+    /// ends here, is not waited for.
+    #[tokio::test]
+    async fn read_until_stops_once_what_arrived_is_enough() {
+        let parts = ["data: {\"id\":", "1}", "\r\r", "never"];
+        let frames = futures_util::stream::iter(parts)
+            .map(|c| Ok::<_, Infallible>(Frame::data(Bytes::from_static(c.as_bytes()))))
+            .chain(futures_util::stream::pending());
+        let asked = std::sync::Mutex::new(Vec::new());
+        let read = read_until(StreamBody::new(frames), 1 << 10, |read, new| {
+            asked
+                .lock()
+                .unwrap()
+                .push(String::from_utf8_lossy(&read[new..]).into_owned());
+            read.ends_with(b"\r\r")
+        });
+        let read = tokio::time::timeout(Duration::from_secs(5), read)
+            .await
+            .expect("not waiting for the rest")
+            .expect("read");
+        assert_eq!(&read[..], b"data: {\"id\":1}\r\r");
+        assert_eq!(*asked.lock().unwrap(), ["data: {\"id\":1}\r\r"]);
+        // Past the limit, it is refused, not cut.
+        let big = futures_util::stream::iter(["0123456789\n"; 3])
+            .map(|c| Ok::<_, Infallible>(Frame::data(Bytes::from_static(c.as_bytes()))));
+        let refused = read_until(StreamBody::new(big), 25, |_, _| false).await;
+        assert!(matches!(refused, Err(ReadError::TooLarge { limit: 25 })));
     }
 
     #[tokio::test(start_paused = true)]

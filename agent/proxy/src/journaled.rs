@@ -56,17 +56,19 @@ pub(crate) trait Protocol {
     /// Who to tell how the call ended if it ends without its agent (the call's
     /// observer, for metrics, SLOs and the task).
     fn on_detached(&self) -> DetachedEnd;
-    /// Whether an answer read in part (its head's headers, its body's first bytes)
-    /// already holds the call's outcome, so that the rest is not waited for: an MCP
-    /// server's event stream that holds the response but is kept open. `None`: the
-    /// whole body is the answer.
+    /// Whether an answer read in part (its status and headers, its body's first
+    /// bytes, of which those from the given offset on are new) already holds the
+    /// call's outcome, so that the rest is not waited for: an MCP server's event
+    /// stream that holds the response but is kept open. `None`: the whole body is
+    /// the answer.
     fn answered_early(&self) -> Option<AnsweredEarly> {
         None
     }
 }
 
 /// See [`Protocol::answered_early`].
-pub(crate) type AnsweredEarly = Box<dyn Fn(&HeaderMap, &[u8]) -> bool + Send + Sync>;
+pub(crate) type AnsweredEarly =
+    Box<dyn Fn(StatusCode, &HeaderMap, &[u8], usize) -> bool + Send + Sync>;
 
 /// Told how a call ended that ended without its agent: how it settled and, when it
 /// failed, its `error.type`; or the error it ended in.
@@ -447,7 +449,7 @@ async fn execute(
                 Recorded::NotSent(e) => {
                     tracing::info!(%key, error = %e, "the agent went away; its call was never sent");
                 }
-                Recorded::InDoubt { cause, settled } => {
+                Recorded::InDoubt { cause, settled, .. } => {
                     tracing::info!(%key, %cause, state = settled.state, "the agent went away; its call ended in doubt");
                 }
                 Recorded::Unrecorded(e) | Recorded::Failed(e) => {
@@ -530,7 +532,12 @@ async fn dispatch(
     let (parts, body) = resp.into_parts();
     let read = async {
         match &early {
-            Some(done) => body::read_until(body, max_body, |read| done(&parts.headers, read)).await,
+            Some(done) => {
+                body::read_until(body, max_body, |read, new| {
+                    done(parts.status, &parts.headers, read, new)
+                })
+                .await
+            }
             None => body::read_limited(body, max_body).await,
         }
     };
@@ -639,6 +646,9 @@ enum Recorded {
     InDoubt {
         cause: String,
         settled: Settled,
+        /// The attempt that may have executed: this one, or, when this re-send
+        /// never left, the one before it.
+        attempt: u32,
     },
     /// The tool may have acted, but the journal could not record how the call ended.
     Unrecorded(outrigger_journal::Error),
@@ -680,6 +690,7 @@ async fn record(
 ) -> Recorded {
     let lost = async |cause: String, failed: Failed| match journal.in_doubt(ticket, &cause).await {
         Ok(state) => Recorded::InDoubt {
+            attempt: ticket.attempt(),
             cause,
             settled: Settled::of(state, Some(failed)),
         },
@@ -693,9 +704,10 @@ async fn record(
                 // executed never left: the call is still in doubt, and the agent is
                 // told so, not that nothing was sent.
                 Ok(state @ (State::InDoubt | State::NeedsOperator)) => Recorded::InDoubt {
+                    attempt: ticket.attempt().saturating_sub(1).max(1),
                     cause: format!(
-                        "this attempt could not reach the tool ({e}), and an earlier one may \
-                         have executed"
+                        "its re-send, attempt {}, could not reach the tool: {e}",
+                        ticket.attempt()
                     ),
                     settled: Settled::of(state, Some(crate::observe::failed_of_upstream(&e))),
                 },
@@ -741,8 +753,12 @@ fn respond(
             target: tool.name.clone(),
             source,
         }),
-        Recorded::InDoubt { cause, settled } => {
-            let resp = proto.in_doubt(ticket.key(), ticket.attempt(), &cause, settled.state);
+        Recorded::InDoubt {
+            cause,
+            settled,
+            attempt,
+        } => {
+            let resp = proto.in_doubt(ticket.key(), attempt, &cause, settled.state);
             Ok((resp, settled))
         }
         Recorded::Unrecorded(e) => Ok(unrecorded(ticket, proto, &e)),

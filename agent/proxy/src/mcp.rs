@@ -314,8 +314,15 @@ impl Protocol for McpCall<'_> {
     /// that keeps it open has answered all the same: its response is the outcome.
     fn answered_early(&self) -> Option<journaled::AnsweredEarly> {
         let id = self.id.clone();
-        Some(Box::new(move |h, read| {
-            crate::headers::is_event_stream(h) && find_response(h, read, &id).is_some()
+        Some(Box::new(move |status, h, read, new| {
+            // Only a success is cut short (an error answer is passed on as it came),
+            // and only a part that may hold a message with an id is looked at, so
+            // that a long run of notifications (which have none) is not parsed
+            // again and again.
+            status.is_success()
+                && crate::headers::is_event_stream(h)
+                && memchr::memmem::find(&read[new.saturating_sub(8)..], b"\"id\"").is_some()
+                && find_response(h, read, &id).is_some()
         }))
     }
 
