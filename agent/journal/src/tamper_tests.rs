@@ -659,24 +659,24 @@ fn a_journal_of_a_later_format_is_refused_not_misread() -> TestResult {
     let dir = tempfile::tempdir()?;
     drop(Journal::open(Options::new(dir.path()))?);
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    store.raw_put(keys::FORMAT, b"7")?;
+    store.raw_put(keys::FORMAT, b"8")?;
     store.flush()?;
     drop(store);
     let Err(e) = Journal::open(Options::new(dir.path())) else {
-        return Err("a format-7 journal was opened".into());
+        return Err("a format-8 journal was opened".into());
     };
     assert!(
         e.to_string()
-            .contains("holds journal format \"7\", which this build does not know"),
+            .contains("holds journal format \"8\", which this build does not know"),
         "{e}"
     );
     // Nor read by the audit.
     let Err(Error::Invalid { what, detail }) = Journal::open_for_audit(dir.path()) else {
-        return Err("the audit read a format-7 journal".into());
+        return Err("the audit read a format-8 journal".into());
     };
     assert_eq!(what, "journal format");
     assert!(
-        detail.contains("format \"7\"") && detail.contains("newer build"),
+        detail.contains("format \"8\"") && detail.contains("newer build"),
         "{detail}"
     );
     Ok(())
