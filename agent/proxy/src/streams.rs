@@ -1193,13 +1193,17 @@ impl Producer {
                 retry_after.as_secs_f64()
             ))
         })?;
+        let record = |pass: crate::resilience::breaker::Pass<'_>, alive: bool| {
+            metrics.breaker_state(target, pass.record(alive, rand::random::<f64>()));
+        };
+        // An answer: news to the limiter too.
         let heard = |pass: crate::resilience::breaker::Pass<'_>,
                      status: http::StatusCode,
                      headers: &http::HeaderMap,
                      broken: bool| {
             let retry_after = crate::model::attempts::retry_after(headers);
             limiter.observe(status.as_u16(), headers, retry_after);
-            metrics.breaker_state(target, pass.record(!broken, rand::random::<f64>()));
+            record(pass, !broken);
         };
         let limits = &self.shared.options.limits;
         let resp = match self
@@ -1210,7 +1214,7 @@ impl Producer {
         {
             Ok(resp) => resp,
             Err(e) => {
-                metrics.breaker_state(target, pass.record(false, rand::random::<f64>()));
+                record(pass, false);
                 return Err(failed(e.to_string()));
             }
         };
@@ -1262,7 +1266,7 @@ impl Producer {
                 Err(_) => format!("no event within {:?}", limits.first_byte_timeout),
             };
             self.scratch.clear();
-            metrics.breaker_state(target, pass.record(false, rand::random::<f64>()));
+            record(pass, false);
             return Err(failed(why));
         }
         if let Some((raw, error)) = self
@@ -1523,9 +1527,8 @@ pub(crate) async fn endpoint(
 }
 
 /// `POST /v1/streams/{key}/cancel`: `202` when a generation of this process was told
-/// to stop; `200` with `"cancelled": false` when there is none, or when its last
-/// event is already out (it is ending as it will, its end being recorded: too late
-/// to cancel).
+/// to stop; `200` with `"cancelled": false` when there is none, or when it is
+/// ending (its upstream read over, its end being recorded: too late to cancel).
 fn cancel_generation(shared: &Shared, key: &StreamKey) -> Response<Body> {
     match shared.streams.get(key).filter(|l| !l.is_ending()) {
         Some(live) => {
@@ -2193,11 +2196,11 @@ mod tests {
         ended.await;
     }
 
-    /// A cancel reaches a generation still running, not one whose last event is out
-    /// (its end being recorded): that one is answered `"cancelled": false`, and is
-    /// not marked cancelled.
+    /// A cancel reaches a generation whose upstream is still read (even with its last
+    /// event out), not one that is ending (its end being recorded): that one is
+    /// answered `"cancelled": false`.
     #[tokio::test]
-    async fn a_generation_whose_last_event_is_out_is_not_cancelled() {
+    async fn a_generation_that_is_ending_is_not_cancelled() {
         let j = crate::test_journal::TempJournal::open().expect("a journal");
         let proxy = proxy(&j.journal, crate::Options::default());
         let shared = proxy.shared.clone();
