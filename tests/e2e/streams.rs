@@ -164,7 +164,7 @@ async fn a_journaled_stream_replays_byte_identical() {
         assert_eq!(first.header("outrigger-replayed"), None);
         let evs = events(&first.body);
         for (i, e) in evs.iter().enumerate() {
-            assert!(e.starts_with(&format!("id: 1:{i}\n")), "{e}");
+            assert!(has_id(e, 1, i as u64), "{e}");
         }
         // Without the ids, exactly what the provider sent.
         let upstream = mock.exchanges().last().unwrap().response_bytes();
@@ -194,6 +194,7 @@ async fn a_client_that_drops_at_any_event_boundary_resumes_byte_identical() {
         ..Behaviour::default()
     })
     .await;
+    let mut resumed_first = None;
     for d in [D::OpenAi, D::Anthropic] {
         let reference = send(post(&sidecar, d, Some(&format!("ref-{d:?}")), &[]))
             .await
@@ -203,6 +204,9 @@ async fn a_client_that_drops_at_any_event_boundary_resumes_byte_identical() {
             let key = format!("drop-{d:?}-{cut}");
             let (stream_key, prefix) = read_events(post(&sidecar, d, Some(&key), &[]), cut).await;
             assert_eq!(events(&prefix).len(), cut);
+            if matches!(d, D::OpenAi) && cut == 1 {
+                resumed_first = Some(generation_of(&events(&prefix)[0]));
+            }
             let last_id = events(&prefix)
                 .last()
                 .unwrap()
@@ -256,7 +260,10 @@ async fn a_client_that_drops_at_any_event_boundary_resumes_byte_identical() {
         &sidecar,
         D::OpenAi,
         Some("drop-OpenAi-1"),
-        &[("last-event-id", "1:999")],
+        &[(
+            "last-event-id",
+            &format!("{}:999", resumed_first.expect("resumed")),
+        )],
     ))
     .await;
     assert_eq!(past_the_end.status, StatusCode::NO_CONTENT);
@@ -453,7 +460,7 @@ models = ["gpt-mock"]
         });
         let again = send(post(&sidecar, D::OpenAi, Some(key), &[])).await;
         let evs = events(&again.body);
-        assert!(evs[0].starts_with("id: 2:0\n"), "attempt 2: {}", evs[0]);
+        assert!(has_id(&evs[0], 2, 0), "attempt 2: {}", evs[0]);
         assert!(evs.last().unwrap().contains("[DONE]"));
     }
 }
@@ -619,7 +626,7 @@ async fn a_sidecar_killed_mid_stream_gives_a_fresh_generation_on_retry() {
     let whole = events(&journaled.body);
     let last = whole.last().cloned().unwrap_or_default();
     assert!(
-        last.starts_with(&format!("id: 1:{CLOSING}\n"))
+        has_id(&last, 1, CLOSING)
             && last.contains("stream_interrupted")
             && last.contains("restart"),
         "{last}"
@@ -641,23 +648,24 @@ async fn a_sidecar_killed_mid_stream_gives_a_fresh_generation_on_retry() {
             .await
         }
     };
+    let g = generation_of(&whole[0]);
     for after in [whole.len() - 2, whole.len() + 3] {
-        let tail = resume(format!("1:{after}")).await;
+        let tail = resume(format!("{g}:{after}")).await;
         assert_eq!(tail.status, StatusCode::OK, "{}", tail.text());
         assert_eq!(
             events(&tail.body),
             std::slice::from_ref(&last),
-            "after 1:{after}"
+            "after {g}:{after}"
         );
     }
-    let nothing = resume(format!("1:{CLOSING}")).await;
+    let nothing = resume(format!("{g}:{CLOSING}")).await;
     assert_eq!(nothing.status, StatusCode::NO_CONTENT, "{}", nothing.text());
     // The open attempt was abandoned at start-up; the same request generates afresh.
     let r = send(post(&sidecar, D::OpenAi, Some("killed"), &[])).await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.header("outrigger-replayed"), None);
     let evs = events(&r.body);
-    assert!(evs[0].starts_with("id: 2:0\n"), "attempt 2: {}", evs[0]);
+    assert!(has_id(&evs[0], 2, 0), "attempt 2: {}", evs[0]);
     assert!(evs.last().unwrap().contains("[DONE]"));
     assert_eq!(mock.generation_count(), 2);
     // From now on it replays.
@@ -697,7 +705,7 @@ async fn a_call_before_its_first_byte_is_joined_by_a_repeat_and_freed_when_dropp
     assert_eq!(again.status, StatusCode::OK, "{}", again.text());
     assert_eq!(again.header("outrigger-replayed"), None);
     let evs = events(&again.body);
-    assert!(evs[0].starts_with("id: 2:0\n"), "attempt 2: {}", evs[0]);
+    assert!(has_id(&evs[0], 2, 0), "attempt 2: {}", evs[0]);
     assert!(evs.last().unwrap().contains("[DONE]"));
 
     // A resume point that is not ours is refused, not answered with the whole stream.
@@ -749,8 +757,9 @@ async fn an_attempt_whose_events_the_journal_lost_ends_abandoned_and_its_key_gen
         got.extend_from_slice(&chunk.expect("data"));
     }
     assert!(events(&got).last().unwrap().contains("[DONE]"));
-    let resume = |last: &'static str| {
-        let r = resume_by_key(&sidecar, &key, last);
+    let g = generation_of(&events(&got)[0]);
+    let resume = |last: String| {
+        let r = resume_by_key(&sidecar, &key, &last);
         async move {
             let r = r.await;
             assert_eq!(r.status, StatusCode::OK, "{}", r.text());
@@ -758,7 +767,7 @@ async fn an_attempt_whose_events_the_journal_lost_ends_abandoned_and_its_key_gen
         }
     };
     // Resumed from the journal, the attempt ends with a typed error, not a silent end.
-    let last = resume("1:1").await;
+    let last = resume(format!("{g}:1")).await;
     assert!(
         last.contains("stream_interrupted") && last.contains("journal lost events"),
         "{last}"
@@ -786,17 +795,17 @@ async fn an_attempt_whose_events_the_journal_lost_ends_abandoned_and_its_key_gen
     let again = send(post(&sidecar, D::OpenAi, Some("holed"), &[])).await;
     assert_eq!(again.status, StatusCode::OK, "{}", again.text());
     assert_eq!(again.header("outrigger-replayed"), None);
-    assert!(events(&again.body)[0].starts_with("id: 2:0\n"));
+    assert!(has_id(&events(&again.body)[0], 2, 0));
     assert_eq!(mock.generation_count(), 2);
     // Attempt 1 still ends the same way, now that attempt 2 has replaced it, by key
     // and by the repeated request.
-    let last = resume("1:1").await;
+    let last = resume(format!("{g}:1")).await;
     assert!(last.contains("did not complete"), "{last}");
     let repeated = send(post(
         &sidecar,
         D::OpenAi,
         Some("holed"),
-        &[("last-event-id", "1:1")],
+        &[("last-event-id", &format!("{g}:1"))],
     ))
     .await;
     let last = events(&repeated.body).last().cloned().unwrap_or_default();
@@ -882,14 +891,17 @@ async fn a_stream_that_opens_with_a_byte_order_mark_keeps_its_first_event() {
     let sidecar = sidecar_for(&upstream.url()).await;
     let journaled = send(post(&sidecar, D::OpenAi, Some("bom"), &[])).await;
     assert_eq!(journaled.status, StatusCode::OK, "{}", journaled.text());
+    let text = journaled.text();
     assert!(
-        journaled.body.starts_with(b"id: 1:0\ndata: {"),
-        "{:?}",
-        journaled.text()
+        has_id(&text, 1, 0)
+            && text
+                .split_once('\n')
+                .is_some_and(|(_, r)| r.starts_with("data: {")),
+        "{text:?}"
     );
     let first = first_dispatched(&journaled.body).expect("a first event");
     assert!(
-        first.contains(&("id".into(), "1:0".into()))
+        first.contains(&("id".into(), format!("{}:0", generation_of(&text))))
             && first
                 .iter()
                 .any(|(f, v)| f == "data" && v.contains("first")),
@@ -960,7 +972,8 @@ async fn a_repeat_with_last_event_id_gets_the_rest_of_that_attempt_never_a_new_g
     let evs = events(&first.body);
     let n = evs.len();
     assert!(n >= 3, "some events and the error: {evs:?}");
-    let last_id = format!("1:{}", n - 1);
+    let g = generation_of(&evs[0]);
+    let last_id = format!("{g}:{}", n - 1);
     assert!(
         evs[n - 1].starts_with(&format!("id: {last_id}\n"))
             && evs[n - 1].contains("stream_interrupted"),
@@ -972,14 +985,28 @@ async fn a_repeat_with_last_event_id_gets_the_rest_of_that_attempt_never_a_new_g
         &sidecar,
         D::OpenAi,
         Some("leid"),
-        &[("last-event-id", "1:1")],
+        &[("last-event-id", &format!("{g}:1"))],
     ))
     .await;
     assert_eq!(rest.status, StatusCode::OK, "{}", rest.text());
     assert_eq!(rest.header("outrigger-replayed"), Some("true"));
     assert_eq!(rest.body.as_ref(), evs[2..].concat().as_bytes());
-    // Nothing after the last event; an attempt the key never had.
-    for last in [last_id.as_str(), "2:0"] {
+    // Nothing after the last event.
+    let r = send(post(
+        &sidecar,
+        D::OpenAi,
+        Some("leid"),
+        &[("last-event-id", &last_id)],
+    ))
+    .await;
+    assert_eq!(r.status, StatusCode::NO_CONTENT, "{last_id}: {}", r.text());
+    // A generation the journal does not hold: an attempt the key never had, one
+    // with another tag (its start lost, its number taken again), an id without a
+    // tag. Refused, never answered with another generation's events.
+    let (attempt, tag) = g.split_once('.').expect("a tagged generation");
+    let tag = u32::from_str_radix(tag, 16).expect("hex");
+    let other = format!("{attempt}.{:08x}:1", tag ^ 1);
+    for last in ["2:0", "1:1", other.as_str()] {
         let r = send(post(
             &sidecar,
             D::OpenAi,
@@ -987,7 +1014,8 @@ async fn a_repeat_with_last_event_id_gets_the_rest_of_that_attempt_never_a_new_g
             &[("last-event-id", last)],
         ))
         .await;
-        assert_eq!(r.status, StatusCode::NO_CONTENT, "{last}: {}", r.text());
+        assert_eq!(r.status, StatusCode::GONE, "{last}: {}", r.text());
+        assert!(r.text().contains("generation-lost"), "{last}: {}", r.text());
     }
     assert_eq!(mock.generation_count(), generations, "no new generation");
     // A key the journal does not hold.
@@ -1007,7 +1035,7 @@ async fn a_repeat_with_last_event_id_gets_the_rest_of_that_attempt_never_a_new_g
     assert_eq!(mock.generation_count(), generations, "no new generation");
     // Without the header, the same request is a fresh generation (attempt 2).
     let again = send(post(&sidecar, D::OpenAi, Some("leid"), &[])).await;
-    assert!(events(&again.body)[0].starts_with("id: 2:0\n"));
+    assert!(has_id(&events(&again.body)[0], 2, 0));
 }
 
 /// `POST /v1/streams/{key}/cancel` reaches a generation still waiting for its first
@@ -1063,7 +1091,7 @@ async fn a_stream_cancelled_before_its_first_event_drops_its_upstream_request() 
     let evs = events(&answered.body);
     assert_eq!(evs.len(), 1, "{evs:?}");
     assert!(
-        evs[0].starts_with(&format!("id: 1:{CLOSING}\n"))
+        has_id(&evs[0], 1, CLOSING)
             && evs[0].contains("stream_interrupted")
             && evs[0].contains("cancelled"),
         "{evs:?}"
@@ -1079,7 +1107,7 @@ async fn a_stream_cancelled_before_its_first_event_drops_its_upstream_request() 
     assert_eq!(by_key.status, StatusCode::OK, "{}", by_key.text());
     assert_eq!(by_key.body, answered.body);
     // A client that has that error event gets nothing more: not the event again.
-    let closing = format!("1:{CLOSING}");
+    let closing = format!("{}:{CLOSING}", generation_of(&evs[0]));
     let after = send(request(
         Method::GET,
         &sidecar.url("/v1/streams/m%2Fopenai%2Fearly-cancel"),

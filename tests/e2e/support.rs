@@ -347,3 +347,28 @@ pub async fn eventually(timeout: Duration, mut check: impl FnMut() -> bool) -> b
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The attempt and sequence number an event's `id:` line names (`<attempt>.<tag>:<seq>`),
+/// its tag left out.
+pub fn id_of(ev: &str) -> Option<(u32, u64)> {
+    let id = ev.lines().next()?.strip_prefix("id: ")?;
+    let (generation, seq) = id.split_once(':')?;
+    let attempt = generation.split_once('.').map_or(generation, |(a, _)| a);
+    Some((attempt.parse().ok()?, seq.parse().ok()?))
+}
+
+/// Whether `ev` opens with the id of event `seq` of attempt `attempt` (whatever its
+/// tag).
+pub fn has_id(ev: &str, attempt: u32, seq: u64) -> bool {
+    id_of(ev) == Some((attempt, seq))
+}
+
+/// The generation (`<attempt>.<tag>`) an event's `id:` line names.
+pub fn generation_of(ev: &str) -> String {
+    ev.lines()
+        .next()
+        .and_then(|l| l.strip_prefix("id: "))
+        .and_then(|id| id.split_once(':'))
+        .map(|(g, _)| g.to_owned())
+        .unwrap_or_else(|| panic!("no id: {ev:?}"))
+}

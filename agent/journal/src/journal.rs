@@ -31,8 +31,12 @@ use crate::writer::{
 /// in generations ([`crate::slots`]), their bytes in files of their own
 /// ([`crate::bodies`]), each new stream's events in a slot of their own
 /// ([`keys::Events`]), a task's records indexed by slot ([`keys::TASKS`]), and
-/// streams past retention kept as `expired` metadata ([`StreamState::Expired`]).
-const FORMAT: &[u8] = b"7";
+/// streams past retention kept as `expired` metadata ([`StreamState::Expired`]),
+/// each stream attempt with a tag of its own ([`StreamMeta::tags`]).
+const FORMAT: &[u8] = b"8";
+/// Format 7: a stream's attempts had no tags ([`StreamMeta::tags`]): their event
+/// ids name the attempt's number alone. Read as it is.
+const FORMAT_7: &[u8] = b"7";
 /// Format 6: a stream past retention was deleted whole. Read as it is.
 const FORMAT_6: &[u8] = b"6";
 /// Format 5: the task index by creation time ([`keys::TASKS_BY_TIME`]). Still read
@@ -48,12 +52,12 @@ const FORMAT_3: &[u8] = b"3";
 /// keep that layout (their metadata names no slot), new streams get slots.
 const FORMAT_2: &[u8] = b"2";
 /// Format 1: each record stored under its key; opening it moves each record to a
-/// slot. Opening an older journal marks it format 7, so that an older build refuses
+/// slot. Opening an older journal marks it format 8, so that an older build refuses
 /// it rather than misread it.
 const FORMAT_1: &[u8] = b"1";
 /// Every format this build reads.
-const READABLE: [&[u8]; 7] = [
-    FORMAT, FORMAT_6, FORMAT_5, FORMAT_4, FORMAT_3, FORMAT_2, FORMAT_1,
+const READABLE: [&[u8]; 8] = [
+    FORMAT, FORMAT_7, FORMAT_6, FORMAT_5, FORMAT_4, FORMAT_3, FORMAT_2, FORMAT_1,
 ];
 
 /// The format the journal in `dir` is marked with (`None`: a new journal), or an
@@ -64,7 +68,7 @@ pub(crate) fn stored_format(store: &Store, dir: &Path) -> Result<Option<Vec<u8>>
             what: "journal format",
             detail: format!(
                 "{} holds journal format {:?}, which this build does not know (it reads \
-                 formats 1 to 7; a newer build of outrigger wrote it?): use the build that \
+                 formats 1 to 8; a newer build of outrigger wrote it?): use the build that \
                  wrote it",
                 dir.display(),
                 String::from_utf8_lossy(&format)
@@ -130,7 +134,7 @@ impl Journal {
                 tracing::info!(
                     from = %String::from_utf8_lossy(&format),
                     index_entries = moved,
-                    "journal moved to format 7 (its record index in generations)"
+                    "journal moved to format 8 (its record index in generations)"
                 );
             }
             let moved = slots::migrate_tasks(&store, FORMAT)?;
@@ -138,7 +142,7 @@ impl Journal {
                 tracing::info!(
                     from = %String::from_utf8_lossy(&format),
                     task_entries = moved,
-                    "journal moved to format 7 (its task index by slot)"
+                    "journal moved to format 8 (its task index by slot)"
                 );
             }
         }
@@ -552,6 +556,8 @@ impl Journal {
         request: StreamRequest,
     ) -> Result<StreamBegin, Error> {
         let claim = self.inner.claims.claim(key).await;
+        // Drawn here, whoever decides the attempt's number.
+        let tag = crate::stream::draw_tag();
         // A key the writer has never written starts at attempt 1, whatever the
         // writer is doing: no other begin of it can come between (the claim, see
         // [`crate::claims`]), so the start is queued without waiting for the writer.
@@ -567,12 +573,13 @@ impl Journal {
                 .send(Command::StreamBegin {
                     key: key.clone(),
                     request: Box::new(request),
+                    tag,
                     claim,
                     reply: None,
                 })
                 .await
                 .map_err(|_| Error::Unavailable("the journal writer is not running".to_owned()))?;
-            return Ok(StreamBegin::New { attempt: 1 });
+            return Ok(StreamBegin::New { attempt: 1, tag });
         }
         // A new attempt answered to a caller that went away never gets a producer:
         // it is ended for it, or the key's next begins would find it open for ever.
@@ -581,12 +588,13 @@ impl Journal {
             |reply| Command::StreamBegin {
                 key: key.clone(),
                 request: Box::new(request),
+                tag,
                 claim,
                 reply: Some(reply),
             },
             move |begin: StreamBegin| {
                 Box::pin(async move {
-                    let StreamBegin::New { attempt } = begin else {
+                    let StreamBegin::New { attempt, .. } = begin else {
                         return;
                     };
                     let end = StreamEnd::abandoned(UNANSWERED_START);

@@ -164,6 +164,15 @@ pub struct StreamMeta {
     /// expired, also after a later attempt has begun.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expired_through: Option<u32>,
+    /// Each attempt's tag, by number (attempt `n` at index `n - 1`), drawn at random
+    /// when its start was decided: a client's event id names it, so that an id of a
+    /// generation whose start the journal never held (lost to a failed write or a
+    /// kill before the flush, or a key forgotten by retention) is not taken for one
+    /// of a later generation that reused its number. 0 where none is known: attempts
+    /// begun before journal format 8, whose ids have no tag, and numbers no
+    /// journaled start took.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<u32>,
 }
 
 impl StreamMeta {
@@ -171,6 +180,29 @@ impl StreamMeta {
     pub fn expired(&self, attempt: u32) -> bool {
         self.expired_through.is_some_and(|last| attempt <= last)
     }
+
+    /// The tag of `attempt` (see [`StreamMeta::tags`]); `None` for an attempt begun
+    /// before tags existed, or one this journal never held.
+    pub fn tag(&self, attempt: u32) -> Option<u32> {
+        let index = usize::try_from(attempt.checked_sub(1)?).ok()?;
+        self.tags.get(index).copied().filter(|t| *t != 0)
+    }
+
+    /// Records `tag` as the tag of `attempt`.
+    pub(crate) fn set_tag(&mut self, attempt: u32, tag: u32) {
+        let Some(index) = attempt.checked_sub(1).and_then(|i| usize::try_from(i).ok()) else {
+            return;
+        };
+        if self.tags.len() <= index {
+            self.tags.resize(index + 1, 0);
+        }
+        self.tags[index] = tag;
+    }
+}
+
+/// A new attempt's tag (see [`StreamMeta::tags`]): random, never 0.
+pub(crate) fn draw_tag() -> u32 {
+    rand::random::<u32>().max(1)
 }
 
 impl StreamMeta {
@@ -186,7 +218,11 @@ pub enum StreamBegin {
     /// Generate: events go under this attempt number. A stream whose previous attempt
     /// failed or was abandoned starts a fresh attempt (its half-received tool calls
     /// were never handed to the agent, so nothing repeats).
-    New { attempt: u32 },
+    New {
+        attempt: u32,
+        /// The attempt's tag (see [`StreamMeta::tags`]), which its event ids carry.
+        tag: u32,
+    },
     /// The stream exists and is completed (replay it) or still open in this process
     /// (attach to its journaled prefix and live tail).
     Existing { meta: StreamMeta },

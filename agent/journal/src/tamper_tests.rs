@@ -414,7 +414,7 @@ async fn a_move_to_the_current_format_cut_short_is_finished_at_the_next_open() -
 
 /// Three calls ("done" and "kept" completed, "cut" left in flight) rewritten the way
 /// `format` stored them, the journal then marked `marked`. An offline audit reads it
-/// as it is; opening it moves it to format 7 (two keys per frame in tests), and every
+/// as it is; opening it moves it to format 8 (two keys per frame in tests), and every
 /// record reads, replays, verifies and expires as before.
 async fn an_older_journal_is_read_then_moved_to_the_current_format(
     format: u8,
@@ -498,7 +498,7 @@ async fn an_older_journal_is_read_then_moved_to_the_current_format(
     task.await?;
 
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"7"[..]));
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"8"[..]));
     assert_eq!(
         store.scan_prefix(keys::RECORDS).count(),
         0,
@@ -659,24 +659,24 @@ fn a_journal_of_a_later_format_is_refused_not_misread() -> TestResult {
     let dir = tempfile::tempdir()?;
     drop(Journal::open(Options::new(dir.path()))?);
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    store.raw_put(keys::FORMAT, b"8")?;
+    store.raw_put(keys::FORMAT, b"9")?;
     store.flush()?;
     drop(store);
     let Err(e) = Journal::open(Options::new(dir.path())) else {
-        return Err("a format-8 journal was opened".into());
+        return Err("a format-9 journal was opened".into());
     };
     assert!(
         e.to_string()
-            .contains("holds journal format \"8\", which this build does not know"),
+            .contains("holds journal format \"9\", which this build does not know"),
         "{e}"
     );
     // Nor read by the audit.
     let Err(Error::Invalid { what, detail }) = Journal::open_for_audit(dir.path()) else {
-        return Err("the audit read a format-8 journal".into());
+        return Err("the audit read a format-9 journal".into());
     };
     assert_eq!(what, "journal format");
     assert!(
-        detail.contains("format \"8\"") && detail.contains("newer build"),
+        detail.contains("format \"9\"") && detail.contains("newer build"),
         "{detail}"
     );
     Ok(())
@@ -784,7 +784,7 @@ async fn format_2_streams_are_read_under_their_key_and_new_streams_get_slots() -
     task.await?;
 
     let store = Store::open(dir.path(), 16 << 20, Durability::Process, false)?;
-    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"7"[..]));
+    assert_eq!(store.get(keys::FORMAT)?.as_deref(), Some(&b"8"[..]));
     let raw = store.get(&keys::stream("fresh"))?.ok_or("fresh missing")?;
     let fresh_slot = crate::writer::decode_stream("fresh", &raw)?
         .events_slot

@@ -66,6 +66,8 @@ pub(crate) enum Command {
     StreamBegin {
         key: StreamKey,
         request: Box<StreamRequest>,
+        /// The tag of the attempt it begins, if it begins one.
+        tag: u32,
         /// Held until the batch with the start is logged.
         claim: Claim,
         /// `None`: the caller decided attempt 1 itself (the key filter had never seen
@@ -511,7 +513,7 @@ impl Core {
     /// the key takes the next number (see [`Core::stream_begin`]).
     fn decided_by_caller(&mut self, key: StreamKey, result: Result<StreamBegin, Error>) {
         match result {
-            Ok(StreamBegin::New { attempt: 1 }) => return,
+            Ok(StreamBegin::New { attempt: 1, .. }) => return,
             Ok(other) => {
                 tracing::error!(%key, found = ?other, "a stream begun as new was not new; it goes on unjournaled");
             }
@@ -633,13 +635,14 @@ impl Core {
             Command::StreamBegin {
                 key,
                 request,
+                tag,
                 claim,
                 reply,
             } => {
                 batch.claims.push(claim);
                 let result = self
                     .write_run(&key, batch)
-                    .and_then(|()| self.stream_begin(&key, *request, now, batch));
+                    .and_then(|()| self.stream_begin(&key, *request, tag, now, batch));
                 let Some(reply) = reply else {
                     self.decided_by_caller(key, result);
                     return;
@@ -775,6 +778,7 @@ impl Core {
         &mut self,
         key: &StreamKey,
         request: StreamRequest,
+        tag: u32,
         now: SystemTime,
         batch: &mut Batch,
     ) -> Result<StreamBegin, Error> {
@@ -816,6 +820,7 @@ impl Core {
                     last_seq: None,
                     events_slot: Some(events_slot),
                     expired_through: None,
+                    tags: Vec::new(),
                 }
             }
         };
@@ -825,10 +830,11 @@ impl Core {
             meta.attempt = next_attempt(key, meta.attempt)?;
         }
         let attempt = meta.attempt;
+        meta.set_tag(attempt, tag);
         self.write_stream(batch, meta, false)?;
         // Its caller was told before the batch is written (see `StreamBegin`).
         batch.runs_written.push((key.clone(), attempt));
-        Ok(StreamBegin::New { attempt })
+        Ok(StreamBegin::New { attempt, tag })
     }
 
     fn with_last_seq(&self, mut meta: StreamMeta) -> Result<StreamMeta, Error> {
@@ -1713,9 +1719,10 @@ mod tests {
 
     /// Begins `key` with event 0 durable.
     async fn begun(j: &Journal, w: &mut Writer, key: &StreamKey) -> TestResult {
-        assert_eq!(
-            j.stream_begin(key, request()).await?,
-            StreamBegin::New { attempt: 1 }
+        let begun = j.stream_begin(key, request()).await?;
+        assert!(
+            matches!(begun, StreamBegin::New { attempt: 1, .. }),
+            "{begun:?}"
         );
         let (appended, ()) =
             tokio::join!(j.stream_append(key, 1, 0, vec![event(0)], true), commit(w));

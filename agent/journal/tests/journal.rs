@@ -255,7 +255,7 @@ async fn a_restart_settles_what_was_in_flight() -> TestResult {
         run.journal.dispatched(&done).await?;
         run.journal.complete(&done, ok(200)).await?;
         let begun = run.journal.stream_begin(&stream, stream_request(1)).await?;
-        assert_eq!(begun, StreamBegin::New { attempt: 1 });
+        assert_eq!(new_attempt(&begun), Some(1));
         run.stop().await?;
     }
 
@@ -913,8 +913,8 @@ async fn held_events_lost_to_a_failed_write_end_the_attempt_instead_of_leaving_a
         Some(StreamState::Abandoned)
     );
     assert_eq!(
-        j.stream_begin(&key, stream_request(1)).await?,
-        StreamBegin::New { attempt: 2 }
+        new_attempt(&j.stream_begin(&key, stream_request(1)).await?),
+        Some(2)
     );
     run.stop().await?;
     Ok(())
@@ -946,6 +946,46 @@ async fn a_failed_append_is_rolled_back_and_can_be_appended_again() -> TestResul
     Ok(())
 }
 
+/// Each attempt draws a tag of its own, which the journal keeps for it across a
+/// restart and later attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_attempt_keeps_a_tag_of_its_own() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let key = StreamKey::new("tagged")?;
+    let tag_of = |b: &StreamBegin| match b {
+        StreamBegin::New { tag, .. } => Some(*tag),
+        _ => None,
+    };
+    let (first, second);
+    {
+        let (run, _) = Running::open(Options::new(dir.path()))?;
+        let j = &run.journal;
+        let begun = j.stream_begin(&key, stream_request(1)).await?;
+        first = tag_of(&begun).ok_or("attempt 1 was not new")?;
+        j.stream_append(&key, 1, 0, vec![event(0)], true).await?;
+        j.stream_end(&key, 1, StreamEnd::abandoned("cut")).await?;
+        let begun = j.stream_begin(&key, stream_request(1)).await?;
+        assert_eq!(new_attempt(&begun), Some(2));
+        second = tag_of(&begun).ok_or("attempt 2 was not new")?;
+        assert_ne!(first, second, "two attempts drew one tag");
+        assert!(first != 0 && second != 0, "0 means no tag");
+        j.stream_append(&key, 2, 0, vec![event(0)], true).await?;
+        let meta = j.stream_meta(&key)?.ok_or("meta lost")?;
+        assert_eq!(
+            (meta.tag(0), meta.tag(1), meta.tag(2), meta.tag(3)),
+            (None, Some(first), Some(second), None)
+        );
+        run.stop().await?;
+    }
+    let (run, _) = Running::open(Options::new(dir.path()))?;
+    let meta = run.journal.stream_meta(&key)?.ok_or("meta lost")?;
+    assert_eq!(
+        (meta.attempt, meta.tag(1), meta.tag(2)),
+        (2, Some(first), Some(second))
+    );
+    run.stop().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_read_back_in_order_across_a_restart() -> TestResult {
     let dir = tempfile::tempdir()?;
@@ -954,8 +994,8 @@ async fn streams_read_back_in_order_across_a_restart() -> TestResult {
         let (run, _) = Running::open(Options::new(dir.path()))?;
         let j = &run.journal;
         assert_eq!(
-            j.stream_begin(&key, stream_request(1)).await?,
-            StreamBegin::New { attempt: 1 }
+            new_attempt(&j.stream_begin(&key, stream_request(1)).await?),
+            Some(1)
         );
         for seq in 0..5 {
             j.stream_append(&key, 1, seq, vec![event(seq)], false)
@@ -1001,8 +1041,8 @@ async fn streams_read_back_in_order_across_a_restart() -> TestResult {
         StreamBegin::Mismatch { .. }
     ));
     assert_eq!(
-        j.stream_begin(&key, stream_request(1)).await?,
-        StreamBegin::New { attempt: 2 }
+        new_attempt(&j.stream_begin(&key, stream_request(1)).await?),
+        Some(2)
     );
     j.stream_append(&key, 2, 0, vec![event(100)], true).await?;
     j.stream_end(
@@ -1044,8 +1084,8 @@ async fn a_reopened_journal_finds_every_key_it_holds() -> TestResult {
             j.complete(&ticket, ok(201)).await?;
             let key = StreamKey::new(format!("known-stream-{i}"))?;
             assert_eq!(
-                j.stream_begin(&key, stream_request(1)).await?,
-                StreamBegin::New { attempt: 1 }
+                new_attempt(&j.stream_begin(&key, stream_request(1)).await?),
+                Some(1)
             );
             // Ended, so that recovery leaves it as it is.
             let usage = serde_json::json!({});
@@ -1082,8 +1122,8 @@ async fn a_reopened_journal_finds_every_key_it_holds() -> TestResult {
     execute(j, intent("never-seen", ToolClass::Keyed)).await?;
     let fresh = StreamKey::new("never-seen-stream")?;
     assert_eq!(
-        j.stream_begin(&fresh, stream_request(1)).await?,
-        StreamBegin::New { attempt: 1 }
+        new_attempt(&j.stream_begin(&fresh, stream_request(1)).await?),
+        Some(1)
     );
     run.stop().await
 }
@@ -1309,7 +1349,7 @@ async fn a_new_attempt_its_caller_never_received_is_ended_for_it() -> TestResult
     let key = StreamKey::new("left-early")?;
     let first = run.journal.stream_begin(&key, stream_request(1)).await?;
     assert!(
-        matches!(first, StreamBegin::New { attempt: 1 }),
+        matches!(first, StreamBegin::New { attempt: 1, .. }),
         "{first:?}"
     );
     let failed = StreamEnd::Failed {
@@ -1332,7 +1372,7 @@ async fn a_new_attempt_its_caller_never_received_is_ended_for_it() -> TestResult
     assert_eq!((meta.attempt, meta.state), (2, StreamState::Abandoned));
     let again = run.journal.stream_begin(&key, stream_request(1)).await?;
     assert!(
-        matches!(again, StreamBegin::New { attempt: 3 }),
+        matches!(again, StreamBegin::New { attempt: 3, .. }),
         "{again:?}"
     );
     run.stop().await
@@ -1353,7 +1393,7 @@ async fn a_new_stream_is_started_once_however_many_ask_at_once() -> TestResult {
         let mut new = 0;
         for task in tasks {
             match task.await?? {
-                StreamBegin::New { attempt } => {
+                StreamBegin::New { attempt, .. } => {
                     assert_eq!(attempt, 1);
                     new += 1;
                 }
@@ -1367,7 +1407,7 @@ async fn a_new_stream_is_started_once_however_many_ask_at_once() -> TestResult {
     let key = StreamKey::new("fast-then-events")?;
     let begun = run.journal.stream_begin(&key, stream_request(2)).await?;
     assert!(
-        matches!(begun, StreamBegin::New { attempt: 1 }),
+        matches!(begun, StreamBegin::New { attempt: 1, .. }),
         "{begun:?}"
     );
     run.journal
@@ -1395,7 +1435,7 @@ async fn a_start_answered_before_its_write_failed_takes_no_events() -> TestResul
     j.set_write_fault(Some(WriteFault::FailApply));
     assert!(matches!(
         j.stream_begin(&key, stream_request(1)).await?,
-        StreamBegin::New { attempt: 1 }
+        StreamBegin::New { attempt: 1, .. }
     ));
     let mut failed = false;
     for _ in 0..200 {
@@ -1417,7 +1457,7 @@ async fn a_start_answered_before_its_write_failed_takes_no_events() -> TestResul
     // generating, and its events must never join the new one's.
     assert!(matches!(
         j.stream_begin(&key, stream_request(1)).await?,
-        StreamBegin::New { attempt: 2 }
+        StreamBegin::New { attempt: 2, .. }
     ));
     let late = j.stream_append(&key, 1, 0, vec![event(0)], true).await;
     assert!(late.is_err(), "{late:?}");
@@ -1438,8 +1478,8 @@ async fn a_begin_right_after_a_new_start_finds_it() -> TestResult {
     for i in 0..200 {
         let key = StreamKey::new(format!("back-to-back-{i}"))?;
         assert_eq!(
-            j.stream_begin(&key, stream_request(1)).await?,
-            StreamBegin::New { attempt: 1 },
+            new_attempt(&j.stream_begin(&key, stream_request(1)).await?),
+            Some(1),
             "{key}"
         );
         match j.stream_begin(&key, stream_request(1)).await? {
@@ -1621,7 +1661,7 @@ async fn an_expired_stream_begins_its_next_attempt_and_keeps_it() -> TestResult 
     ));
     assert!(matches!(
         run.journal.stream_begin(&stream, stream_request(1)).await?,
-        StreamBegin::New { attempt: 2 }
+        StreamBegin::New { attempt: 2, .. }
     ));
     run.journal
         .stream_append(&stream, 2, 0, vec![event(7)], true)
@@ -1681,4 +1721,12 @@ async fn a_record_whose_retention_was_raised_across_a_restart_still_expires() ->
     let verify = run.journal.verify()?;
     assert!(verify.is_clean(), "{verify:?}");
     run.stop().await
+}
+
+/// The attempt a begin started, if it started one.
+fn new_attempt(begun: &StreamBegin) -> Option<u32> {
+    match begun {
+        StreamBegin::New { attempt, .. } => Some(*attempt),
+        _ => None,
+    }
 }

@@ -67,6 +67,8 @@ pub enum Error {
     UnknownStream { key: String },
     #[error("stream {key} is past retention: its events are gone")]
     StreamExpired { key: String },
+    #[error("the journal does not hold the generation of stream {key} that event {id} belongs to")]
+    GenerationLost { key: String, id: String },
 }
 
 impl From<ReadError> for Error {
@@ -262,6 +264,19 @@ impl Error {
                     "The journaled stream {key} is past retention ([journal] \
                      stream_retention, 6 h by default): its events are gone and cannot be \
                      resumed. Repeat the request without Last-Event-ID to generate afresh."
+                ),
+            ),
+            Self::GenerationLost { key, id } => Problem::new(
+                StatusCode::GONE,
+                "generation-lost",
+                "Stream generation lost",
+                format!(
+                    "Event {id} belongs to a generation of stream {key} that the journal \
+                     does not hold: its start was lost (a failed journal write, or the \
+                     sidecar stopped before it was flushed), or the key was forgotten and \
+                     used again. No more of it can be sent. Repeat the request without \
+                     Last-Event-ID for a new generation, and drop what was received of \
+                     this one."
                 ),
             ),
             Self::BudgetExceeded { reason } => Problem::new(

@@ -782,7 +782,8 @@ fn rpc_failure(id: &Value, e: &Error) -> Response<Body> {
         | Error::StreamKeyReused { .. }
         | Error::StreamInProgress { .. }
         | Error::UnknownStream { .. }
-        | Error::StreamExpired { .. } => -32603,
+        | Error::StreamExpired { .. }
+        | Error::GenerationLost { .. } => -32603,
     };
     let problem = e.to_problem();
     let mut data = problem.to_json();

@@ -309,7 +309,8 @@ pub(crate) fn failed_of(e: &Error) -> Failed {
         | Error::MissingKey { .. }
         | Error::StreamKeyReused { .. }
         | Error::UnknownStream { .. }
-        | Error::StreamExpired { .. } => Failed::InvalidRequest,
+        | Error::StreamExpired { .. }
+        | Error::GenerationLost { .. } => Failed::InvalidRequest,
         Error::BudgetExceeded { .. } => Failed::PolicyDenied,
         Error::Upstream { source, .. } => failed_of_upstream(source),
         Error::StreamBroke { .. } => Failed::Transport,

@@ -157,28 +157,72 @@ fn no_cache(h: &HeaderMap) -> bool {
         })
 }
 
-/// The longest `id:` line ours can be (`id: ` + u32 + `:` + u64 + LF).
-const ID_LINE_MAX: usize = 4 + 10 + 1 + 20 + 1;
+/// A generation of a stream as its event ids name it: the attempt's number and
+/// the tag its start drew (see [`outrigger_journal::StreamMeta::tags`]; none for an
+/// attempt begun before tags existed). The tag tells a generation the journal never
+/// held from a later one that took its number again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Generation {
+    pub attempt: u32,
+    pub tag: Option<u32>,
+}
 
-/// Appends `raw` to `out` with its `id: <attempt>:<seq>` line in front, formatted in
-/// place.
-fn push_with_id(out: &mut BytesMut, attempt: u32, seq: u64, raw: &[u8]) {
+impl Generation {
+    /// Attempt `attempt` of the stream `meta` describes.
+    pub fn of(meta: &outrigger_journal::StreamMeta, attempt: u32) -> Self {
+        Self {
+            attempt,
+            tag: meta.tag(attempt),
+        }
+    }
+}
+
+/// `<attempt>.<tag, 8 hex digits>`, or `<attempt>` for an untagged one.
+impl std::fmt::Display for Generation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.tag {
+            Some(tag) => write!(f, "{}.{tag:08x}", self.attempt),
+            None => write!(f, "{}", self.attempt),
+        }
+    }
+}
+
+/// An event id of ours: `<generation>:<seq>`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EventId {
+    pub generation: Generation,
+    pub seq: u64,
+}
+
+impl std::fmt::Display for EventId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.generation, self.seq)
+    }
+}
+
+/// The longest `id:` line ours can be (`id: ` + u32 + `.` + 8 hex digits + `:` +
+/// u64 + LF).
+const ID_LINE_MAX: usize = 4 + 10 + 9 + 1 + 20 + 1;
+
+/// Appends `raw` to `out` with its `id: <generation>:<seq>` line in front,
+/// formatted in place.
+fn push_with_id(out: &mut BytesMut, generation: Generation, seq: u64, raw: &[u8]) {
     use std::fmt::Write as _;
     out.reserve(raw.len() + ID_LINE_MAX);
     // Writing into a `BytesMut` cannot fail.
-    let _ = writeln!(out, "id: {attempt}:{seq}");
+    let _ = writeln!(out, "id: {generation}:{seq}");
     out.extend_from_slice(raw);
 }
 
 /// The events of one upstream batch, numbered from `first_seq`, with their `id:`
 /// lines: written into one buffer and split from it, so a batch costs one
 /// allocation, not two per event.
-fn with_ids(attempt: u32, first_seq: u64, events: &[Bytes]) -> Vec<Bytes> {
+fn with_ids(generation: Generation, first_seq: u64, events: &[Bytes]) -> Vec<Bytes> {
     let total = events.iter().map(|e| e.len() + ID_LINE_MAX).sum();
     let mut buf = BytesMut::with_capacity(total);
     let mut out = Vec::with_capacity(events.len());
     for (seq, ev) in (first_seq..).zip(events) {
-        push_with_id(&mut buf, attempt, seq, ev);
+        push_with_id(&mut buf, generation, seq, ev);
         out.push(buf.split().freeze());
     }
     out
@@ -194,21 +238,39 @@ fn with_ids(attempt: u32, first_seq: u64, events: &[Bytes]) -> Vec<Bytes> {
 pub const CLOSING_SEQ: u64 = u64::MAX;
 
 /// A closing error event with its `id:` line ([`CLOSING_SEQ`]).
-fn closing(attempt: u32, ev: &[u8]) -> Bytes {
+fn closing(generation: Generation, ev: &[u8]) -> Bytes {
     let mut out = BytesMut::new();
-    push_with_id(&mut out, attempt, CLOSING_SEQ, ev);
+    push_with_id(&mut out, generation, CLOSING_SEQ, ev);
     out.freeze()
 }
 
-/// Parses a `Last-Event-ID` of ours (`<attempt>:<seq>`).
-pub fn parse_event_id(v: &str) -> Option<(u32, u64)> {
-    let (a, s) = v.trim().split_once(':')?;
-    Some((a.parse().ok()?, s.parse().ok()?))
+/// Parses a `Last-Event-ID` of ours (`<attempt>.<tag>:<seq>`, or `<attempt>:<seq>`
+/// from an attempt begun before tags existed).
+pub fn parse_event_id(v: &str) -> Option<EventId> {
+    let (g, s) = v.trim().split_once(':')?;
+    let (attempt, tag) = match g.split_once('.') {
+        Some((a, t)) if t.len() == 8 && t.bytes().all(|b| b.is_ascii_hexdigit()) => {
+            (a, Some(u32::from_str_radix(t, 16).ok()?))
+        }
+        Some(_) => return None,
+        None => (g, None),
+    };
+    let digits = |x: &str| !x.is_empty() && x.bytes().all(|b| b.is_ascii_digit());
+    if !digits(attempt) || !digits(s) {
+        return None;
+    }
+    Some(EventId {
+        generation: Generation {
+            attempt: attempt.parse().ok()?,
+            tag,
+        },
+        seq: s.parse().ok()?,
+    })
 }
 
 /// The request's `Last-Event-ID`: `None` when absent or empty, an error when it is
 /// not one of ours (answering it as absent would send the whole stream again).
-pub fn last_event_id(h: &HeaderMap) -> Result<Option<(u32, u64)>, crate::Error> {
+pub fn last_event_id(h: &HeaderMap) -> Result<Option<EventId>, crate::Error> {
     let Some(v) = h.get("last-event-id") else {
         return Ok(None);
     };
@@ -219,7 +281,7 @@ pub fn last_event_id(h: &HeaderMap) -> Result<Option<(u32, u64)>, crate::Error> 
     parse_event_id(v).map(Some).ok_or_else(|| crate::Error::BadHeader {
         header: "Last-Event-ID",
         detail: format!(
-            "{v:?} is not an event id this sidecar sent; send the `id:` of the last event received (`<attempt>:<seq>`), or no header for the whole stream"
+            "{v:?} is not an event id this sidecar sent; send the `id:` of the last event received (`<attempt>.<tag>:<seq>`), or no header for the whole stream"
         ),
     })
 }
@@ -238,6 +300,8 @@ pub(crate) fn next_index(seq: u64) -> usize {
 pub struct Live {
     pub key: StreamKey,
     pub attempt: u32,
+    /// The attempt's tag (see [`Generation`]).
+    pub tag: Option<u32>,
     pub dialect: Dialect,
     events: Mutex<Vec<Bytes>>,
     finished: AtomicBool,
@@ -266,22 +330,28 @@ impl Live {
     /// A hub for a new generation of `key`.
     pub fn new_for(
         key: &StreamKey,
-        attempt: u32,
+        generation: Generation,
         dialect: Dialect,
         options: &Options,
     ) -> Arc<Self> {
-        Self::new(key.clone(), attempt, dialect, options.cancel_on_disconnect)
+        Self::new(
+            key.clone(),
+            generation,
+            dialect,
+            options.cancel_on_disconnect,
+        )
     }
 
     fn new(
         key: StreamKey,
-        attempt: u32,
+        generation: Generation,
         dialect: Dialect,
         cancel_on_disconnect: bool,
     ) -> Arc<Self> {
         Arc::new(Self {
             key,
-            attempt,
+            attempt: generation.attempt,
+            tag: generation.tag,
             dialect,
             events: Mutex::new(Vec::new()),
             finished: AtomicBool::new(false),
@@ -300,6 +370,14 @@ impl Live {
             e.extend(events);
         }
         self.version.send_modify(|v| *v += 1);
+    }
+
+    /// The generation this hub carries, as its event ids name it.
+    pub fn generation(&self) -> Generation {
+        Generation {
+            attempt: self.attempt,
+            tag: self.tag,
+        }
     }
 
     /// Nothing more will be pushed.
@@ -380,7 +458,7 @@ impl Live {
                 detail: format!(
                     "{}:{seq} has not been sent yet: this generation has sent {sent} event(s); \
                      send the `id:` of the last event received",
-                    self.attempt
+                    self.generation()
                 ),
             });
         }
@@ -502,7 +580,7 @@ pub(crate) struct Starting {
     shared: Arc<Shared>,
     journal: Journal,
     key: StreamKey,
-    attempt: u32,
+    generation: Generation,
     live: Option<Arc<Live>>,
     dialect: Dialect,
     armed: bool,
@@ -513,11 +591,11 @@ impl Starting {
         shared: &Arc<Shared>,
         journal: Journal,
         key: StreamKey,
-        attempt: u32,
+        generation: Generation,
         request: &ModelRequest,
     ) -> Self {
         let live = request.stream.then(|| {
-            let live = Live::new_for(&key, attempt, request.dialect, &shared.options.streams);
+            let live = Live::new_for(&key, generation, request.dialect, &shared.options.streams);
             // The waiting call is a client of its hub: a repeat that attaches and
             // leaves must not cancel it (`cancel_on_disconnect`).
             live.clients.fetch_add(1, Ordering::AcqRel);
@@ -528,7 +606,7 @@ impl Starting {
             shared: shared.clone(),
             journal,
             key,
-            attempt,
+            generation,
             live,
             dialect: request.dialect,
             armed: true,
@@ -544,7 +622,7 @@ impl Starting {
     }
 
     pub(crate) fn attempt(&self) -> u32 {
-        self.attempt
+        self.generation.attempt
     }
 
     /// The hub of a streamed call, which a cancel reaches.
@@ -568,7 +646,7 @@ impl Starting {
         let live = self.live.take().unwrap_or_else(|| {
             let live = Live::new_for(
                 &self.key,
-                self.attempt,
+                self.generation,
                 self.dialect,
                 &self.shared.options.streams,
             );
@@ -593,7 +671,12 @@ impl Starting {
     /// Records the attempt's end on a task of its own: the agent going away while
     /// it waits for the journal must not lose it (the key would stay open for ever).
     fn end(&self, end: StreamEnd) -> tokio::task::JoinHandle<()> {
-        spawn_end(self.journal.clone(), self.key.clone(), self.attempt, end)
+        spawn_end(
+            self.journal.clone(),
+            self.key.clone(),
+            self.generation.attempt,
+            end,
+        )
     }
 
     /// The generation was cancelled before it had a stream: its end is recorded
@@ -611,7 +694,7 @@ impl Starting {
         if let Some(live) = self.live.take() {
             if let Some(reason) = failure {
                 let ev = interruption_event(self.dialect, reason);
-                live.push([closing(self.attempt, &ev)]);
+                live.push([closing(self.generation, &ev)]);
             }
             self.shared.streams.close(&live);
             live.release_start();
@@ -769,7 +852,7 @@ impl Drop for Producer {
         // Not after an end the clients already have (the terminal event, an error).
         if !(self.interrupted || self.gate.turn.terminal || self.gate.closed()) {
             let ev = interruption_event(live.dialect, PRODUCER_STOPPED);
-            live.push([closing(live.attempt, &ev)]);
+            live.push([closing(live.generation(), &ev)]);
         }
         self.shared.streams.close(&live);
         if self.end_recorded {
@@ -902,7 +985,7 @@ impl Producer {
         for ev in &events {
             self.observer.on_event(ev, now);
         }
-        let out = with_ids(self.live.attempt, first_seq, &events);
+        let out = with_ids(self.live.generation(), first_seq, &events);
         self.seq += events.len() as u64;
         Batch {
             first_seq,
@@ -1333,7 +1416,11 @@ impl Producer {
                         .await;
                     self.journal_result(r);
                 }
-                live.push(with_ids(live.attempt, self.seq, std::slice::from_ref(&ev)));
+                live.push(with_ids(
+                    live.generation(),
+                    self.seq,
+                    std::slice::from_ref(&ev),
+                ));
                 live.last_is_in();
                 self.interrupted = true;
                 StreamEnd::abandoned(reason.clone())
@@ -1429,12 +1516,11 @@ pub fn plain_response(body: Bytes) -> Response<Body> {
     resp
 }
 
-/// A response replaying the journaled events of `attempt` after `after` (all when
-/// `None`).
-pub fn journal_response(events: Vec<(u64, Bytes)>, attempt: u32) -> Response<Body> {
+/// A response replaying journaled events of `generation`.
+pub fn journal_response(events: Vec<(u64, Bytes)>, generation: Generation) -> Response<Body> {
     let mut out = BytesMut::new();
     for (seq, raw) in events {
-        push_with_id(&mut out, attempt, seq, &raw);
+        push_with_id(&mut out, generation, seq, &raw);
     }
     let mut resp = Response::new(crate::body::full(out.freeze()));
     sse_headers(resp.headers_mut(), true);
@@ -1555,7 +1641,7 @@ pub(crate) async fn resume_repeat(
     journal: &Journal,
     key: &StreamKey,
     fingerprint: outrigger_types::Fingerprint,
-    from: (u32, u64),
+    from: EventId,
 ) -> Result<Response<Body>, crate::Error> {
     serve_attempt(shared, journal, key, Some(fingerprint), Some(from)).await
 }
@@ -1564,18 +1650,23 @@ pub(crate) async fn resume_repeat(
 /// whole (`None`): what `GET /v1/streams/{key}` and a repeat with `Last-Event-ID`
 /// both get. Live from the hub while this process generates it; otherwise from the
 /// journal, ending with the typed error event of an attempt that did not complete
-/// (an earlier attempt, whatever is being generated now, is over). `204` when there
-/// is no attempt `a` (`0`, or past the latest) or nothing after `s`; `404
+/// (an earlier attempt, whatever is being generated now, is over). `204` when
+/// nothing is left after `s`; `410 generation-lost` when the journal does not hold
+/// the generation `from` names (no attempt `a`, or one whose tag differs: its start
+/// was lost, and a later generation may have taken its number); `404
 /// unknown-stream` when the key is unknown (or expired long ago: forgotten), `410
-/// stream-expired` for an attempt retention expired. With `fingerprint`, a
-/// key recorded for another request is `422 key-reused`.
+/// stream-expired` for an attempt retention expired. With `fingerprint`, a key
+/// recorded for another request is `422 key-reused`.
 pub(crate) async fn serve_attempt(
     shared: &Shared,
     journal: &Journal,
     key: &StreamKey,
     fingerprint: Option<outrigger_types::Fingerprint>,
-    from: Option<(u32, u64)>,
+    from: Option<EventId>,
 ) -> Result<Response<Body>, crate::Error> {
+    // An attempt past the journal's is looked for once more: its start may have
+    // been decided (and its hub gone) a moment after the metadata was read.
+    let mut looked_again = false;
     for _ in 0..50 {
         let meta = journal.stream_meta(key).map_err(crate::Error::Journal)?;
         if let (Some(fingerprint), Some(meta)) = (fingerprint, &meta)
@@ -1596,10 +1687,15 @@ pub(crate) async fn serve_attempt(
         if let Some(live) = &live {
             match from {
                 None => return Ok(live_response(live, 0, true)),
-                // The closing event ends the generation: nothing comes after it.
-                Some((a, CLOSING_SEQ)) if a == live.attempt => return Ok(nothing_more()),
-                Some((a, seq)) if a == live.attempt => {
-                    let from = live.resume_index(seq)?;
+                Some(id) if id.generation.attempt == live.attempt => {
+                    if id.generation != live.generation() {
+                        return lost(key, id);
+                    }
+                    // The closing event ends the generation: nothing comes after it.
+                    if id.seq == CLOSING_SEQ {
+                        return Ok(nothing_more());
+                    }
+                    let from = live.resume_index(id.seq)?;
                     // A generation whose last event the client has: an empty `200`
                     // would have an event source reconnect for ever.
                     if live.last_in.load(Ordering::Acquire) && from >= live.sent() {
@@ -1607,8 +1703,8 @@ pub(crate) async fn serve_attempt(
                     }
                     return Ok(live_response(live, from, true));
                 }
-                Some((a, _)) if a > live.attempt => return Ok(nothing_more()),
-                // An earlier attempt: over, and in the journal.
+                // A later attempt than any here, or an earlier one (over, and in the
+                // journal): the journal says which.
                 Some(_) => {}
             }
         }
@@ -1618,11 +1714,30 @@ pub(crate) async fn serve_attempt(
             });
         };
         let (attempt, after) = match from {
-            Some((a, seq)) => (a, Some(seq)),
+            Some(id) => (id.generation.attempt, Some(id.seq)),
             None => (meta.attempt, None),
         };
-        if attempt == 0 || attempt > meta.attempt {
-            return Ok(nothing_more());
+        if let Some(id) = from {
+            if attempt > meta.attempt && !looked_again {
+                looked_again = true;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+            if attempt == 0 || attempt > meta.attempt {
+                return lost(key, id);
+            }
+            if Generation::of(&meta, attempt) != id.generation {
+                // A plain answer sent no ids: after any, it has nothing more.
+                let events = journal
+                    .stream_events(key, attempt, None)
+                    .map_err(crate::Error::Journal)?;
+                if let [(0, body)] = events.as_slice()
+                    && is_plain_answer(body)
+                {
+                    return Ok(nothing_more());
+                }
+                return lost(key, id);
+            }
         }
         if meta.expired(attempt) {
             return Err(crate::Error::StreamExpired {
@@ -1640,6 +1755,19 @@ pub(crate) async fn serve_attempt(
     }
     Err(crate::Error::StreamInProgress {
         key: key.to_string(),
+    })
+}
+
+/// The answer to a client whose generation (`id`'s) the journal does not hold: no
+/// more of it can be sent, and sending another's would splice two generations.
+/// A client that has the generation's closing event has all of it: `204`.
+fn lost(key: &StreamKey, id: EventId) -> Result<Response<Body>, crate::Error> {
+    if id.seq == CLOSING_SEQ {
+        return Ok(nothing_more());
+    }
+    Err(crate::Error::GenerationLost {
+        key: key.to_string(),
+        id: id.to_string(),
     })
 }
 
@@ -1703,7 +1831,7 @@ fn from_journal(
     if events.is_empty() {
         return Ok(nothing_more());
     }
-    Ok(journal_response(events, attempt))
+    Ok(journal_response(events, Generation::of(meta, attempt)))
 }
 
 /// The typed error event that ends the replay of `attempt` when it failed or broke
@@ -1842,6 +1970,52 @@ mod tests {
     }
 
     /// What the journal records of `request` at its start.
+    /// An untagged generation (a hub made by hand, no journaled start).
+    fn generation(attempt: u32) -> Generation {
+        Generation { attempt, tag: None }
+    }
+
+    /// Event `seq` of an untagged generation.
+    fn id(attempt: u32, seq: u64) -> EventId {
+        EventId {
+            generation: generation(attempt),
+            seq,
+        }
+    }
+
+    /// Event `seq` of `live`'s generation.
+    fn at(live: &Live, seq: u64) -> EventId {
+        EventId {
+            generation: live.generation(),
+            seq,
+        }
+    }
+
+    /// Event `seq` of `attempt` as the journal holds it (with its tag).
+    fn journaled_id(journal: &Journal, key: &StreamKey, attempt: u32, seq: u64) -> EventId {
+        let meta = journal
+            .stream_meta(key)
+            .expect("readable")
+            .expect("a journaled stream");
+        EventId {
+            generation: Generation::of(&meta, attempt),
+            seq,
+        }
+    }
+
+    /// The generation a begin started.
+    fn begun_as(
+        begun: &Result<outrigger_journal::StreamBegin, outrigger_journal::Error>,
+    ) -> Generation {
+        match begun {
+            Ok(outrigger_journal::StreamBegin::New { attempt, tag }) => Generation {
+                attempt: *attempt,
+                tag: Some(*tag),
+            },
+            other => panic!("not begun: {other:?}"),
+        }
+    }
+
     fn stream_request(request: &ModelRequest) -> outrigger_journal::StreamRequest {
         outrigger_journal::StreamRequest {
             fingerprint: fingerprint(request),
@@ -1860,7 +2034,28 @@ mod tests {
         h.insert("last-event-id", HeaderValue::from_static(" "));
         assert!(matches!(last_event_id(&h), Ok(None)));
         h.insert("last-event-id", HeaderValue::from_static("2:17"));
-        assert!(matches!(last_event_id(&h), Ok(Some((2, 17)))));
+        assert!(matches!(last_event_id(&h), Ok(Some(i)) if i == id(2, 17)));
+        h.insert("last-event-id", HeaderValue::from_static("2.0000beef:17"));
+        let tagged = EventId {
+            generation: Generation {
+                attempt: 2,
+                tag: Some(0xbeef),
+            },
+            seq: 17,
+        };
+        assert!(matches!(last_event_id(&h), Ok(Some(i)) if i == tagged));
+        assert_eq!(tagged.to_string(), "2.0000beef:17", "as it was sent");
+        for bad in [
+            "2.beef:17",
+            "2.0000beeg:17",
+            "2.:17",
+            "+2:17",
+            "2:-1",
+            ":17",
+        ] {
+            h.insert("last-event-id", HeaderValue::from_static(bad));
+            assert!(last_event_id(&h).is_err(), "{bad} is not ours");
+        }
         h.insert("last-event-id", HeaderValue::from_static("chatcmpl-9"));
         let e = last_event_id(&h).expect_err("not ours");
         assert!(e.to_string().contains("Last-Event-ID"), "{e}");
@@ -1869,7 +2064,7 @@ mod tests {
     #[test]
     fn a_live_resume_past_what_was_sent_is_refused() {
         let key = StreamKey::new("k".to_owned()).unwrap();
-        let live = Live::new(key, 1, Dialect::OpenAi, false);
+        let live = Live::new(key, generation(1), Dialect::OpenAi, false);
         assert!(live.resume_index(0).is_err(), "nothing sent yet");
         live.push([
             Bytes::from_static(b"data: a\n\n"),
@@ -1899,9 +2094,15 @@ mod tests {
         let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
         assert!(matches!(
             begun,
-            Ok(outrigger_journal::StreamBegin::New { attempt: 1 })
+            Ok(outrigger_journal::StreamBegin::New { attempt: 1, .. })
         ));
-        let starting = Starting::new(&shared, j.journal.clone(), key.clone(), 1, &request);
+        let starting = Starting::new(
+            &shared,
+            j.journal.clone(),
+            key.clone(),
+            begun_as(&begun),
+            &request,
+        );
         let (journal, live) = starting.started();
         let producer = Producer::new(
             &shared,
@@ -1951,8 +2152,11 @@ mod tests {
             .into_data()
             .expect("data");
         let text = String::from_utf8_lossy(&frame);
+        let generation = live.generation();
+        assert!(generation.tag.is_some(), "a journaled start has a tag");
         assert!(
-            text.starts_with("id: 1:0\n") && text.contains(&format!("id: 1:{CLOSING_SEQ}\n")),
+            text.starts_with(&format!("id: {generation}:0\n"))
+                && text.contains(&format!("id: {generation}:{CLOSING_SEQ}\n")),
             "{text}"
         );
         assert!(text.contains(PRODUCER_STOPPED), "{text}");
@@ -2006,9 +2210,15 @@ mod tests {
         let begun = journal.stream_begin(&key, stream_request(&request)).await;
         assert!(matches!(
             begun,
-            Ok(outrigger_journal::StreamBegin::New { attempt: 1 })
+            Ok(outrigger_journal::StreamBegin::New { attempt: 1, .. })
         ));
-        let starting = Starting::new(&shared, journal.clone(), key.clone(), 1, &request);
+        let starting = Starting::new(
+            &shared,
+            journal.clone(),
+            key.clone(),
+            begun_as(&begun),
+            &request,
+        );
         // The writer is not running yet: starts of other keys fill its queue.
         let mut filled = false;
         for i in 0..100_000 {
@@ -2093,7 +2303,13 @@ mod tests {
         let shared = proxy.shared.clone();
         let request = streamed();
         let key = StreamKey::new("m/openai/joined".to_owned()).expect("a key");
-        let starting = Starting::new(&shared, j.journal.clone(), key.clone(), 1, &request);
+        let starting = Starting::new(
+            &shared,
+            j.journal.clone(),
+            key.clone(),
+            generation(1),
+            &request,
+        );
         let live = starting.live().expect("a streamed call's hub");
         drop(live.attach(0));
         assert!(!live.is_cancelled(), "the waiting call is still there");
@@ -2114,10 +2330,10 @@ mod tests {
         let proxy = proxy(&j.journal, crate::Options::default());
         let shared = proxy.shared.clone();
         let key = StreamKey::new("m/openai/ended".to_owned()).expect("a key");
-        let live = Live::new(key.clone(), 1, Dialect::OpenAi, false);
+        let live = Live::new(key.clone(), generation(1), Dialect::OpenAi, false);
         shared.streams.insert(live.clone());
         live.push(with_ids(
-            1,
+            generation(1),
             0,
             &[
                 Bytes::from_static(b"data: a\n\n"),
@@ -2134,14 +2350,14 @@ mod tests {
             }
         };
         assert_eq!(
-            status((1, 0)).await,
+            status(id(1, 0)).await,
             StatusCode::OK,
             "the last event is left"
         );
-        assert_eq!(status((1, 1)).await, StatusCode::OK, "still generating");
+        assert_eq!(status(id(1, 1)).await, StatusCode::OK, "still generating");
         live.finish();
-        assert_eq!(status((1, 0)).await, StatusCode::OK);
-        assert_eq!(status((1, 1)).await, StatusCode::NO_CONTENT);
+        assert_eq!(status(id(1, 0)).await, StatusCode::OK);
+        assert_eq!(status(id(1, 1)).await, StatusCode::NO_CONTENT);
     }
 
     /// Once the producer has settled its terminal event (or the typed error that
@@ -2163,7 +2379,7 @@ mod tests {
         assert!(generation.settle(batch).await, "the terminal event");
         assert!(!live.is_finished(), "its end is metered first");
         assert!(shared.streams.get(&key).is_some(), "not yet closed");
-        let served = serve_attempt(&shared, &j.journal, &key, None, Some((1, 1)))
+        let served = serve_attempt(&shared, &j.journal, &key, None, Some(at(&live, 1)))
             .await
             .expect("an answer");
         assert_eq!(served.status(), StatusCode::NO_CONTENT);
@@ -2189,7 +2405,7 @@ mod tests {
         assert!(!live.is_finished(), "its end is being recorded");
         assert!(shared.streams.get(&key).is_some());
         assert_eq!(live.sent(), 2, "the text and the typed error");
-        let served = serve_attempt(&shared, &j.journal, &key, None, Some((1, 1)))
+        let served = serve_attempt(&shared, &j.journal, &key, None, Some(at(&live, 1)))
             .await
             .expect("an answer");
         assert_eq!(served.status(), StatusCode::NO_CONTENT);
@@ -2205,13 +2421,13 @@ mod tests {
         let proxy = proxy(&j.journal, crate::Options::default());
         let shared = proxy.shared.clone();
         let key = StreamKey::new("m/openai/ending".to_owned()).expect("a key");
-        let running = Live::new(key.clone(), 1, Dialect::OpenAi, false);
+        let running = Live::new(key.clone(), generation(1), Dialect::OpenAi, false);
         shared.streams.insert(running.clone());
         let answer = cancel_generation(&shared, &key);
         assert_eq!(answer.status(), StatusCode::ACCEPTED);
         assert!(running.is_cancelled());
 
-        let ending = Live::new(key.clone(), 2, Dialect::OpenAi, false);
+        let ending = Live::new(key.clone(), generation(2), Dialect::OpenAi, false);
         ending.push([Bytes::from_static(b"id: 2:0\ndata: [DONE]\n\n")]);
         ending.last_is_in();
         assert_eq!(
@@ -2244,7 +2460,7 @@ mod tests {
         let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
         assert!(matches!(
             begun,
-            Ok(outrigger_journal::StreamBegin::New { attempt: 1 })
+            Ok(outrigger_journal::StreamBegin::New { attempt: 1, .. })
         ));
         let state = state_within(&j.journal, &key, outrigger_journal::StreamState::Open).await;
         assert_eq!(state, Some(outrigger_journal::StreamState::Open));
@@ -2256,12 +2472,16 @@ mod tests {
             .await
             .expect("appended");
         // Attempt 2's hub is registered; attempt 1's end has not reached the journal.
-        shared
-            .streams
-            .insert(Live::new(key.clone(), 2, Dialect::OpenAi, false));
+        shared.streams.insert(Live::new(
+            key.clone(),
+            generation(2),
+            Dialect::OpenAi,
+            false,
+        ));
         let resume = tokio::spawn({
             let (shared, journal, key) = (shared.clone(), j.journal.clone(), key.clone());
-            async move { serve_attempt(&shared, &journal, &key, None, Some((1, 0))).await }
+            let from = journaled_id(&journal, &key, 1, 0);
+            async move { serve_attempt(&shared, &journal, &key, None, Some(from)).await }
         });
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(!resume.is_finished(), "it waits for attempt 1's end");
@@ -2276,7 +2496,8 @@ mod tests {
             .expect("a body")
             .to_bytes();
         let body = String::from_utf8_lossy(&body);
-        assert!(body.starts_with("id: 1:1\n"), "{body}");
+        let first = journaled_id(&j.journal, &key, 1, 1);
+        assert!(body.starts_with(&format!("id: {first}\n")), "{body}");
         assert!(
             body.contains("the upstream broke"),
             "ends with the typed error: {body}"
@@ -2295,7 +2516,7 @@ mod tests {
         for attempt in 1..=2 {
             let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
             assert!(
-                matches!(begun, Ok(outrigger_journal::StreamBegin::New { attempt: a }) if a == attempt),
+                matches!(begun, Ok(outrigger_journal::StreamBegin::New { attempt: a, .. }) if a == attempt),
                 "{begun:?}"
             );
             if attempt == 1 {
@@ -2309,9 +2530,12 @@ mod tests {
         let state = state_within(&j.journal, &key, outrigger_journal::StreamState::Open).await;
         assert_eq!(state, Some(outrigger_journal::StreamState::Open));
         // Attempt 1's hub, not yet removed; attempt 2 has not registered its own.
-        shared
-            .streams
-            .insert(Live::new(key.clone(), 1, Dialect::OpenAi, false));
+        shared.streams.insert(Live::new(
+            key.clone(),
+            generation(1),
+            Dialect::OpenAi,
+            false,
+        ));
         let served = serve_attempt(&shared, &j.journal, &key, None, None).await;
         assert!(
             matches!(served, Err(crate::Error::StreamInProgress { .. })),
@@ -2334,7 +2558,7 @@ mod tests {
         assert!(
             matches!(
                 begun,
-                Ok(outrigger_journal::StreamBegin::New { attempt: 1 })
+                Ok(outrigger_journal::StreamBegin::New { attempt: 1, .. })
             ),
             "{begun:?}"
         );
@@ -2383,7 +2607,11 @@ mod tests {
             );
         }
         // Read now, the stream is expired too; once forgotten, it is unknown.
-        for from in [None, Some((1, 0))] {
+        let first = EventId {
+            generation: Generation::of(&meta, 1),
+            seq: 0,
+        };
+        for from in [None, Some(first)] {
             let served = serve_attempt(&shared, &j.journal, &key, None, from).await;
             assert!(
                 matches!(served, Err(crate::Error::StreamExpired { .. })),
@@ -2405,6 +2633,69 @@ mod tests {
         );
     }
 
+    /// A client's event id whose generation the journal does not hold (its start
+    /// lost, and the number taken again by a later generation) is refused with
+    /// `410 generation-lost`, never answered with that later generation's events;
+    /// a client that has the closing event has everything (`204`).
+    #[tokio::test]
+    async fn a_resume_of_a_generation_the_journal_never_held_is_refused_not_spliced() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let (shared, key) = completed_stream(&j, "m/openai/lost").await;
+        let held = journaled_id(&j.journal, &key, 1, 0);
+        let tag = held.generation.tag.expect("a tagged attempt");
+        let status = |from: EventId| {
+            let (shared, journal, key) = (shared.clone(), j.journal.clone(), key.clone());
+            async move {
+                match serve_attempt(&shared, &journal, &key, None, Some(from)).await {
+                    Ok(resp) => Ok(resp.status()),
+                    Err(e) => Err(e.to_problem().status),
+                }
+            }
+        };
+        assert_eq!(status(held).await, Ok(StatusCode::OK), "its own id");
+        let other_tag = EventId {
+            generation: Generation {
+                attempt: 1,
+                tag: Some(tag ^ 1),
+            },
+            seq: 0,
+        };
+        for lost in [other_tag, id(1, 0), id(2, 0), id(0, 0)] {
+            assert_eq!(status(lost).await, Err(StatusCode::GONE), "{lost}");
+        }
+        let served = serve_attempt(&shared, &j.journal, &key, None, Some(other_tag)).await;
+        assert!(
+            matches!(served, Err(crate::Error::GenerationLost { .. })),
+            "{:?}",
+            served.map(|r| r.status())
+        );
+        let closing = EventId {
+            seq: CLOSING_SEQ,
+            ..other_tag
+        };
+        assert_eq!(status(closing).await, Ok(StatusCode::NO_CONTENT));
+
+        // The same against a generation being generated here.
+        let running = Generation {
+            attempt: 2,
+            tag: Some(7),
+        };
+        let live = Live::new(key.clone(), running, Dialect::OpenAi, false);
+        live.push(with_ids(running, 0, &[Bytes::from_static(b"data: b\n\n")]));
+        shared.streams.insert(live.clone());
+        assert_eq!(status(at(&live, 0)).await, Ok(StatusCode::OK));
+        let elsewhere = EventId {
+            generation: Generation {
+                attempt: 2,
+                tag: Some(8),
+            },
+            seq: 0,
+        };
+        for lost in [elsewhere, id(2, 0), id(3, 0)] {
+            assert_eq!(status(lost).await, Err(StatusCode::GONE), "{lost}");
+        }
+    }
+
     /// Retention expired attempt 1; a repeat then began attempt 2. A client that
     /// resumes attempt 1 is told it expired (`410`), not that it did not complete.
     #[tokio::test]
@@ -2419,7 +2710,7 @@ mod tests {
         assert!(
             matches!(
                 again,
-                Ok(outrigger_journal::StreamBegin::New { attempt: 2 })
+                Ok(outrigger_journal::StreamBegin::New { attempt: 2, .. })
             ),
             "{again:?}"
         );
@@ -2429,7 +2720,7 @@ mod tests {
             .stream_end(&key, 2, StreamEnd::abandoned("cut"))
             .await
             .expect("ended");
-        for from in [(1, 0), (1, 1)] {
+        for from in [0, 1].map(|seq| journaled_id(&j.journal, &key, 1, seq)) {
             let served = serve_attempt(&shared, &j.journal, &key, None, Some(from)).await;
             assert!(
                 matches!(served, Err(crate::Error::StreamExpired { .. })),

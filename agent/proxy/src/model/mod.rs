@@ -149,13 +149,13 @@ async fn call_inner(
                     }
                     return Ok(streams::with_key(resp, &keyed.key));
                 }
-                Begun::New(attempt) => Some((keyed, journal, attempt)),
+                Begun::New(generation) => Some((keyed, journal, generation)),
                 Begun::Unjournaled => None,
             }
         }
         _ => None,
     };
-    let Some((keyed, journal, attempt)) = begun else {
+    let Some((keyed, journal, generation)) = begun else {
         return generate(
             shared,
             request,
@@ -168,7 +168,7 @@ async fn call_inner(
         )
         .await;
     };
-    let starting = streams::Starting::new(shared, journal, keyed.key.clone(), attempt, &request);
+    let starting = streams::Starting::new(shared, journal, keyed.key.clone(), generation, &request);
     let resp = generate(
         shared,
         request,
@@ -191,7 +191,7 @@ async fn resume(
     h: &http::HeaderMap,
     request: &ModelRequest,
     ctx: &RequestContext,
-    last: (u32, u64),
+    last: streams::EventId,
 ) -> Result<Response<Body>, Error> {
     let refused = |detail: &str| Error::BadHeader {
         header: "Last-Event-ID",
@@ -220,8 +220,8 @@ async fn resume(
 enum Begun {
     /// Answered from the stream the key already has.
     Replayed(Response<Body>),
-    /// A fresh generation, as this attempt.
-    New(u32),
+    /// A fresh generation.
+    New(streams::Generation),
     /// The journal cannot take the stream: it is relayed unjournaled.
     Unjournaled,
 }
@@ -270,7 +270,12 @@ async fn begin(
                     return Ok(Begun::Replayed(resp));
                 }
             }
-            StreamBegin::New { attempt } => return Ok(Begun::New(attempt)),
+            StreamBegin::New { attempt, tag } => {
+                return Ok(Begun::New(streams::Generation {
+                    attempt,
+                    tag: Some(tag),
+                }));
+            }
         }
     }
     Err(Error::StreamInProgress {
@@ -317,7 +322,10 @@ async fn replay(
                 }
                 tracing::debug!(key = %keyed.key, events = events.len(), "model call answered from the journal");
                 if request.stream {
-                    return Ok(Some(streams::journal_response(events, attempt)));
+                    return Ok(Some(streams::journal_response(
+                        events,
+                        streams::Generation::of(&meta, attempt),
+                    )));
                 }
                 let body = events
                     .into_iter()
@@ -1327,8 +1335,17 @@ mod tests {
         let first = begin(shared, &j.journal, keyed, request, &provider(), &ctx())
             .await
             .expect("begun");
-        assert!(matches!(first, Begun::New(1)));
-        streams::Starting::new(shared, j.journal.clone(), keyed.key.clone(), 1, request)
+        let Begun::New(generation) = first else {
+            panic!("not a new generation");
+        };
+        assert_eq!(generation.attempt, 1);
+        streams::Starting::new(
+            shared,
+            j.journal.clone(),
+            keyed.key.clone(),
+            generation,
+            request,
+        )
     }
 
     /// A call dropped before its first event removes its hub at once and records its
@@ -1355,7 +1372,7 @@ mod tests {
         let again = begin(&shared, &j.journal, &keyed, &request, &provider(), &ctx())
             .await
             .expect("begun");
-        assert!(matches!(again, Begun::New(2)));
+        assert!(matches!(again, Begun::New(g) if g.attempt == 2));
     }
 
     /// An agent that repeats its call the moment it reads the typed error of an
@@ -1401,7 +1418,7 @@ mod tests {
         let again = begin(&shared, &j.journal, &keyed, &request, &provider(), &ctx())
             .await
             .expect("begun");
-        assert!(matches!(again, Begun::New(2)));
+        assert!(matches!(again, Begun::New(g) if g.attempt == 2));
     }
 
     /// An agent that goes away in the middle of an unjournaled stream drops the relay
