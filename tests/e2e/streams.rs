@@ -951,8 +951,9 @@ async fn a_plain_answer_to_a_streamed_request_is_passed_on_not_journaled() {
 /// A repeat that names where its client is (`Last-Event-ID`) gets the rest of that
 /// attempt, whatever became of it, and never a fresh generation spliced after the
 /// client's prefix: an attempt that broke is served from the journal, ending with
-/// its error event; an attempt the key never had is `204`; a key the journal does
-/// not hold (unknown, or past retention) says so.
+/// its error event; a generation the journal does not hold (an attempt the key never
+/// had, another tag, no tag) is `410 generation-lost`; a key the journal does not
+/// hold (unknown, or past retention) says so.
 #[tokio::test]
 async fn a_repeat_with_last_event_id_gets_the_rest_of_that_attempt_never_a_new_generation() {
     let (mock, sidecar) = setup(Behaviour {

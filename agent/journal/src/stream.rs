@@ -171,7 +171,8 @@ pub struct StreamMeta {
     /// of a later generation that reused its number. 0 where none is known: attempts
     /// begun before journal format 8, whose ids have no tag, and numbers no
     /// journaled start took.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    /// Stored as 8 hex digits each, as the event ids show them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty", with = "hex_tags")]
     pub tags: Vec<u32>,
 }
 
@@ -197,6 +198,22 @@ impl StreamMeta {
             self.tags.resize(index + 1, 0);
         }
         self.tags[index] = tag;
+    }
+}
+
+/// [`StreamMeta::tags`] as strings of 8 hex digits (`"00000000"`: none).
+mod hex_tags {
+    use serde::{Deserialize, Deserializer, Serializer, de::Error as _};
+
+    pub(super) fn serialize<S: Serializer>(tags: &[u32], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(tags.iter().map(|t| format!("{t:08x}")))
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+        Vec::<String>::deserialize(d)?
+            .iter()
+            .map(|t| u32::from_str_radix(t, 16).map_err(D::Error::custom))
+            .collect()
     }
 }
 

@@ -983,6 +983,11 @@ async fn each_attempt_keeps_a_tag_of_its_own() -> TestResult {
         (meta.attempt, meta.tag(1), meta.tag(2)),
         (2, Some(first), Some(second))
     );
+    // Stored, and shown by `outrigger journal`, as the event ids show them.
+    assert_eq!(
+        serde_json::to_value(&meta)?["tags"],
+        serde_json::json!([format!("{first:08x}"), format!("{second:08x}")])
+    );
     run.stop().await
 }
 

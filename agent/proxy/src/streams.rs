@@ -302,6 +302,9 @@ pub struct Live {
     pub attempt: u32,
     /// The attempt's tag (see [`Generation`]).
     pub tag: Option<u32>,
+    /// The request it generates for (its [`fingerprint`]): a resume naming another
+    /// body is refused before the start reaches the journal too.
+    fingerprint: Option<outrigger_types::Fingerprint>,
     pub dialect: Dialect,
     events: Mutex<Vec<Bytes>>,
     finished: AtomicBool,
@@ -311,6 +314,8 @@ pub struct Live {
     /// The producer is ending the generation (its upstream read is over): see
     /// [`Live::is_ending`].
     ending: AtomicBool,
+    /// The turn ended with a typed error event: see [`Live::is_broken`].
+    broken: AtomicBool,
     version: watch::Sender<u64>,
     clients: AtomicUsize,
     cancel: Notify,
@@ -327,24 +332,39 @@ impl std::fmt::Debug for Live {
 }
 
 impl Live {
-    /// A hub for a new generation of `key`.
+    /// A hub for a new generation of `key`, generating for the request `fingerprint`
+    /// identifies.
     pub fn new_for(
         key: &StreamKey,
         generation: Generation,
+        fingerprint: outrigger_types::Fingerprint,
         dialect: Dialect,
         options: &Options,
     ) -> Arc<Self> {
-        Self::new(
+        Self::with(
             key.clone(),
             generation,
+            Some(fingerprint),
             dialect,
             options.cancel_on_disconnect,
         )
     }
 
+    /// A hub that knows no request (tests).
+    #[cfg(test)]
     fn new(
         key: StreamKey,
         generation: Generation,
+        dialect: Dialect,
+        cancel_on_disconnect: bool,
+    ) -> Arc<Self> {
+        Self::with(key, generation, None, dialect, cancel_on_disconnect)
+    }
+
+    fn with(
+        key: StreamKey,
+        generation: Generation,
+        fingerprint: Option<outrigger_types::Fingerprint>,
         dialect: Dialect,
         cancel_on_disconnect: bool,
     ) -> Arc<Self> {
@@ -352,11 +372,13 @@ impl Live {
             key,
             attempt: generation.attempt,
             tag: generation.tag,
+            fingerprint,
             dialect,
             events: Mutex::new(Vec::new()),
             finished: AtomicBool::new(false),
             last_in: AtomicBool::new(false),
             ending: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
             version: watch::channel(0).0,
             clients: AtomicUsize::new(0),
             cancel: Notify::new(),
@@ -388,7 +410,7 @@ impl Live {
     /// Whether the generation is ending: its upstream is no longer read, and its
     /// end is being recorded (after the events its clients have). Too late to
     /// cancel it or to attach to it; a turn whose gate an error closed while its
-    /// upstream still runs is not ending yet.
+    /// upstream still runs is not ending yet (it is broken: [`Live::is_broken`]).
     pub(crate) fn is_ending(&self) -> bool {
         self.ending.load(Ordering::Acquire)
     }
@@ -396,6 +418,20 @@ impl Live {
     /// The producer's upstream read is over: the generation ends.
     pub(crate) fn mark_ending(&self) {
         self.ending.store(true, Ordering::Release);
+    }
+
+    /// Whether the turn ended with a typed error event (the provider's, or ours for
+    /// a tool call cut short), its clients sent everything they will get, while its
+    /// upstream may still be read for the usage that follows. A repeat of the call
+    /// is not attached to it (it would read the error again) but waits for its end
+    /// and begins afresh; a resume by key still reads it.
+    pub(crate) fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
+    }
+
+    /// The turn ended with a typed error event (see [`Live::is_broken`]).
+    pub(crate) fn mark_broken(&self) {
+        self.broken.store(true, Ordering::Release);
     }
 
     fn finish(&self) {
@@ -560,7 +596,8 @@ impl Registry {
     fn close(&self, live: &Live) {
         live.finish();
         if let Ok(mut m) = self.live.lock()
-            && m.get(&live.key).is_some_and(|l| l.attempt == live.attempt)
+            && m.get(&live.key)
+                .is_some_and(|l| l.generation() == live.generation())
         {
             m.remove(&live.key);
         }
@@ -581,6 +618,7 @@ pub(crate) struct Starting {
     journal: Journal,
     key: StreamKey,
     generation: Generation,
+    fingerprint: outrigger_types::Fingerprint,
     live: Option<Arc<Live>>,
     dialect: Dialect,
     armed: bool,
@@ -590,12 +628,20 @@ impl Starting {
     pub(crate) fn new(
         shared: &Arc<Shared>,
         journal: Journal,
-        key: StreamKey,
+        keyed: &Keyed,
         generation: Generation,
         request: &ModelRequest,
     ) -> Self {
+        let key = keyed.key.clone();
+        let fingerprint = keyed.fingerprint;
         let live = request.stream.then(|| {
-            let live = Live::new_for(&key, generation, request.dialect, &shared.options.streams);
+            let live = Live::new_for(
+                &key,
+                generation,
+                fingerprint,
+                request.dialect,
+                &shared.options.streams,
+            );
             // The waiting call is a client of its hub: a repeat that attaches and
             // leaves must not cancel it (`cancel_on_disconnect`).
             live.clients.fetch_add(1, Ordering::AcqRel);
@@ -607,6 +653,7 @@ impl Starting {
             journal,
             key,
             generation,
+            fingerprint,
             live,
             dialect: request.dialect,
             armed: true,
@@ -647,6 +694,7 @@ impl Starting {
             let live = Live::new_for(
                 &self.key,
                 self.generation,
+                self.fingerprint,
                 self.dialect,
                 &self.shared.options.streams,
             );
@@ -1051,6 +1099,9 @@ impl Producer {
             // Nothing follows the terminal event, or the typed error that closed the
             // gate: a client that resumes after it is told so at once (`204`), not
             // kept on an empty stream until the generation ends.
+            if self.gate.closed() {
+                self.live.mark_broken();
+            }
             self.live.last_is_in();
         }
         batch.terminal
@@ -1664,10 +1715,12 @@ pub(crate) async fn serve_attempt(
     fingerprint: Option<outrigger_types::Fingerprint>,
     from: Option<EventId>,
 ) -> Result<Response<Body>, crate::Error> {
-    // An attempt past the journal's is looked for once more: its start may have
-    // been decided (and its hub gone) a moment after the metadata was read.
-    let mut looked_again = false;
-    for _ in 0..50 {
+    const ROUNDS: usize = 50;
+    for round in 1..=ROUNDS {
+        // A client's attempt the journal does not show yet may have its start decided
+        // but not yet applied (and its hub gone already): looked for again while the
+        // rounds last, before it is called unknown or lost.
+        let may_look_again = round < ROUNDS;
         let meta = journal.stream_meta(key).map_err(crate::Error::Journal)?;
         if let (Some(fingerprint), Some(meta)) = (fingerprint, &meta)
             && meta.request.fingerprint != fingerprint
@@ -1685,6 +1738,14 @@ pub(crate) async fn serve_attempt(
             .get(key)
             .filter(|live| meta.as_ref().is_none_or(|m| live.attempt >= m.attempt));
         if let Some(live) = &live {
+            // Its start may not be in the journal yet: the hub knows its request.
+            if let (Some(fingerprint), Some(own)) = (fingerprint, live.fingerprint)
+                && own != fingerprint
+            {
+                return Err(crate::Error::StreamKeyReused {
+                    key: key.to_string(),
+                });
+            }
             match from {
                 None => return Ok(live_response(live, 0, true)),
                 Some(id) if id.generation.attempt == live.attempt => {
@@ -1708,6 +1769,12 @@ pub(crate) async fn serve_attempt(
                 Some(_) => {}
             }
         }
+        let not_there_yet =
+            from.is_some_and(|id| id.generation.attempt > meta.as_ref().map_or(0, |m| m.attempt));
+        if not_there_yet && may_look_again {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            continue;
+        }
         let Some(meta) = meta else {
             return Err(crate::Error::UnknownStream {
                 key: key.to_string(),
@@ -1718,23 +1785,22 @@ pub(crate) async fn serve_attempt(
             None => (meta.attempt, None),
         };
         if let Some(id) = from {
-            if attempt > meta.attempt && !looked_again {
-                looked_again = true;
-                tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
-            }
             if attempt == 0 || attempt > meta.attempt {
                 return lost(key, id);
             }
             if Generation::of(&meta, attempt) != id.generation {
-                // A plain answer sent no ids: after any, it has nothing more.
-                let events = journal
-                    .stream_events(key, attempt, None)
-                    .map_err(crate::Error::Journal)?;
-                if let [(0, body)] = events.as_slice()
-                    && is_plain_answer(body)
-                {
-                    return Ok(nothing_more());
+                // A plain answer sent no ids, and an untagged id is not one of a
+                // tagged attempt's: after any such id, a plain answer has nothing
+                // more. A tagged id is of a lost streamed generation.
+                if id.generation.tag.is_none() {
+                    let events = journal
+                        .stream_events(key, attempt, None)
+                        .map_err(crate::Error::Journal)?;
+                    if let [(0, body)] = events.as_slice()
+                        && is_plain_answer(body)
+                    {
+                        return Ok(nothing_more());
+                    }
                 }
                 return lost(key, id);
             }
@@ -2003,6 +2069,15 @@ mod tests {
         }
     }
 
+    /// `key` as a call of `request` would have it.
+    fn keyed_for(key: &StreamKey, request: &ModelRequest) -> Keyed {
+        Keyed {
+            key: key.clone(),
+            replayable: true,
+            fingerprint: fingerprint(request),
+        }
+    }
+
     /// The generation a begin started.
     fn begun_as(
         begun: &Result<outrigger_journal::StreamBegin, outrigger_journal::Error>,
@@ -2099,7 +2174,7 @@ mod tests {
         let starting = Starting::new(
             &shared,
             j.journal.clone(),
-            key.clone(),
+            &keyed_for(&key, &request),
             begun_as(&begun),
             &request,
         );
@@ -2215,7 +2290,7 @@ mod tests {
         let starting = Starting::new(
             &shared,
             journal.clone(),
-            key.clone(),
+            &keyed_for(&key, &request),
             begun_as(&begun),
             &request,
         );
@@ -2306,7 +2381,7 @@ mod tests {
         let starting = Starting::new(
             &shared,
             j.journal.clone(),
-            key.clone(),
+            &keyed_for(&key, &request),
             generation(1),
             &request,
         );
@@ -2410,6 +2485,31 @@ mod tests {
             .expect("an answer");
         assert_eq!(served.status(), StatusCode::NO_CONTENT);
         ended.await;
+    }
+
+    /// The provider's error event ends the turn for its clients: the hub is broken
+    /// (a repeat of the call waits for its end, see `model`), but not ending while
+    /// its upstream is still read for the usage that follows.
+    #[tokio::test]
+    async fn an_error_event_breaks_the_turn_before_its_upstream_ends() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let text = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n";
+        let error = b"data: {\"error\":{\"message\":\"overloaded\",\"type\":\"server_error\"}}\n\n";
+        let (_shared, _key, live, mut generation) =
+            producer(&j, "m/openai/broken", vec![Bytes::from_static(text)]).await;
+        let batch = generation.take_in();
+        assert!(!generation.settle(batch).await);
+        assert!(!live.is_broken(), "text alone breaks nothing");
+        generation.scratch.push(Bytes::from_static(error));
+        let batch = generation.take_in();
+        assert!(
+            !generation.settle(batch).await,
+            "an error is not the terminal event"
+        );
+        assert!(live.is_broken(), "the error ended the turn");
+        assert!(!live.is_ending(), "its upstream is still read");
+        generation.finish(Ended::Failed).await;
+        assert!(live.is_ending());
     }
 
     /// A cancel reaches a generation whose upstream is still read (even with its last
@@ -2694,6 +2794,62 @@ mod tests {
         for lost in [elsewhere, id(2, 0), id(3, 0)] {
             assert_eq!(status(lost).await, Err(StatusCode::GONE), "{lost}");
         }
+    }
+
+    /// A generation whose start is not in the journal yet is known by its hub,
+    /// which knows its request: a resume naming another body under the key is
+    /// `422 key-reused`, as it is once the start is in.
+    #[tokio::test]
+    async fn a_resume_naming_another_body_is_refused_before_the_start_is_journaled() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let proxy = proxy(&j.journal, crate::Options::default());
+        let shared = proxy.shared.clone();
+        let request = streamed();
+        let key = StreamKey::new("m/openai/not-yet".to_owned()).expect("a key");
+        let starting = Starting::new(
+            &shared,
+            j.journal.clone(),
+            &keyed_for(&key, &request),
+            generation(1),
+            &request,
+        );
+        let live = starting.live().expect("a streamed call's hub");
+        live.push(with_ids(
+            generation(1),
+            0,
+            &[Bytes::from_static(b"data: a\n\n")],
+        ));
+        let other = ModelRequest::parse(
+            Dialect::OpenAi,
+            Bytes::from_static(
+                br#"{"model":"gpt","stream":true,"messages":[{"role":"user","content":"x"}]}"#,
+            ),
+        )
+        .expect("a request");
+        let served = serve_attempt(
+            &shared,
+            &j.journal,
+            &key,
+            Some(fingerprint(&other)),
+            Some(id(1, 0)),
+        )
+        .await;
+        assert!(
+            matches!(served, Err(crate::Error::StreamKeyReused { .. })),
+            "{:?}",
+            served.map(|r| r.status())
+        );
+        let served = serve_attempt(
+            &shared,
+            &j.journal,
+            &key,
+            Some(fingerprint(&request)),
+            Some(id(1, 0)),
+        )
+        .await
+        .expect("its own body");
+        assert_eq!(served.status(), StatusCode::OK);
+        starting.answered();
     }
 
     /// Retention expired attempt 1; a repeat then began attempt 2. A client that

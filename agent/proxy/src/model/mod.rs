@@ -168,7 +168,7 @@ async fn call_inner(
         )
         .await;
     };
-    let starting = streams::Starting::new(shared, journal, keyed.key.clone(), generation, &request);
+    let starting = streams::Starting::new(shared, journal, &keyed, generation, &request);
     let resp = generate(
         shared,
         request,
@@ -337,15 +337,15 @@ async fn replay(
             StreamState::Open => {
                 // The hub of this attempt: an earlier one's may still be leaving the
                 // registry while the attempt that replaced it registers its own. One
-                // that is ending (its upstream read over) has its end awaited: a
-                // failed or abandoned attempt is then begun again, not replayed with
-                // its error, to an agent that repeats the call the moment it reads
-                // that error.
-                if let Some(live) = shared
-                    .streams
-                    .get(&keyed.key)
-                    .filter(|live| live.attempt == meta.attempt && !live.is_ending())
-                {
+                // that is ending (its upstream read over), or whose turn an error
+                // ended (its upstream still read for the usage that follows), has its
+                // end awaited: a failed or abandoned attempt is then begun again, not
+                // replayed with its error, to an agent that repeats the call the
+                // moment it reads that error.
+                let current = streams::Generation::of(&meta, meta.attempt);
+                if let Some(live) = shared.streams.get(&keyed.key).filter(|live| {
+                    live.generation() == current && !live.is_ending() && !live.is_broken()
+                }) {
                     if !request.stream {
                         return Err(Error::StreamInProgress {
                             key: keyed.key.to_string(),
@@ -1339,13 +1339,7 @@ mod tests {
             panic!("not a new generation");
         };
         assert_eq!(generation.attempt, 1);
-        streams::Starting::new(
-            shared,
-            j.journal.clone(),
-            keyed.key.clone(),
-            generation,
-            request,
-        )
+        streams::Starting::new(shared, j.journal.clone(), keyed, generation, request)
     }
 
     /// A call dropped before its first event removes its hub at once and records its
@@ -1408,6 +1402,52 @@ mod tests {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         assert!(!repeat.is_finished(), "the repeat waits for the end");
         let end = outrigger_journal::StreamEnd::abandoned("the upstream broke");
+        journal.stream_end(&keyed.key, 1, end).await.expect("ended");
+        let replayed = repeat.await.expect("joined").expect("no error");
+        assert!(
+            replayed.is_none(),
+            "answered {:?}",
+            replayed.map(|r| r.status())
+        );
+        let again = begin(&shared, &j.journal, &keyed, &request, &provider(), &ctx())
+            .await
+            .expect("begun");
+        assert!(matches!(again, Begun::New(g) if g.attempt == 2));
+    }
+
+    /// The same when the turn's error event is out while its upstream is still read
+    /// (for the usage that follows): the repeat is not attached to the broken turn
+    /// but waits for its end (`409` with `Retry-After` past half a second).
+    #[tokio::test]
+    async fn a_repeat_of_a_turn_an_error_ended_while_its_upstream_runs_begins_afresh() {
+        let j = TempJournal::open().expect("a journal");
+        let (shared, request, keyed) = keyed_setup(&j);
+        let starting = first_attempt(&shared, &j, &request, &keyed).await;
+        let (journal, live) = starting.started();
+        live.push([
+            Bytes::from_static(
+                b"id: 1:0\ndata: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
+            ),
+            Bytes::from_static(b"id: 1:1\ndata: {\"error\":{\"type\":\"server_error\"}}\n\n"),
+        ]);
+        // What the producer does when the error event closes the turn's gate.
+        live.mark_broken();
+        let meta = begin_existing(&j, &keyed).await;
+        let repeat = tokio::spawn({
+            let (shared, journal, keyed, request) = (
+                shared.clone(),
+                j.journal.clone(),
+                keyed.clone(),
+                request.clone(),
+            );
+            async move { replay(&shared, &journal, &keyed, meta, &request, &ctx()).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(!repeat.is_finished(), "the repeat waits for the end");
+        live.mark_ending();
+        let end = outrigger_journal::StreamEnd::Failed {
+            reason: "the provider reported an error".into(),
+        };
         journal.stream_end(&keyed.key, 1, end).await.expect("ended");
         let replayed = repeat.await.expect("joined").expect("no error");
         assert!(
