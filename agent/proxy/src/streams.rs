@@ -2069,6 +2069,25 @@ mod tests {
         }
     }
 
+    /// A streamed call of `key` waiting for its first event, as attempt 1 (untagged:
+    /// its start is not journaled).
+    fn waiting_call(
+        shared: &Arc<Shared>,
+        journal: &Journal,
+        key: &str,
+    ) -> (StreamKey, ModelRequest, Starting) {
+        let request = streamed();
+        let key = StreamKey::new(key.to_owned()).expect("a key");
+        let starting = Starting::new(
+            shared,
+            journal.clone(),
+            &keyed_for(&key, &request),
+            generation(1),
+            &request,
+        );
+        (key, request, starting)
+    }
+
     /// `key` as a call of `request` would have it.
     fn keyed_for(key: &StreamKey, request: &ModelRequest) -> Keyed {
         Keyed {
@@ -2376,15 +2395,7 @@ mod tests {
         };
         let proxy = proxy(&j.journal, options);
         let shared = proxy.shared.clone();
-        let request = streamed();
-        let key = StreamKey::new("m/openai/joined".to_owned()).expect("a key");
-        let starting = Starting::new(
-            &shared,
-            j.journal.clone(),
-            &keyed_for(&key, &request),
-            generation(1),
-            &request,
-        );
+        let (_, _, starting) = waiting_call(&shared, &j.journal, "m/openai/joined");
         let live = starting.live().expect("a streamed call's hub");
         drop(live.attach(0));
         assert!(!live.is_cancelled(), "the waiting call is still there");
@@ -2804,15 +2815,7 @@ mod tests {
         let j = crate::test_journal::TempJournal::open().expect("a journal");
         let proxy = proxy(&j.journal, crate::Options::default());
         let shared = proxy.shared.clone();
-        let request = streamed();
-        let key = StreamKey::new("m/openai/not-yet".to_owned()).expect("a key");
-        let starting = Starting::new(
-            &shared,
-            j.journal.clone(),
-            &keyed_for(&key, &request),
-            generation(1),
-            &request,
-        );
+        let (key, request, starting) = waiting_call(&shared, &j.journal, "m/openai/not-yet");
         let live = starting.live().expect("a streamed call's hub");
         live.push(with_ids(
             generation(1),

@@ -1376,43 +1376,8 @@ mod tests {
     /// begins the key afresh.
     #[tokio::test]
     async fn a_repeat_of_a_broken_stream_whose_end_is_being_recorded_begins_afresh() {
-        let j = TempJournal::open().expect("a journal");
-        let (shared, request, keyed) = keyed_setup(&j);
-        let starting = first_attempt(&shared, &j, &request, &keyed).await;
-        let (journal, live) = starting.started();
-        // The text the agent read, then the interruption's typed error: the
-        // generation is ending, its end not yet recorded.
-        live.push([
-            Bytes::from_static(
-                b"id: 1:0\ndata: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
-            ),
-            Bytes::from_static(b"id: 1:1\ndata: {\"error\":{\"type\":\"stream_interrupted\"}}\n\n"),
-        ]);
-        live.mark_ending();
-        let meta = begin_existing(&j, &keyed).await;
-        let repeat = tokio::spawn({
-            let (shared, journal, keyed, request) = (
-                shared.clone(),
-                j.journal.clone(),
-                keyed.clone(),
-                request.clone(),
-            );
-            async move { replay(&shared, &journal, &keyed, meta, &request, &ctx()).await }
-        });
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        assert!(!repeat.is_finished(), "the repeat waits for the end");
         let end = outrigger_journal::StreamEnd::abandoned("the upstream broke");
-        journal.stream_end(&keyed.key, 1, end).await.expect("ended");
-        let replayed = repeat.await.expect("joined").expect("no error");
-        assert!(
-            replayed.is_none(),
-            "answered {:?}",
-            replayed.map(|r| r.status())
-        );
-        let again = begin(&shared, &j.journal, &keyed, &request, &provider(), &ctx())
-            .await
-            .expect("begun");
-        assert!(matches!(again, Begun::New(g) if g.attempt == 2));
+        a_repeat_of_a_broken_turn_begins_afresh(streams::Live::mark_ending, end).await;
     }
 
     /// The same when the turn's error event is out while its upstream is still read
@@ -1420,6 +1385,19 @@ mod tests {
     /// but waits for its end (`409` with `Retry-After` past half a second).
     #[tokio::test]
     async fn a_repeat_of_a_turn_an_error_ended_while_its_upstream_runs_begins_afresh() {
+        let end = outrigger_journal::StreamEnd::Failed {
+            reason: "the provider reported an error".into(),
+        };
+        // What the producer does when the error event closes the turn's gate.
+        a_repeat_of_a_broken_turn_begins_afresh(streams::Live::mark_broken, end).await;
+    }
+
+    /// Attempt 1 sends text and then its typed error, and `mark` says how far its
+    /// hub is; a repeat then waits until `end` is recorded, and begins attempt 2.
+    async fn a_repeat_of_a_broken_turn_begins_afresh(
+        mark: fn(&streams::Live),
+        end: outrigger_journal::StreamEnd,
+    ) {
         let j = TempJournal::open().expect("a journal");
         let (shared, request, keyed) = keyed_setup(&j);
         let starting = first_attempt(&shared, &j, &request, &keyed).await;
@@ -1428,10 +1406,9 @@ mod tests {
             Bytes::from_static(
                 b"id: 1:0\ndata: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
             ),
-            Bytes::from_static(b"id: 1:1\ndata: {\"error\":{\"type\":\"server_error\"}}\n\n"),
+            Bytes::from_static(b"id: 1:1\ndata: {\"error\":{\"type\":\"stream_interrupted\"}}\n\n"),
         ]);
-        // What the producer does when the error event closes the turn's gate.
-        live.mark_broken();
+        mark(&live);
         let meta = begin_existing(&j, &keyed).await;
         let repeat = tokio::spawn({
             let (shared, journal, keyed, request) = (
@@ -1445,9 +1422,6 @@ mod tests {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         assert!(!repeat.is_finished(), "the repeat waits for the end");
         live.mark_ending();
-        let end = outrigger_journal::StreamEnd::Failed {
-            reason: "the provider reported an error".into(),
-        };
         journal.stream_end(&keyed.key, 1, end).await.expect("ended");
         let replayed = repeat.await.expect("joined").expect("no error");
         assert!(
