@@ -167,7 +167,7 @@ pub struct StreamMeta {
     /// Each attempt's tag, by number (attempt `n` at index `n - 1`), drawn at random
     /// when its start was decided: a client's event id names it, so that an id of a
     /// generation whose start the journal never held (lost to a failed write or a
-    /// kill before the flush, or a key forgotten by retention) is not taken for one
+    /// stop before it was written, or a key forgotten by retention) is not taken for one
     /// of a later generation that reused its number. 0 where none is known: attempts
     /// begun before journal format 8, whose ids have no tag, and numbers no
     /// journaled start took.

@@ -273,7 +273,7 @@ impl Error {
                 format!(
                     "Event {id} belongs to a generation of stream {key} that the journal \
                      does not hold: its start was lost (a failed journal write, or the \
-                     sidecar stopped before it was flushed), or the key was forgotten and \
+                     sidecar stopped before it was written), or the key was forgotten and \
                      used again. No more of it can be sent. Repeat the request without \
                      Last-Event-ID for a new generation, and drop what was received of \
                      this one."
