@@ -1122,7 +1122,7 @@ async fn a_stream_cancelled_before_its_first_event_drops_its_upstream_request() 
 
 /// A key whose call was plain (`"stream": false`) is read back by
 /// `GET /v1/streams/{key}` as the JSON document it journaled, not as broken SSE;
-/// resumed after any event id, it has nothing more.
+/// resumed after an untagged event id (it sent none), it has nothing more.
 #[tokio::test]
 async fn a_plain_answer_is_read_back_by_key_as_json() {
     let (_mock, sidecar) = setup(Behaviour::default()).await;

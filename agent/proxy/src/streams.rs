@@ -1092,6 +1092,11 @@ impl Producer {
                 }
             }
         }
+        // Broken before its error is out: a repeat that reads the error's hub
+        // already finds it so.
+        if self.gate.closed() {
+            self.live.mark_broken();
+        }
         if !batch.out.is_empty() {
             self.live.push(batch.out);
         }
@@ -1099,9 +1104,6 @@ impl Producer {
             // Nothing follows the terminal event, or the typed error that closed the
             // gate: a client that resumes after it is told so at once (`204`), not
             // kept on an empty stream until the generation ends.
-            if self.gate.closed() {
-                self.live.mark_broken();
-            }
             self.live.last_is_in();
         }
         batch.terminal
@@ -1715,12 +1717,11 @@ pub(crate) async fn serve_attempt(
     fingerprint: Option<outrigger_types::Fingerprint>,
     from: Option<EventId>,
 ) -> Result<Response<Body>, crate::Error> {
-    const ROUNDS: usize = 50;
-    for round in 1..=ROUNDS {
-        // A client's attempt the journal does not show yet may have its start decided
-        // but not yet applied (and its hub gone already): looked for again while the
-        // rounds last, before it is called unknown or lost.
-        let may_look_again = round < ROUNDS;
+    for round in 1..=50 {
+        // A later attempt than the journal shows may have its start decided but not
+        // yet applied (and its hub gone already, its producer stopped): looked for
+        // again for up to 50 ms before it is called lost.
+        let may_look_again = round <= 5;
         let meta = journal.stream_meta(key).map_err(crate::Error::Journal)?;
         if let (Some(fingerprint), Some(meta)) = (fingerprint, &meta)
             && meta.request.fingerprint != fingerprint
@@ -1769,8 +1770,12 @@ pub(crate) async fn serve_attempt(
                 Some(_) => {}
             }
         }
-        let not_there_yet =
-            from.is_some_and(|id| id.generation.attempt > meta.as_ref().map_or(0, |m| m.attempt));
+        let not_there_yet = from.is_some_and(|id| {
+            id.seq != CLOSING_SEQ
+                && meta
+                    .as_ref()
+                    .is_some_and(|m| id.generation.attempt > m.attempt)
+        });
         if not_there_yet && may_look_again {
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
