@@ -171,6 +171,7 @@ pub struct StreamMeta {
     /// of a later generation that reused its number. 0 where none is known: attempts
     /// begun before journal format 8, whose ids have no tag, and numbers no
     /// journaled start took.
+    ///
     /// Stored as 8 hex digits each, as the event ids show them.
     #[serde(default, skip_serializing_if = "Vec::is_empty", with = "hex_tags")]
     pub tags: Vec<u32>,
@@ -185,13 +186,15 @@ impl StreamMeta {
     /// The tag of `attempt` (see [`StreamMeta::tags`]); `None` for an attempt begun
     /// before tags existed, or one this journal never held.
     pub fn tag(&self, attempt: u32) -> Option<u32> {
-        let index = usize::try_from(attempt.checked_sub(1)?).ok()?;
-        self.tags.get(index).copied().filter(|t| *t != 0)
+        self.tags
+            .get(tag_index(attempt)?)
+            .copied()
+            .filter(|t| *t != 0)
     }
 
     /// Records `tag` as the tag of `attempt`.
     pub(crate) fn set_tag(&mut self, attempt: u32, tag: u32) {
-        let Some(index) = attempt.checked_sub(1).and_then(|i| usize::try_from(i).ok()) else {
+        let Some(index) = tag_index(attempt) else {
             return;
         };
         if self.tags.len() <= index {
@@ -199,6 +202,11 @@ impl StreamMeta {
         }
         self.tags[index] = tag;
     }
+}
+
+/// Where attempt `attempt` (1-based) sits in [`StreamMeta::tags`].
+fn tag_index(attempt: u32) -> Option<usize> {
+    usize::try_from(attempt.checked_sub(1)?).ok()
 }
 
 /// [`StreamMeta::tags`] as strings of 8 hex digits (`"00000000"`: none).

@@ -299,9 +299,8 @@ pub(crate) fn next_index(seq: u64) -> usize {
 /// whether the generation is over.
 pub struct Live {
     pub key: StreamKey,
-    pub attempt: u32,
-    /// The attempt's tag (see [`Generation`]).
-    pub tag: Option<u32>,
+    /// The generation it carries, as its event ids name it.
+    pub generation: Generation,
     /// The request it generates for (its [`fingerprint`]): a resume naming another
     /// body is refused before the start reaches the journal too.
     fingerprint: Option<outrigger_types::Fingerprint>,
@@ -370,8 +369,7 @@ impl Live {
     ) -> Arc<Self> {
         Arc::new(Self {
             key,
-            attempt: generation.attempt,
-            tag: generation.tag,
+            generation,
             fingerprint,
             dialect,
             events: Mutex::new(Vec::new()),
@@ -392,14 +390,6 @@ impl Live {
             e.extend(events);
         }
         self.version.send_modify(|v| *v += 1);
-    }
-
-    /// The generation this hub carries, as its event ids name it.
-    pub fn generation(&self) -> Generation {
-        Generation {
-            attempt: self.attempt,
-            tag: self.tag,
-        }
     }
 
     /// Nothing more will be pushed.
@@ -494,7 +484,7 @@ impl Live {
                 detail: format!(
                     "{}:{seq} has not been sent yet: this generation has sent {sent} event(s); \
                      send the `id:` of the last event received",
-                    self.generation()
+                    self.generation
                 ),
             });
         }
@@ -597,7 +587,7 @@ impl Registry {
         live.finish();
         if let Ok(mut m) = self.live.lock()
             && m.get(&live.key)
-                .is_some_and(|l| l.generation() == live.generation())
+                .is_some_and(|l| std::ptr::eq(Arc::as_ptr(l), live))
         {
             m.remove(&live.key);
         }
@@ -900,7 +890,7 @@ impl Drop for Producer {
         // Not after an end the clients already have (the terminal event, an error).
         if !(self.interrupted || self.gate.turn.terminal || self.gate.closed()) {
             let ev = interruption_event(live.dialect, PRODUCER_STOPPED);
-            live.push([closing(live.generation(), &ev)]);
+            live.push([closing(live.generation, &ev)]);
         }
         self.shared.streams.close(&live);
         if self.end_recorded {
@@ -911,7 +901,12 @@ impl Drop for Producer {
             return;
         }
         let end = StreamEnd::abandoned(PRODUCER_STOPPED);
-        spawn_end(self.journal.clone(), live.key.clone(), live.attempt, end);
+        spawn_end(
+            self.journal.clone(),
+            live.key.clone(),
+            live.generation.attempt,
+            end,
+        );
     }
 }
 
@@ -1033,7 +1028,7 @@ impl Producer {
         for ev in &events {
             self.observer.on_event(ev, now);
         }
-        let out = with_ids(self.live.generation(), first_seq, &events);
+        let out = with_ids(self.live.generation, first_seq, &events);
         self.seq += events.len() as u64;
         Batch {
             first_seq,
@@ -1056,7 +1051,7 @@ impl Producer {
                         .journal
                         .stream_append(
                             &self.live.key,
-                            self.live.attempt,
+                            self.live.generation.attempt,
                             held.first_seq,
                             held.events,
                             true,
@@ -1076,7 +1071,7 @@ impl Producer {
             self.release_held().await;
         }
         let key = &self.live.key;
-        let attempt = self.live.attempt;
+        let attempt = self.live.generation.attempt;
         if batch.terminal && self.journal_ok {
             match self
                 .journal
@@ -1157,7 +1152,7 @@ impl Producer {
             .journal
             .stream_append_nowait(
                 &self.live.key,
-                self.live.attempt,
+                self.live.generation.attempt,
                 held.first_seq,
                 held.events,
             )
@@ -1465,12 +1460,18 @@ impl Producer {
                 if self.journal_ok {
                     let r = self
                         .journal
-                        .stream_append(&live.key, live.attempt, self.seq, vec![ev.clone()], true)
+                        .stream_append(
+                            &live.key,
+                            live.generation.attempt,
+                            self.seq,
+                            vec![ev.clone()],
+                            true,
+                        )
                         .await;
                     self.journal_result(r);
                 }
                 live.push(with_ids(
-                    live.generation(),
+                    live.generation,
                     self.seq,
                     std::slice::from_ref(&ev),
                 ));
@@ -1498,7 +1499,7 @@ impl Producer {
             }
         };
         if !self.end_recorded
-            && let Err(e) = record_end(&self.journal, &live.key, live.attempt, end).await
+            && let Err(e) = record_end(&self.journal, &live.key, live.generation.attempt, end).await
         {
             tracing::warn!(key = %live.key, error = %e, "could not record the end of a stream");
         }
@@ -1734,10 +1735,10 @@ pub(crate) async fn serve_attempt(
         // first: its start may be answered (and its first events relayed) a moment
         // before the writer has applied it. A hub behind the journal's attempt is an
         // earlier one's, still leaving the registry: over, and in the journal.
-        let live = shared
-            .streams
-            .get(key)
-            .filter(|live| meta.as_ref().is_none_or(|m| live.attempt >= m.attempt));
+        let live = shared.streams.get(key).filter(|live| {
+            meta.as_ref()
+                .is_none_or(|m| live.generation.attempt >= m.attempt)
+        });
         if let Some(live) = &live {
             // Its start may not be in the journal yet: the hub knows its request.
             if let (Some(fingerprint), Some(own)) = (fingerprint, live.fingerprint)
@@ -1749,8 +1750,8 @@ pub(crate) async fn serve_attempt(
             }
             match from {
                 None => return Ok(live_response(live, 0, true)),
-                Some(id) if id.generation.attempt == live.attempt => {
-                    if id.generation != live.generation() {
+                Some(id) if id.generation.attempt == live.generation.attempt => {
+                    if id.generation != live.generation {
                         return lost(key, id);
                     }
                     // The closing event ends the generation: nothing comes after it.
@@ -2057,7 +2058,7 @@ mod tests {
     /// Event `seq` of `live`'s generation.
     fn at(live: &Live, seq: u64) -> EventId {
         EventId {
-            generation: live.generation(),
+            generation: live.generation,
             seq,
         }
     }
@@ -2102,17 +2103,35 @@ mod tests {
         }
     }
 
-    /// The generation a begin started.
-    fn begun_as(
-        begun: &Result<outrigger_journal::StreamBegin, outrigger_journal::Error>,
+    /// Begins `key` for `request`, which must start attempt `attempt`: its generation.
+    async fn begin_new(
+        journal: &Journal,
+        key: &StreamKey,
+        request: &ModelRequest,
+        attempt: u32,
     ) -> Generation {
-        match begun {
-            Ok(outrigger_journal::StreamBegin::New { attempt, tag }) => Generation {
-                attempt: *attempt,
-                tag: Some(*tag),
-            },
-            other => panic!("not begun: {other:?}"),
+        match journal.stream_begin(key, stream_request(request)).await {
+            Ok(outrigger_journal::StreamBegin::New { attempt: a, tag }) if a == attempt => {
+                Generation {
+                    attempt,
+                    tag: Some(tag),
+                }
+            }
+            other => panic!("not begun as attempt {attempt}: {other:?}"),
         }
+    }
+
+    /// [`begin_new`], then waits until the start is applied (it is answered before).
+    async fn begin_open(
+        journal: &Journal,
+        key: &StreamKey,
+        request: &ModelRequest,
+        attempt: u32,
+    ) -> Generation {
+        let generation = begin_new(journal, key, request, attempt).await;
+        let state = state_within(journal, key, outrigger_journal::StreamState::Open).await;
+        assert_eq!(state, Some(outrigger_journal::StreamState::Open));
+        generation
     }
 
     fn stream_request(request: &ModelRequest) -> outrigger_journal::StreamRequest {
@@ -2190,16 +2209,12 @@ mod tests {
         let shared = proxy.shared.clone();
         let request = streamed();
         let key = StreamKey::new(key.to_owned()).expect("a key");
-        let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
-        assert!(matches!(
-            begun,
-            Ok(outrigger_journal::StreamBegin::New { attempt: 1, .. })
-        ));
+        let generation = begin_new(&j.journal, &key, &request, 1).await;
         let starting = Starting::new(
             &shared,
             j.journal.clone(),
             &keyed_for(&key, &request),
-            begun_as(&begun),
+            generation,
             &request,
         );
         let (journal, live) = starting.started();
@@ -2251,7 +2266,7 @@ mod tests {
             .into_data()
             .expect("data");
         let text = String::from_utf8_lossy(&frame);
-        let generation = live.generation();
+        let generation = live.generation;
         assert!(generation.tag.is_some(), "a journaled start has a tag");
         assert!(
             text.starts_with(&format!("id: {generation}:0\n"))
@@ -2306,16 +2321,12 @@ mod tests {
         let shared = proxy.shared.clone();
         let request = streamed();
         let key = StreamKey::new("m/openai/left".to_owned()).expect("a key");
-        let begun = journal.stream_begin(&key, stream_request(&request)).await;
-        assert!(matches!(
-            begun,
-            Ok(outrigger_journal::StreamBegin::New { attempt: 1, .. })
-        ));
+        let generation = begin_new(&journal, &key, &request, 1).await;
         let starting = Starting::new(
             &shared,
             journal.clone(),
             &keyed_for(&key, &request),
-            begun_as(&begun),
+            generation,
             &request,
         );
         // The writer is not running yet: starts of other keys fill its queue.
@@ -2573,13 +2584,7 @@ mod tests {
         let shared = proxy.shared.clone();
         let request = streamed();
         let key = StreamKey::new("m/openai/superseded".to_owned()).expect("a key");
-        let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
-        assert!(matches!(
-            begun,
-            Ok(outrigger_journal::StreamBegin::New { attempt: 1, .. })
-        ));
-        let state = state_within(&j.journal, &key, outrigger_journal::StreamState::Open).await;
-        assert_eq!(state, Some(outrigger_journal::StreamState::Open));
+        begin_open(&j.journal, &key, &request, 1).await;
         let text = Bytes::from_static(
             b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\n",
         );
@@ -2630,11 +2635,7 @@ mod tests {
         let request = streamed();
         let key = StreamKey::new("m/openai/moved-on".to_owned()).expect("a key");
         for attempt in 1..=2 {
-            let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
-            assert!(
-                matches!(begun, Ok(outrigger_journal::StreamBegin::New { attempt: a, .. }) if a == attempt),
-                "{begun:?}"
-            );
+            begin_new(&j.journal, &key, &request, attempt).await;
             if attempt == 1 {
                 let failed = StreamEnd::Failed {
                     reason: "upstream".into(),
@@ -2670,16 +2671,7 @@ mod tests {
         let shared = proxy.shared.clone();
         let request = streamed();
         let key = StreamKey::new(key.to_owned()).expect("a key");
-        let begun = j.journal.stream_begin(&key, stream_request(&request)).await;
-        assert!(
-            matches!(
-                begun,
-                Ok(outrigger_journal::StreamBegin::New { attempt: 1, .. })
-            ),
-            "{begun:?}"
-        );
-        let state = state_within(&j.journal, &key, outrigger_journal::StreamState::Open).await;
-        assert_eq!(state, Some(outrigger_journal::StreamState::Open));
+        begin_open(&j.journal, &key, &request, 1).await;
         let events = vec![
             Bytes::from_static(b"data: a\n\n"),
             Bytes::from_static(b"data: [DONE]\n\n"),
@@ -2870,16 +2862,7 @@ mod tests {
         let later = std::time::SystemTime::now() + Duration::from_secs(400 * 24 * 3600);
         let reaped = j.journal.reap(later).await.expect("reaped");
         assert_eq!(reaped.streams_dropped, 1, "{reaped:?}");
-        let again = j.journal.stream_begin(&key, stream_request(&request)).await;
-        assert!(
-            matches!(
-                again,
-                Ok(outrigger_journal::StreamBegin::New { attempt: 2, .. })
-            ),
-            "{again:?}"
-        );
-        let state = state_within(&j.journal, &key, outrigger_journal::StreamState::Open).await;
-        assert_eq!(state, Some(outrigger_journal::StreamState::Open));
+        begin_open(&j.journal, &key, &request, 2).await;
         j.journal
             .stream_end(&key, 2, StreamEnd::abandoned("cut"))
             .await

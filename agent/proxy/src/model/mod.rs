@@ -344,7 +344,7 @@ async fn replay(
                 // moment it reads that error.
                 let current = streams::Generation::of(&meta, meta.attempt);
                 if let Some(live) = shared.streams.get(&keyed.key).filter(|live| {
-                    live.generation() == current && !live.is_ending() && !live.is_broken()
+                    live.generation == current && !live.is_ending() && !live.is_broken()
                 }) {
                     if !request.stream {
                         return Err(Error::StreamInProgress {
