@@ -595,6 +595,11 @@ models = ["gpt-mock"]
 /// A mock whose turns are one tool call each, behind a sidecar with a token budget
 /// (so that every task's charges are kept).
 async fn budgeted_tool_caller() -> (MockProvider, Sidecar) {
+    budgeted_tool_caller_with("").await
+}
+
+/// [`budgeted_tool_caller`], with `extra` configuration before its sections.
+async fn budgeted_tool_caller_with(extra: &str) -> (MockProvider, Sidecar) {
     let mock = MockProvider::start(Behaviour {
         chunks: 0,
         tool_calls: 1,
@@ -603,7 +608,7 @@ async fn budgeted_tool_caller() -> (MockProvider, Sidecar) {
     .await
     .expect("mock");
     let config = format!(
-        r#"
+        r#"{extra}
 [budget]
 tokens_total = 10000000
 
@@ -676,13 +681,14 @@ async fn a_retried_attempt_that_broke_inside_a_tool_call_is_charged_too() {
     );
 }
 
-/// A call cancelled (`POST /v1/streams/{key}/cancel`), or whose agent went away,
-/// while its retry waits for a first byte is charged its estimate once for the
-/// attempt cut short and once more for the attempt before it that broke inside a
-/// tool call: the provider generated both.
+/// A call cancelled (`POST /v1/streams/{key}/cancel`), or whose agent went away
+/// under `cancel_on_disconnect`, while its retry waits for a first byte is charged
+/// its estimate once for the attempt cut short and once more for the attempt before
+/// it that broke inside a tool call: the provider generated both.
 #[tokio::test]
 async fn a_call_cut_short_is_charged_for_the_attempt_that_broke_before_it() {
-    let (mock, sidecar) = budgeted_tool_caller().await;
+    let (mock, sidecar) =
+        budgeted_tool_caller_with("[streams]\ncancel_on_disconnect = true\n").await;
     let body = json!({"model": "gpt-mock", "stream": true,
                       "messages": [{"role": "user", "content": "weather?"}]});
     // Sends the call under `key` and, once the mock has had `attempts` requests

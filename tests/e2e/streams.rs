@@ -20,9 +20,14 @@ use crate::support::*;
 const CLOSING: u64 = u64::MAX;
 
 async fn setup(behaviour: Behaviour) -> (MockProvider, Sidecar) {
+    setup_with(behaviour, "").await
+}
+
+/// [`setup`], with `extra` configuration before its sections.
+async fn setup_with(behaviour: Behaviour, extra: &str) -> (MockProvider, Sidecar) {
     let mock = MockProvider::start(behaviour).await.expect("mock");
     let config = format!(
-        r#"
+        r#"{extra}
 # Retry budgets and breakers are tested elsewhere; here every cut before the first
 # event must be retried invisibly, however many there are.
 [resilience]
@@ -128,6 +133,19 @@ async fn read_events(
         .take(n)
         .collect();
     (key, whole.concat().into_bytes())
+}
+
+/// A plain (`"stream": false`) request in dialect `d` under the Idempotency-Key `key`.
+fn post_plain(sidecar: &Sidecar, d: D, key: &str) -> http::Request<http_body_util::Full<Bytes>> {
+    request(
+        Method::POST,
+        &sidecar.url(d.path()),
+        &[
+            ("content-type", "application/json"),
+            ("idempotency-key", key),
+        ],
+        d.body(false).to_string(),
+    )
 }
 
 fn post(
@@ -674,7 +692,7 @@ async fn a_sidecar_killed_mid_stream_gives_a_fresh_generation_on_retry() {
 }
 
 #[tokio::test]
-async fn a_call_before_its_first_byte_is_joined_by_a_repeat_and_freed_when_dropped() {
+async fn a_call_before_its_first_byte_is_joined_by_a_repeat_and_goes_on_when_dropped() {
     let (mock, sidecar) = setup(Behaviour {
         chunks: 5,
         first_byte_delay: Duration::from_millis(700),
@@ -692,8 +710,8 @@ async fn a_call_before_its_first_byte_is_joined_by_a_repeat_and_freed_when_dropp
     assert_eq!(repeat.body, first.body);
     assert_eq!(mock.generation_count(), 1);
 
-    // A call whose agent goes away before the first byte does not hold its key: the
-    // same request then generates afresh instead of being told it is in progress.
+    // A call whose agent goes away before the first byte is not cancelled (detach):
+    // the same request, sent again, is answered from that generation.
     let dropped = tokio::time::timeout(
         Duration::from_millis(250),
         send(post(&sidecar, D::OpenAi, Some("dropped"), &[])),
@@ -703,10 +721,16 @@ async fn a_call_before_its_first_byte_is_joined_by_a_repeat_and_freed_when_dropp
     tokio::time::sleep(Duration::from_millis(100)).await;
     let again = send(post(&sidecar, D::OpenAi, Some("dropped"), &[])).await;
     assert_eq!(again.status, StatusCode::OK, "{}", again.text());
-    assert_eq!(again.header("outrigger-replayed"), None);
+    assert_eq!(again.header("outrigger-replayed"), Some("true"));
     let evs = events(&again.body);
-    assert!(has_id(&evs[0], 2, 0), "attempt 2: {}", evs[0]);
+    assert!(has_id(&evs[0], 1, 0), "attempt 1: {}", evs[0]);
     assert!(evs.last().unwrap().contains("[DONE]"));
+    assert_eq!(mock.generation_count(), 2, "the dropped call's generation");
+    // Once it is over, from the journal: the same bytes.
+    let later = send(post(&sidecar, D::OpenAi, Some("dropped"), &[])).await;
+    assert_eq!(later.header("outrigger-replayed"), Some("true"));
+    assert_eq!(later.body, again.body);
+    assert_eq!(mock.generation_count(), 2);
 
     // A resume point that is not ours is refused, not answered with the whole stream.
     let bad = send(post(
@@ -718,6 +742,126 @@ async fn a_call_before_its_first_byte_is_joined_by_a_repeat_and_freed_when_dropp
     .await;
     assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{}", bad.text());
     assert!(bad.text().contains("Last-Event-ID"), "{}", bad.text());
+}
+
+/// A plain (`"stream": false`) call is not cancelled by its agent going away
+/// either: its answer is journaled whole, a repeat while it is generated waits
+/// for it, and one after it replays it. Both dialects.
+#[tokio::test]
+async fn a_plain_call_whose_agent_goes_away_answers_its_repeat() {
+    let (mock, sidecar) = setup(Behaviour {
+        first_byte_delay: Duration::from_millis(600),
+        ..Behaviour::default()
+    })
+    .await;
+    for (n, d) in [D::OpenAi, D::Anthropic].into_iter().enumerate() {
+        let key = format!("plain-left-{d:?}");
+        let dropped = tokio::time::timeout(
+            Duration::from_millis(200),
+            send(post_plain(&sidecar, d, &key)),
+        )
+        .await;
+        assert!(dropped.is_err(), "the call should still have been waiting");
+        // Sent while the provider still works on the first call: it waits for its
+        // answer (its own request reaches no provider).
+        let waited = send(post_plain(&sidecar, d, &key)).await;
+        assert_eq!(waited.status, StatusCode::OK, "{d:?}: {}", waited.text());
+        assert_eq!(waited.header("outrigger-replayed"), Some("true"), "{d:?}");
+        let answer = waited.json();
+        let text = match d {
+            D::OpenAi => answer["choices"][0]["message"]["content"].clone(),
+            D::Anthropic => answer["content"][0]["text"].clone(),
+        };
+        assert!(
+            text.as_str().is_some_and(|t| !t.is_empty()),
+            "{d:?}: the answer whole: {answer}"
+        );
+        let later = send(post_plain(&sidecar, d, &key)).await;
+        assert_eq!(later.header("outrigger-replayed"), Some("true"));
+        assert_eq!(later.body, waited.body, "{d:?}: the same answer");
+        assert_eq!(
+            mock.generation_count(),
+            n as u64 + 1,
+            "{d:?}: generated once"
+        );
+    }
+}
+
+/// A plain call is cancelled like a stream (`POST /v1/streams/{key}/cancel`): its
+/// agent gets `409 cancelled`, and the key's next request generates afresh.
+#[tokio::test]
+async fn a_plain_call_can_be_cancelled() {
+    let (mock, sidecar) = setup(Behaviour {
+        first_byte_delay: Duration::from_secs(30),
+        ..Behaviour::default()
+    })
+    .await;
+    let call = tokio::spawn(send(post_plain(&sidecar, D::OpenAi, "plain-cancel")));
+    assert!(
+        eventually(Duration::from_secs(10), || mock.received() == 1).await,
+        "the call reached the provider"
+    );
+    let cancel = send(request(
+        Method::POST,
+        &sidecar.url("/v1/streams/m%2Fopenai%2Fplain-cancel/cancel"),
+        &[],
+        Bytes::new(),
+    ))
+    .await;
+    assert_eq!(cancel.status, StatusCode::ACCEPTED, "{}", cancel.text());
+    let answered = tokio::time::timeout(Duration::from_secs(10), call)
+        .await
+        .expect("the call ends at the cancel")
+        .expect("the call");
+    assert_eq!(answered.status, StatusCode::CONFLICT, "{}", answered.text());
+    assert_eq!(
+        answered.json()["type"].as_str(),
+        Some("urn:outrigger:problem:cancelled"),
+        "{}",
+        answered.text()
+    );
+    mock.push(Behaviour::default());
+    let again = send(post_plain(&sidecar, D::OpenAi, "plain-cancel")).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text());
+    assert_eq!(again.header("outrigger-replayed"), None, "generated afresh");
+}
+
+/// With `[streams] cancel_on_disconnect`, a call whose agent goes away before its
+/// answer is cancelled: the key's next request generates afresh, as attempt 2.
+#[tokio::test]
+async fn under_cancel_on_disconnect_a_call_left_before_its_answer_is_generated_afresh() {
+    let (_mock, sidecar) = setup_with(
+        Behaviour {
+            chunks: 3,
+            first_byte_delay: Duration::from_millis(500),
+            ..Behaviour::default()
+        },
+        "[streams]\ncancel_on_disconnect = true\n",
+    )
+    .await;
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(200),
+        send(post(&sidecar, D::OpenAi, Some("left"), &[])),
+    )
+    .await;
+    assert!(dropped.is_err(), "the call should still have been waiting");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let again = send(post(&sidecar, D::OpenAi, Some("left"), &[])).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text());
+    assert_eq!(again.header("outrigger-replayed"), None);
+    let evs = events(&again.body);
+    assert!(has_id(&evs[0], 2, 0), "attempt 2: {}", evs[0]);
+
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(200),
+        send(post_plain(&sidecar, D::OpenAi, "plain-left")),
+    )
+    .await;
+    assert!(dropped.is_err(), "the call should still have been waiting");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let again = send(post_plain(&sidecar, D::OpenAi, "plain-left")).await;
+    assert_eq!(again.status, StatusCode::OK, "{}", again.text());
+    assert_eq!(again.header("outrigger-replayed"), None, "generated afresh");
 }
 
 #[tokio::test]

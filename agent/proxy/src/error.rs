@@ -63,6 +63,8 @@ pub enum Error {
     StreamKeyReused { key: String },
     #[error("stream {key} is still being generated")]
     StreamInProgress { key: String },
+    #[error("the model call {key} was cancelled before it answered")]
+    Cancelled { key: String },
     #[error("no stream {key}")]
     UnknownStream { key: String },
     #[error("stream {key} is past retention: its events are gone")]
@@ -247,6 +249,15 @@ impl Error {
                 ),
             )
             .header(header::RETRY_AFTER, HeaderValue::from_static("1")),
+            Self::Cancelled { key } => Problem::new(
+                StatusCode::CONFLICT,
+                "cancelled",
+                "The model call was cancelled",
+                format!(
+                    "The model call {key} was cancelled (POST /v1/streams/{{key}}/cancel) \
+                     before it answered. Repeat the request to generate afresh."
+                ),
+            ),
             Self::UnknownStream { key } => Problem::new(
                 StatusCode::NOT_FOUND,
                 "unknown-stream",

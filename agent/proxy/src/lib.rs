@@ -19,6 +19,7 @@
 pub mod body;
 mod canonical;
 pub mod decider;
+mod detach;
 mod error;
 pub mod events;
 pub mod faults;
@@ -86,7 +87,7 @@ pub(crate) struct Shared {
     pub slos: Arc<outrigger_telemetry::slo::Slos>,
     pub faults: Arc<faults::Injector>,
     /// Tool calls going on after their agents went away.
-    pub detached: journaled::detached::Detached,
+    pub detached: detach::Detached,
 }
 
 /// What the binary plugs into the data plane.
@@ -168,7 +169,7 @@ impl Proxy {
                 tasks: components.tasks,
                 slos: components.slos,
                 faults: components.faults,
-                detached: journaled::detached::Detached::default(),
+                detached: detach::Detached::default(),
                 options,
             }),
         }

@@ -783,7 +783,8 @@ fn rpc_failure(id: &Value, e: &Error) -> Response<Body> {
         | Error::StreamInProgress { .. }
         | Error::UnknownStream { .. }
         | Error::StreamExpired { .. }
-        | Error::GenerationLost { .. } => -32603,
+        | Error::GenerationLost { .. }
+        | Error::Cancelled { .. } => -32603,
     };
     let problem = e.to_problem();
     let mut data = problem.to_json();

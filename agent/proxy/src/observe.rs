@@ -310,7 +310,8 @@ pub(crate) fn failed_of(e: &Error) -> Failed {
         | Error::StreamKeyReused { .. }
         | Error::UnknownStream { .. }
         | Error::StreamExpired { .. }
-        | Error::GenerationLost { .. } => Failed::InvalidRequest,
+        | Error::GenerationLost { .. }
+        | Error::Cancelled { .. } => Failed::InvalidRequest,
         Error::BudgetExceeded { .. } => Failed::PolicyDenied,
         Error::Upstream { source, .. } => failed_of_upstream(source),
         Error::StreamBroke { .. } => Failed::Transport,

@@ -315,6 +315,8 @@ pub struct Live {
     ending: AtomicBool,
     /// The turn ended with a typed error event: see [`Live::is_broken`].
     broken: AtomicBool,
+    /// The call asked for a plain answer and has no stream: see [`Live::is_plain`].
+    plain: AtomicBool,
     version: watch::Sender<u64>,
     clients: AtomicUsize,
     cancel: Notify,
@@ -377,6 +379,7 @@ impl Live {
             last_in: AtomicBool::new(false),
             ending: AtomicBool::new(false),
             broken: AtomicBool::new(false),
+            plain: AtomicBool::new(false),
             version: watch::channel(0).0,
             clients: AtomicUsize::new(0),
             cancel: Notify::new(),
@@ -422,6 +425,24 @@ impl Live {
     /// The turn ended with a typed error event (see [`Live::is_broken`]).
     pub(crate) fn mark_broken(&self) {
         self.broken.store(true, Ordering::Release);
+    }
+
+    /// Whether this is the hub of a plain (`"stream": false`) call still waiting
+    /// for its answer: it carries no events, only its end (which a repeat of the
+    /// call waits for, to be answered from the journal) and a cancel. No resume
+    /// reads it.
+    pub(crate) fn is_plain(&self) -> bool {
+        self.plain.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the generation is over (its hub closed).
+    pub(crate) async fn closed(&self) {
+        let mut rx = self.version.subscribe();
+        while !self.is_finished() {
+            if rx.changed().await.is_err() {
+                return;
+            }
+        }
     }
 
     fn finish(&self) {
@@ -597,9 +618,9 @@ impl Registry {
 // === A generation's start ===
 
 /// A journaled generation from its start (the journal's `New`) until it has a
-/// stream. A streamed call's hub is registered at once, so that a repeat of the
-/// request or a resume by key waits for its first events instead of being told it
-/// is in progress. If it never gets a stream (the upstream failed, the sidecar
+/// stream. Its hub is registered at once, so that a repeat of the request or a
+/// resume by key waits for its first events (a plain call's repeat, for its answer)
+/// instead of being told it is in progress, and a cancel reaches it. If it never gets a stream (the upstream failed, the sidecar
 /// refused it, or the agent went away and the call was dropped), its end is recorded
 /// and the hub's clients get a typed error: the key's next request generates afresh
 /// instead of waiting on an attempt that never ends.
@@ -608,8 +629,9 @@ pub(crate) struct Starting {
     journal: Journal,
     key: StreamKey,
     generation: Generation,
-    fingerprint: outrigger_types::Fingerprint,
-    live: Option<Arc<Live>>,
+    live: Arc<Live>,
+    /// The hub is this start's to close (not yet closed, nor handed to a producer).
+    holds_hub: bool,
     dialect: Dialect,
     armed: bool,
 }
@@ -624,27 +646,25 @@ impl Starting {
     ) -> Self {
         let key = keyed.key.clone();
         let fingerprint = keyed.fingerprint;
-        let live = request.stream.then(|| {
-            let live = Live::new_for(
-                &key,
-                generation,
-                fingerprint,
-                request.dialect,
-                &shared.options.streams,
-            );
-            // The waiting call is a client of its hub: a repeat that attaches and
-            // leaves must not cancel it (`cancel_on_disconnect`).
-            live.clients.fetch_add(1, Ordering::AcqRel);
-            shared.streams.insert(live.clone());
-            live
-        });
+        let live = Live::new_for(
+            &key,
+            generation,
+            fingerprint,
+            request.dialect,
+            &shared.options.streams,
+        );
+        live.plain.store(!request.stream, Ordering::Release);
+        // The waiting call is a client of its hub: a repeat that attaches and
+        // leaves must not cancel it (`cancel_on_disconnect`).
+        live.clients.fetch_add(1, Ordering::AcqRel);
+        shared.streams.insert(live.clone());
         Self {
             shared: shared.clone(),
             journal,
             key,
             generation,
-            fingerprint,
             live,
+            holds_hub: true,
             dialect: request.dialect,
             armed: true,
         }
@@ -662,37 +682,27 @@ impl Starting {
         self.generation.attempt
     }
 
-    /// The hub of a streamed call, which a cancel reaches.
-    pub(crate) fn live(&self) -> Option<Arc<Live>> {
+    /// The call's hub, which a cancel reaches.
+    pub(crate) fn live(&self) -> Arc<Live> {
         self.live.clone()
     }
 
-    /// A plain answer was journaled whole: the attempt is over, and a hub (the call
-    /// asked for a stream but got a plain answer) closes with nothing in it.
+    /// A plain answer was journaled whole: the attempt is over, and its hub closes
+    /// with nothing in it.
     pub(crate) fn answered(mut self) {
         self.armed = false;
         self.close(None);
     }
 
     /// The journal and the registered hub (which names the key and attempt), for the
-    /// producer: the generation has its stream (a hub is made now for a call that
-    /// did not ask for one). The call still counts as the hub's client: it attaches
+    /// producer: the generation has its stream (a plain call's hub now carries one).
+    /// The call still counts as the hub's client: it attaches
     /// its response, then calls [`Live::release_start`].
     pub(crate) fn started(mut self) -> (Journal, Arc<Live>) {
         self.armed = false;
-        let live = self.live.take().unwrap_or_else(|| {
-            let live = Live::new_for(
-                &self.key,
-                self.generation,
-                self.fingerprint,
-                self.dialect,
-                &self.shared.options.streams,
-            );
-            live.clients.fetch_add(1, Ordering::AcqRel);
-            self.shared.streams.insert(live.clone());
-            live
-        });
-        (self.journal.clone(), live)
+        self.holds_hub = false;
+        self.live.plain.store(false, Ordering::Release);
+        (self.journal.clone(), self.live.clone())
     }
 
     /// Ends the attempt without a stream: recorded as failed (so the key's next
@@ -727,14 +737,16 @@ impl Starting {
         self.close(Some(CANCELLED));
     }
 
-    /// Ends the hub, if any: with the typed error event naming `failure`, or empty.
+    /// Ends the hub, if any: with the typed error event naming `failure` (a
+    /// stream's), or empty.
     fn close(&mut self, failure: Option<&str>) {
-        if let Some(live) = self.live.take() {
-            if let Some(reason) = failure {
+        if std::mem::take(&mut self.holds_hub) {
+            let live = &self.live;
+            if let Some(reason) = failure.filter(|_| !live.is_plain()) {
                 let ev = interruption_event(self.dialect, reason);
                 live.push([closing(self.generation, &ev)]);
             }
-            self.shared.streams.close(&live);
+            self.shared.streams.close(live);
             live.release_start();
         }
     }
@@ -1734,10 +1746,13 @@ pub(crate) async fn serve_attempt(
         // A generation in the hub is the key's latest attempt, served from the hub
         // first: its start may be answered (and its first events relayed) a moment
         // before the writer has applied it. A hub behind the journal's attempt is an
-        // earlier one's, still leaving the registry: over, and in the journal.
+        // earlier one's, still leaving the registry: over, and in the journal. A
+        // plain call's hub carries no events: the journal answers for it.
         let live = shared.streams.get(key).filter(|live| {
-            meta.as_ref()
-                .is_none_or(|m| live.generation.attempt >= m.attempt)
+            !live.is_plain()
+                && meta
+                    .as_ref()
+                    .is_none_or(|m| live.generation.attempt >= m.attempt)
         });
         if let Some(live) = &live {
             // Its start may not be in the journal yet: the hub knows its request.
@@ -2396,6 +2411,43 @@ mod tests {
         assert_eq!(state, Some(outrigger_journal::StreamState::Failed));
     }
 
+    /// A plain call's hub is registered from its start, so that a cancel reaches it
+    /// and a repeat waits for its end; it never carries an event (not even the
+    /// typed error of a failure: the agent gets that whole).
+    #[tokio::test]
+    async fn a_plain_calls_hub_carries_only_its_end() {
+        let j = crate::test_journal::TempJournal::open().expect("a journal");
+        let proxy = proxy(&j.journal, crate::Options::default());
+        let shared = proxy.shared.clone();
+        let request = ModelRequest::parse(
+            Dialect::OpenAi,
+            Bytes::from_static(br#"{"model":"gpt","stream":false,"messages":[]}"#),
+        )
+        .expect("a request");
+        let key = StreamKey::new("m/openai/plain".to_owned()).expect("a key");
+        let generation = begin_open(&j.journal, &key, &request, 1).await;
+        let keyed = keyed_for(&key, &request);
+        let starting = Starting::new(&shared, j.journal.clone(), &keyed, generation, &request);
+        let live = shared.streams.get(&key).expect("its hub is registered");
+        assert!(live.is_plain());
+        let repeat = tokio::spawn({
+            let live = live.clone();
+            async move { live.closed().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(
+            !repeat.is_finished(),
+            "a repeat waits while it is generated"
+        );
+        starting.failed("the provider refused").await;
+        tokio::time::timeout(Duration::from_secs(5), repeat)
+            .await
+            .expect("the repeat's wait ended")
+            .expect("no panic");
+        assert_eq!(live.sent(), 0, "no event in a plain call's hub");
+        assert!(shared.streams.get(&key).is_none(), "out of the registry");
+    }
+
     /// Under `cancel_on_disconnect`, a repeat that attaches to a generation still
     /// waiting for its first event and leaves does not cancel it: the call that
     /// started it is a client too, until it attaches its response.
@@ -2412,7 +2464,7 @@ mod tests {
         let proxy = proxy(&j.journal, options);
         let shared = proxy.shared.clone();
         let (_, _, starting) = waiting_call(&shared, &j.journal, "m/openai/joined");
-        let live = starting.live().expect("a streamed call's hub");
+        let live = starting.live();
         drop(live.attach(0));
         assert!(!live.is_cancelled(), "the waiting call is still there");
         let (_journal, live) = starting.started();
@@ -2813,7 +2865,7 @@ mod tests {
         let proxy = proxy(&j.journal, crate::Options::default());
         let shared = proxy.shared.clone();
         let (key, request, starting) = waiting_call(&shared, &j.journal, "m/openai/not-yet");
-        let live = starting.live().expect("a streamed call's hub");
+        let live = starting.live();
         live.push(with_ids(
             generation(1),
             0,

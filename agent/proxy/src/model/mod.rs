@@ -31,6 +31,7 @@ use self::answer::Answer;
 use self::attempts::{Ended, Mechanics, Plan, Success, Trail};
 use self::request::ModelRequest;
 use crate::body::{self, Body, Guarded};
+use crate::detach::{Detachable, Orphaned};
 use crate::error::Error;
 use crate::events::{Gate, Turn};
 use crate::observe::{ModelCall, ModelEnd};
@@ -94,22 +95,26 @@ pub async fn call(
     let result = call_inner(shared, parts, request, primary, ctx, routed, &mut rec)
         .instrument(span)
         .await;
-    // Calls whose end is not a body's end (errors, replays) finish here.
-    if let Some(rec) = rec.take() {
-        match &result {
-            Err(e) => rec.finish_error(e),
-            Ok(resp) => {
-                let status = resp.status().as_u16();
-                rec.finish(ModelEnd {
-                    failed: (!resp.status().is_success())
-                        .then(|| Failed::from_upstream_status(status)),
-                    error_type: (!resp.status().is_success()).then(|| status.to_string()),
-                    ..ModelEnd::default()
-                });
-            }
+    finish_unended(rec.take(), &result);
+    result
+}
+
+/// Finishes the record of a call whose end is not a body's end (errors, replays).
+fn finish_unended(rec: Option<ModelCall>, result: &Result<Response<Body>, Error>) {
+    let Some(rec) = rec else {
+        return;
+    };
+    match result {
+        Err(e) => rec.finish_error(e),
+        Ok(resp) => {
+            let status = resp.status().as_u16();
+            rec.finish(ModelEnd {
+                failed: (!resp.status().is_success()).then(|| Failed::from_upstream_status(status)),
+                error_type: (!resp.status().is_success()).then(|| status.to_string()),
+                ..ModelEnd::default()
+            });
         }
     }
-    result
 }
 
 async fn call_inner(
@@ -155,32 +160,105 @@ async fn call_inner(
         }
         _ => None,
     };
-    let Some((keyed, journal, generation)) = begun else {
-        return generate(
-            shared,
-            request,
-            primary,
-            parts.headers,
-            ctx,
-            routed,
-            None,
-            rec,
-        )
-        .await;
+    let starting = begun.map(|(keyed, journal, generation)| {
+        streams::Starting::new(shared, journal, &keyed, generation, &request)
+    });
+    let key = starting.as_ref().map(|s| s.key().clone());
+    let resp = match starting {
+        Some(starting) if !shared.options.streams.cancel_on_disconnect => {
+            generate_detachable(shared, request, parts.headers, ctx, routed, starting, rec).await?
+        }
+        starting => {
+            generate(
+                shared,
+                request,
+                primary,
+                parts.headers,
+                ctx,
+                routed,
+                starting,
+                rec,
+            )
+            .await?
+        }
     };
-    let starting = streams::Starting::new(shared, journal, &keyed, generation, &request);
-    let resp = generate(
-        shared,
-        request,
-        primary,
-        parts.headers,
-        ctx,
-        routed,
-        Some(starting),
-        rec,
-    )
-    .await?;
-    Ok(streams::with_key(resp, &keyed.key))
+    Ok(match key {
+        Some(key) => streams::with_key(resp, &key),
+        None => resp,
+    })
+}
+
+/// What a journaled generation's work hands back to its call: the answer, the
+/// call's record when the answer's path did not take it, and where it went.
+type Generated = (
+    Result<Response<Body>, Error>,
+    Option<ModelCall>,
+    Option<Routed>,
+);
+
+/// A journaled generation that its agent's going away does not cancel (detach,
+/// the default): up to its answer (a stream's first events, or a plain answer
+/// whole) it runs as work of its own, so that a call whose agent leaves, or is
+/// killed, while the provider is still thinking goes on to be journaled, and the
+/// agent's repeat is answered from it instead of generating (and paying) again.
+/// Bounded like any attempt: the first-byte timeout, the attempts and the time
+/// each takes; after its first event a stream's producer bounds what follows
+/// (`detach_timeout`). The drain waits for it.
+async fn generate_detachable(
+    shared: &Arc<Shared>,
+    request: ModelRequest,
+    agent_headers: http::HeaderMap,
+    ctx: &RequestContext,
+    routed: &mut Option<Routed>,
+    starting: streams::Starting,
+    rec: &mut Option<ModelCall>,
+) -> Result<Response<Body>, Error> {
+    let key = starting.key().clone();
+    let work = {
+        let (shared, ctx, mut rec) = (shared.clone(), ctx.clone(), rec.take());
+        async move {
+            let mut routed = None;
+            // The provider the call was routed to: the same lookup, owned here.
+            let result = match resolve(&shared, request.dialect, &request.model) {
+                Ok(primary) => {
+                    generate(
+                        &shared,
+                        request,
+                        primary,
+                        agent_headers,
+                        &ctx,
+                        &mut routed,
+                        Some(starting),
+                        &mut rec,
+                    )
+                    .await
+                }
+                Err(e) => Err(e),
+            };
+            (result, rec, routed)
+        }
+        .instrument(tracing::Span::current())
+    };
+    let orphaned: Orphaned<Generated> = Box::new(move |(result, rec, _): Generated| {
+        Box::pin(async move {
+            match &result {
+                Ok(resp) => {
+                    tracing::info!(%key, status = resp.status().as_u16(), "the agent went away before the model answered; its generation went on and is journaled");
+                }
+                Err(e) => {
+                    tracing::info!(%key, error = %e, "the agent went away before the model answered; its generation went on and failed");
+                }
+            }
+            finish_unended(rec, &result);
+            // A stream's response, dropped: its producer goes on without a client.
+        })
+    });
+    let (result, back, went) = Detachable::new(work, shared.detached.count(), orphaned).await;
+    *rec = back;
+    if went.is_some() {
+        *routed = went;
+    }
+    result
 }
 
 /// A repeated request that names where its client is (`Last-Event-ID`): the rest of
@@ -346,12 +424,17 @@ async fn replay(
                 if let Some(live) = shared.streams.get(&keyed.key).filter(|live| {
                     live.generation == current && !live.is_ending() && !live.is_broken()
                 }) {
-                    if !request.stream {
+                    if live.is_plain() {
+                        // A plain answer still being generated (its agent may have
+                        // gone): waited for, then read from the journal.
+                        live.closed().await;
+                    } else if !request.stream {
                         return Err(Error::StreamInProgress {
                             key: keyed.key.to_string(),
                         });
+                    } else {
+                        return Ok(Some(streams::live_response(&live, 0, true)));
                     }
-                    return Ok(Some(streams::live_response(&live, 0, true)));
                 }
             }
             // The journal answers a begin with a stream that is open or completed:
@@ -469,7 +552,7 @@ async fn generate(
     // provider generated for it.
     let mut billed = Billed { trail, reservation };
     let run = attempts::run(&mech, &plan, &mut billed.trail);
-    let run = match journaled.as_ref().and_then(streams::Starting::live) {
+    let run = match journaled.as_ref().map(streams::Starting::live) {
         Some(live) => tokio::select! {
             biased;
             // A success that raced the cancel is dropped, with its upstream (and
@@ -510,6 +593,12 @@ async fn generate(
             }
             if let Some(starting) = journaled {
                 starting.cancelled().await;
+            }
+            // A plain call has no events to end: its agent gets the error whole.
+            if !request.stream {
+                return Err(Error::Cancelled {
+                    key: live.key.to_string(),
+                });
             }
             // The hub's clients, this call's agent among them, get the typed error.
             return Ok(with_attempts(
