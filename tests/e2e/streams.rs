@@ -577,6 +577,70 @@ async fn a_restarted_agent_gets_the_same_turn_from_the_journal_inside_a_task() {
     assert_eq!(mock.generation_count(), 5);
 }
 
+/// A header that changes what the provider generates (a beta feature, an API
+/// version) makes another request of the same body: inside a task it is generated
+/// afresh, and under one `Idempotency-Key` it is the key reused.
+#[tokio::test]
+async fn a_turn_with_other_beta_headers_is_another_request() {
+    let (mock, sidecar) = setup(Behaviour::default()).await;
+    let url = sidecar.url("/v1/messages");
+    let body = D::Anthropic.body(false);
+    let task = |beta: &'static str| {
+        [
+            ("outrigger-task-id", "beta-run"),
+            ("anthropic-version", "2023-06-01"),
+            ("anthropic-beta", beta),
+        ]
+    };
+    let first = post_json(
+        &url,
+        &task("files-api-2025-04-14,token-efficient-tools-2025-02-19"),
+        &body,
+    )
+    .await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text());
+    let reordered = post_json(
+        &url,
+        &task("token-efficient-tools-2025-02-19, files-api-2025-04-14"),
+        &body,
+    )
+    .await;
+    assert_eq!(
+        reordered.header("outrigger-replayed"),
+        Some("true"),
+        "the same set of betas is the same request"
+    );
+    assert_eq!(reordered.body, first.body);
+    let other = post_json(&url, &task("files-api-2025-04-14"), &body).await;
+    assert_eq!(other.status, StatusCode::OK, "{}", other.text());
+    assert_eq!(
+        other.header("outrigger-replayed"),
+        None,
+        "another beta set generates afresh"
+    );
+    assert_ne!(other.body, first.body);
+    assert_eq!(mock.generation_count(), 2);
+
+    let keyed = |beta: &'static str| {
+        [
+            ("idempotency-key", "beta-key"),
+            ("anthropic-version", "2023-06-01"),
+            ("anthropic-beta", beta),
+        ]
+    };
+    let a = post_json(&url, &keyed("files-api-2025-04-14"), &body).await;
+    assert_eq!(a.status, StatusCode::OK, "{}", a.text());
+    let b = post_json(&url, &keyed("token-efficient-tools-2025-02-19"), &body).await;
+    assert_eq!(b.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", b.text());
+    assert_eq!(
+        b.json()["type"].as_str(),
+        Some("urn:outrigger:problem:key-reused"),
+        "{}",
+        b.text()
+    );
+    assert_eq!(mock.generation_count(), 3);
+}
+
 #[tokio::test]
 async fn a_stream_can_be_cancelled_explicitly() {
     let (mock, sidecar) = setup(Behaviour {
@@ -787,43 +851,97 @@ async fn a_plain_call_whose_agent_goes_away_answers_its_repeat() {
     }
 }
 
-/// A plain call is cancelled like a stream (`POST /v1/streams/{key}/cancel`): its
-/// agent gets `409 cancelled`, and the key's next request generates afresh.
+/// A plain call is cancelled like a stream (`POST /v1/streams/{key}/cancel`), while
+/// it waits for the provider's answer and while the answer's body is on its way: its
+/// agent, and a repeat that waited for it, get `409 cancelled` (which the SDKs are
+/// told not to retry), and the key's next request generates afresh. Once the answer
+/// is in, a cancel is too late.
 #[tokio::test]
 async fn a_plain_call_can_be_cancelled() {
-    let (mock, sidecar) = setup(Behaviour {
+    let (mock, sidecar) = setup(Behaviour::default()).await;
+    let slow_head = Behaviour {
         first_byte_delay: Duration::from_secs(30),
         ..Behaviour::default()
-    })
-    .await;
-    let call = tokio::spawn(send(post_plain(&sidecar, D::OpenAi, "plain-cancel")));
-    assert!(
-        eventually(Duration::from_secs(10), || mock.received() == 1).await,
-        "the call reached the provider"
-    );
-    let cancel = send(request(
-        Method::POST,
-        &sidecar.url("/v1/streams/m%2Fopenai%2Fplain-cancel/cancel"),
-        &[],
-        Bytes::new(),
-    ))
-    .await;
-    assert_eq!(cancel.status, StatusCode::ACCEPTED, "{}", cancel.text());
-    let answered = tokio::time::timeout(Duration::from_secs(10), call)
-        .await
-        .expect("the call ends at the cancel")
-        .expect("the call");
-    assert_eq!(answered.status, StatusCode::CONFLICT, "{}", answered.text());
-    assert_eq!(
-        answered.json()["type"].as_str(),
-        Some("urn:outrigger:problem:cancelled"),
-        "{}",
-        answered.text()
-    );
-    mock.push(Behaviour::default());
-    let again = send(post_plain(&sidecar, D::OpenAi, "plain-cancel")).await;
-    assert_eq!(again.status, StatusCode::OK, "{}", again.text());
-    assert_eq!(again.header("outrigger-replayed"), None, "generated afresh");
+    };
+    let slow_body = Behaviour {
+        body_delay: Duration::from_secs(30),
+        ..Behaviour::default()
+    };
+    let cancel = |key: &str| {
+        send(request(
+            Method::POST,
+            &sidecar.url(&format!("/v1/streams/m%2Fopenai%2F{key}/cancel")),
+            &[],
+            Bytes::new(),
+        ))
+    };
+    for (n, (key, slow)) in [
+        ("plain-cancel-head", slow_head),
+        ("plain-cancel-body", slow_body),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let n = n as u64;
+        mock.push(slow);
+        let call = tokio::spawn(send(post_plain(&sidecar, D::OpenAi, key)));
+        assert!(
+            eventually(Duration::from_secs(10), || mock.received() == 2 * n + 1).await,
+            "{key}: the call reached the provider"
+        );
+        // The repeat waits for the answer; the provider's head (if it sends one) is in.
+        let repeat = tokio::spawn(send(post_plain(&sidecar, D::OpenAi, key)));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let cancelled = cancel(key).await;
+        assert_eq!(
+            cancelled.status,
+            StatusCode::ACCEPTED,
+            "{key}: {}",
+            cancelled.text()
+        );
+        for (who, call) in [("the call", call), ("its repeat", repeat)] {
+            let answered = tokio::time::timeout(Duration::from_secs(10), call)
+                .await
+                .unwrap_or_else(|_| panic!("{key}: {who} ends at the cancel"))
+                .expect("the call");
+            assert_eq!(
+                answered.status,
+                StatusCode::CONFLICT,
+                "{key}: {who}: {}",
+                answered.text()
+            );
+            assert_eq!(
+                answered.json()["type"].as_str(),
+                Some("urn:outrigger:problem:cancelled"),
+                "{key}: {who}: {}",
+                answered.text()
+            );
+            assert_eq!(
+                answered.header("x-should-retry"),
+                Some("false"),
+                "{key}: {who}"
+            );
+        }
+        let again = send(post_plain(&sidecar, D::OpenAi, key)).await;
+        assert_eq!(again.status, StatusCode::OK, "{key}: {}", again.text());
+        assert_eq!(
+            again.header("outrigger-replayed"),
+            None,
+            "{key}: generated afresh"
+        );
+        assert_eq!(
+            mock.received(),
+            2 * n + 2,
+            "{key}: the repeat reached no provider"
+        );
+        let late = cancel(key).await;
+        assert_eq!(late.status, StatusCode::OK, "{key}: {}", late.text());
+        assert_eq!(
+            late.json()["cancelled"],
+            false,
+            "{key}: over, nothing to cancel"
+        );
+    }
 }
 
 /// With `[streams] cancel_on_disconnect`, a call whose agent goes away before its

@@ -106,6 +106,11 @@ where
         let Some(running) = self.running.take() else {
             return;
         };
+        // Dropped while its own poll panicked: the future is broken, not orphaned
+        // (polled again it would only panic again).
+        if std::thread::panicking() {
+            return;
+        }
         // Without a runtime (it is shutting down) the call stays in flight, as after
         // a crash: the restart's recovery makes it in doubt.
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {

@@ -257,6 +257,12 @@ impl Error {
                     "The model call {key} was cancelled (POST /v1/streams/{{key}}/cancel) \
                      before it answered. Repeat the request to generate afresh."
                 ),
+            )
+            // The OpenAI and Anthropic SDKs retry a 409 on their own unless told not
+            // to: a cancel they undid at once would be billed again.
+            .header(
+                http::HeaderName::from_static("x-should-retry"),
+                HeaderValue::from_static("false"),
             ),
             Self::UnknownStream { key } => Problem::new(
                 StatusCode::NOT_FOUND,

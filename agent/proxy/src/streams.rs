@@ -104,13 +104,13 @@ pub fn key_for(
         return Ok(Some(Keyed {
             key: stream_key(format!("m/{dialect}/{key}"))?,
             replayable: true,
-            fingerprint: fingerprint(request),
+            fingerprint: fingerprint(request, h),
         }));
     }
     let Some(task) = &ctx.task_id else {
         return Ok(None);
     };
-    let fingerprint = fingerprint(request);
+    let fingerprint = fingerprint(request, h);
     let fp = fingerprint.to_hex();
     let fresh = no_cache(h) || !options.replay_in_task;
     let key = if fresh {
@@ -133,15 +133,55 @@ fn stream_key(s: String) -> Result<StreamKey, crate::Error> {
 }
 
 /// The request's fingerprint: its canonical JSON (key order and whitespace do not
-/// matter), for the same dialect.
-pub fn fingerprint(request: &ModelRequest) -> outrigger_types::Fingerprint {
+/// matter), for the same dialect, with the headers that change what the provider
+/// generates ([`answer_headers`]).
+pub fn fingerprint(request: &ModelRequest, h: &HeaderMap) -> outrigger_types::Fingerprint {
     keys::http_fingerprint(
         "POST",
         &format!("model:{}", request.dialect.as_str()),
-        "",
+        &answer_headers(request.dialect, h),
         Some("application/json"),
         &request.body,
     )
+}
+
+/// The request headers of a dialect that change what its provider generates or how
+/// it words it: a beta feature turned on, an API version. Written `name=value`,
+/// joined by `&`, in this order, for those present (none: the empty string, so the
+/// fingerprint of a request without them is its body's alone). A header's values,
+/// repeated or comma-separated, are one set: order, spaces and repeats do not
+/// matter. A value that is not visible ASCII is the agent's to fix, and the
+/// provider's to refuse; it is taken as its bytes.
+fn answer_headers(dialect: Dialect, h: &HeaderMap) -> String {
+    let names: &[&str] = match dialect {
+        Dialect::OpenAi => &["openai-beta"],
+        Dialect::Anthropic => &["anthropic-beta", "anthropic-version"],
+    };
+    let mut out = String::new();
+    for name in names {
+        let mut values = Vec::new();
+        for v in h.get_all(*name) {
+            let v = String::from_utf8_lossy(v.as_bytes());
+            values.extend(
+                v.split(',')
+                    .map(str::trim)
+                    .filter(|p| !p.is_empty())
+                    .map(str::to_owned),
+            );
+        }
+        if values.is_empty() {
+            continue;
+        }
+        values.sort_unstable();
+        values.dedup();
+        if !out.is_empty() {
+            out.push('&');
+        }
+        out.push_str(name);
+        out.push('=');
+        out.push_str(&values.join(","));
+    }
+    out
 }
 
 fn no_cache(h: &HeaderMap) -> bool {
@@ -452,9 +492,29 @@ impl Live {
         self.version.send_modify(|v| *v += 1);
     }
 
-    pub fn cancel(&self) {
+    /// Cancels the generation, unless it is ending (its upstream read is over, a
+    /// plain answer is in): whether it did. Decided under the events' lock, as
+    /// [`Live::take_answer`] is, so that a plain answer is either cancelled or
+    /// taken, never both.
+    pub fn cancel(&self) -> bool {
+        let _held = self.events.lock();
+        if self.is_ending() {
+            return false;
+        }
         self.cancelled.store(true, Ordering::Release);
         self.cancel.notify_one();
+        true
+    }
+
+    /// A plain call's answer was read whole: it is ending, and a cancel now comes
+    /// too late; false if a cancel came first.
+    pub(crate) fn take_answer(&self) -> bool {
+        let _held = self.events.lock();
+        if self.is_cancelled() {
+            return false;
+        }
+        self.mark_ending();
+        true
     }
 
     /// Whether the generation was cancelled.
@@ -539,7 +599,7 @@ impl Drop for LiveBody {
             && self.live.cancel_on_disconnect
             && !self.live.finished.load(Ordering::Acquire)
         {
-            self.live.cancel();
+            let _ = self.live.cancel();
         }
     }
 }
@@ -634,6 +694,9 @@ pub(crate) struct Starting {
     holds_hub: bool,
     dialect: Dialect,
     armed: bool,
+    /// Why it ends, once disarmed with its end being recorded: what the hub's
+    /// clients are told if the call is dropped before the end is written.
+    ending: &'static str,
 }
 
 impl Starting {
@@ -667,6 +730,7 @@ impl Starting {
             holds_hub: true,
             dialect: request.dialect,
             armed: true,
+            ending: CANCELLED,
         }
     }
 
@@ -706,14 +770,16 @@ impl Starting {
     }
 
     /// Ends the attempt without a stream: recorded as failed (so the key's next
-    /// request starts afresh), and the hub's clients told why.
+    /// request starts afresh), then the hub's clients told why (a repeat that waited
+    /// for a plain answer then finds the attempt over in the journal).
     pub(crate) async fn failed(mut self, reason: &str) {
         self.armed = false;
-        self.close(Some(reason));
+        self.ending = FAILED;
         let end = StreamEnd::Failed {
             reason: reason.to_string(),
         };
         let _ = self.end(end).await;
+        self.close(Some(reason));
     }
 
     /// Records the attempt's end on a task of its own: the agent going away while
@@ -755,9 +821,10 @@ impl Starting {
 impl Drop for Starting {
     fn drop(&mut self) {
         if !self.armed {
-            // Disarmed with its hub still open: only `cancelled`, dropped while it
-            // recorded the end (the agent went away); its clients must not hang.
-            self.close(Some(CANCELLED));
+            // Disarmed with its hub still open: `failed` or `cancelled`, dropped
+            // while it recorded the end (the agent went away); its clients must not
+            // hang.
+            self.close(Some(self.ending));
             return;
         }
         let reason = "the call ended before the model answered (the agent went away)";
@@ -836,6 +903,10 @@ const MAX_COALESCED_FRAMES: usize = 64;
 /// The reason a generation ends with when its agent cancelled it (the last client
 /// left under `cancel_on_disconnect`, or `POST /v1/streams/{key}/cancel`).
 pub(crate) const CANCELLED: &str = "cancelled";
+
+/// What a generation's clients are told when it failed before it had a stream and
+/// its call went away while the failure was being recorded.
+const FAILED: &str = "the model call failed before it answered";
 
 /// How a generation ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1682,15 +1753,12 @@ pub(crate) async fn endpoint(
 /// to stop; `200` with `"cancelled": false` when there is none, or when it is
 /// ending (its upstream read over, its end being recorded: too late to cancel).
 fn cancel_generation(shared: &Shared, key: &StreamKey) -> Response<Body> {
-    match shared.streams.get(key).filter(|l| !l.is_ending()) {
-        Some(live) => {
-            live.cancel();
-            json_response(
-                StatusCode::ACCEPTED,
-                &serde_json::json!({"key": key, "cancelled": true}),
-            )
-        }
-        None => json_response(
+    match shared.streams.get(key) {
+        Some(live) if live.cancel() => json_response(
+            StatusCode::ACCEPTED,
+            &serde_json::json!({"key": key, "cancelled": true}),
+        ),
+        _ => json_response(
             StatusCode::OK,
             &serde_json::json!({"key": key, "cancelled": false,
             "detail": "the stream is not being generated (it is over, or was never here)"}),
@@ -2114,7 +2182,7 @@ mod tests {
         Keyed {
             key: key.clone(),
             replayable: true,
-            fingerprint: fingerprint(request),
+            fingerprint: fingerprint(request, &HeaderMap::new()),
         }
     }
 
@@ -2151,7 +2219,7 @@ mod tests {
 
     fn stream_request(request: &ModelRequest) -> outrigger_journal::StreamRequest {
         outrigger_journal::StreamRequest {
-            fingerprint: fingerprint(request),
+            fingerprint: fingerprint(request, &HeaderMap::new()),
             task_id: None,
             request_id: outrigger_types::RequestId::from_generated("r1".into()),
             provider: "oa".into(),
@@ -2439,13 +2507,46 @@ mod tests {
             !repeat.is_finished(),
             "a repeat waits while it is generated"
         );
-        starting.failed("the provider refused").await;
+        let failing = tokio::spawn(starting.failed("the provider refused"));
         tokio::time::timeout(Duration::from_secs(5), repeat)
             .await
             .expect("the repeat's wait ended")
             .expect("no panic");
+        assert_eq!(
+            j.journal
+                .stream_meta(&key)
+                .expect("readable")
+                .map(|m| m.state),
+            Some(outrigger_journal::StreamState::Failed),
+            "its end is journaled before its waiters are let go"
+        );
+        failing.await.expect("no panic");
         assert_eq!(live.sent(), 0, "no event in a plain call's hub");
         assert!(shared.streams.get(&key).is_none(), "out of the registry");
+    }
+
+    /// A cancel and a plain answer read whole race under one lock: whichever comes
+    /// first wins, and the other is told so.
+    #[test]
+    fn a_plain_answer_is_either_cancelled_or_taken() {
+        let key = StreamKey::new("m/openai/race".to_owned()).expect("a key");
+        let hub = || {
+            Live::new_for(
+                &key,
+                generation(1),
+                fingerprint(&streamed(), &HeaderMap::new()),
+                Dialect::OpenAi,
+                &Options::default(),
+            )
+        };
+        let taken = hub();
+        assert!(taken.take_answer());
+        assert!(!taken.cancel(), "too late once the answer is in");
+        assert!(!taken.is_cancelled());
+        let cancelled = hub();
+        assert!(cancelled.cancel());
+        assert!(!cancelled.take_answer(), "a cancelled call takes no answer");
+        assert!(cancelled.is_cancelled() && !cancelled.is_ending());
     }
 
     /// Under `cancel_on_disconnect`, a repeat that attaches to a generation still
@@ -2882,7 +2983,7 @@ mod tests {
             &shared,
             &j.journal,
             &key,
-            Some(fingerprint(&other)),
+            Some(fingerprint(&other, &HeaderMap::new())),
             Some(id(1, 0)),
         )
         .await;
@@ -2895,7 +2996,7 @@ mod tests {
             &shared,
             &j.journal,
             &key,
-            Some(fingerprint(&request)),
+            Some(fingerprint(&request, &HeaderMap::new())),
             Some(id(1, 0)),
         )
         .await
@@ -2938,5 +3039,75 @@ mod tests {
     fn the_last_possible_event_id_resumes_past_the_end() {
         assert_eq!(next_index(4), 5);
         assert_eq!(next_index(u64::MAX), usize::MAX);
+    }
+
+    #[test]
+    fn the_headers_that_change_an_answer_are_in_its_fingerprint() {
+        let anthropic = ModelRequest::parse(
+            Dialect::Anthropic,
+            Bytes::from_static(br#"{"model":"claude","max_tokens":9,"messages":[]}"#),
+        )
+        .expect("a request");
+        let with = |pairs: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (name, value) in pairs {
+                h.append(*name, HeaderValue::from_static(value));
+            }
+            fingerprint(&anthropic, &h)
+        };
+        let bare = with(&[]);
+        assert_eq!(
+            bare,
+            keys::http_fingerprint(
+                "POST",
+                "model:anthropic",
+                "",
+                Some("application/json"),
+                &anthropic.body
+            ),
+            "without them, the body's alone"
+        );
+        let beta = with(&[
+            ("anthropic-beta", "a-1,b-2"),
+            ("anthropic-version", "2023-06-01"),
+        ]);
+        assert_ne!(beta, bare);
+        assert_ne!(
+            beta,
+            with(&[
+                ("anthropic-beta", "a-1"),
+                ("anthropic-version", "2023-06-01")
+            ])
+        );
+        assert_ne!(
+            beta,
+            with(&[
+                ("anthropic-beta", "a-1,b-2"),
+                ("anthropic-version", "2024-01-01")
+            ])
+        );
+        assert_eq!(
+            beta,
+            with(&[
+                ("anthropic-version", "2023-06-01"),
+                ("anthropic-beta", " b-2 "),
+                ("anthropic-beta", "a-1, b-2"),
+            ]),
+            "a set: order, spaces and repeats do not matter"
+        );
+        assert_eq!(
+            with(&[("user-agent", "x"), ("openai-beta", "assistants=v2")]),
+            bare,
+            "other headers, and another dialect's, are not in it"
+        );
+        assert_ne!(
+            fingerprint(&streamed(), &{
+                let mut h = HeaderMap::new();
+                h.insert("openai-beta", HeaderValue::from_static("assistants=v2"));
+                h
+            }),
+            fingerprint(&streamed(), &HeaderMap::new()),
+            "OpenAI's beta header"
+        );
     }
 }

@@ -52,6 +52,8 @@ pub struct Behaviour {
     /// per turn until the conversation holds that many tool results, then a final
     /// text answer (`tool_calls` is ignored).
     pub agent_steps: Option<usize>,
+    /// Pause between a plain (not streamed) answer's head and its body.
+    pub body_delay: Duration,
 }
 
 impl Default for Behaviour {
@@ -69,6 +71,7 @@ impl Default for Behaviour {
             content_filtered: false,
             echo_headers: false,
             agent_steps: None,
+            body_delay: Duration::ZERO,
         }
     }
 }
@@ -95,6 +98,7 @@ impl Behaviour {
                 "content_filter" => self.content_filtered = v == "true",
                 "echo" => self.echo_headers = v == "true",
                 "agent_steps" => self.agent_steps = Some(num()? as usize),
+                "body_delay_ms" => self.body_delay = Duration::from_millis(num()?),
                 other => return Err(format!("x-mock: unknown key {other:?}")),
             }
         }
@@ -385,7 +389,17 @@ async fn handle(state: Arc<State>, req: Request<Incoming>) -> Response<Body> {
         if let Ok(mut r) = response.lock() {
             r.extend_from_slice(&bytes);
         }
-        let mut resp = Response::new(full(bytes));
+        let body = if behaviour.body_delay.is_zero() {
+            full(bytes)
+        } else {
+            let delay = behaviour.body_delay;
+            let later = futures_util::stream::once(async move {
+                tokio::time::sleep(delay).await;
+                Ok::<_, BoxError>(Frame::data(bytes))
+            });
+            StreamBody::new(later).boxed_unsync()
+        };
+        let mut resp = Response::new(body);
         resp.headers_mut().insert(
             hyper::header::CONTENT_TYPE,
             hyper::header::HeaderValue::from_static("application/json"),

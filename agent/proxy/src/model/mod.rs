@@ -373,6 +373,8 @@ async fn replay(
     request: &ModelRequest,
     ctx: &RequestContext,
 ) -> Result<Option<Response<Body>>, Error> {
+    // A plain answer this request waited for was cancelled.
+    let mut cancelled = false;
     for _ in 0..50 {
         match meta.state {
             StreamState::Completed => {
@@ -426,8 +428,12 @@ async fn replay(
                 }) {
                     if live.is_plain() {
                         // A plain answer still being generated (its agent may have
-                        // gone): waited for, then read from the journal.
+                        // gone): waited for, then read from the journal. One that was
+                        // cancelled meanwhile is cancelled for this request too (as a
+                        // stream's waiting repeat gets the cancel's error event), not
+                        // generated again at once.
                         live.closed().await;
+                        cancelled = live.is_cancelled();
                     } else if !request.stream {
                         return Err(Error::StreamInProgress {
                             key: keyed.key.to_string(),
@@ -440,6 +446,11 @@ async fn replay(
             // The journal answers a begin with a stream that is open or completed:
             // this one ended while the request waited (its hub gone first), or
             // retention expired it.
+            StreamState::Abandoned if cancelled => {
+                return Err(Error::Cancelled {
+                    key: keyed.key.to_string(),
+                });
+            }
             StreamState::Failed | StreamState::Abandoned | StreamState::Expired => {
                 return Ok(None);
             }
@@ -584,12 +595,7 @@ async fn generate(
             generated.extend(raced);
             settle_generated(reservation, &generated);
             if let Some(r) = rec.take() {
-                r.finish(ModelEnd {
-                    error_type: Some(streams::CANCELLED.to_owned()),
-                    aborted: true,
-                    client_cancelled: true,
-                    ..ModelEnd::default()
-                });
+                r.finish(cancelled_end());
             }
             if let Some(starting) = journaled {
                 starting.cancelled().await;
@@ -831,6 +837,16 @@ enum Run<T> {
     Cancelled(Arc<streams::Live>, Option<Price>),
 }
 
+/// How a cancelled call ends, for its record.
+fn cancelled_end() -> ModelEnd {
+    ModelEnd {
+        error_type: Some(streams::CANCELLED.to_owned()),
+        aborted: true,
+        client_cancelled: true,
+        ..ModelEnd::default()
+    }
+}
+
 /// Records that a journaled call produced no stream (so a retry starts afresh).
 async fn end_failed(journaled: Option<streams::Starting>, reason: &str) {
     if let Some(starting) = journaled {
@@ -862,8 +878,30 @@ async fn produce(
     headers::strip_hop_by_hop(&mut parts.headers);
     let price = provider.price();
     let Some(framer) = framer else {
-        // A plain answer: journal it whole, durably, before it is released.
-        let bytes = match body::read_limited(body, shared.options.limits.max_body_bytes).await {
+        // A plain answer: journal it whole, durably, before it is released. A cancel
+        // reaches it until it is read whole.
+        let live = starting.live();
+        let read = body::read_limited(body, shared.options.limits.max_body_bytes);
+        let read = tokio::select! {
+            biased;
+            () = live.cancellation() => None,
+            read = read => Some(read).filter(|_| live.take_answer()),
+        };
+        let Some(read) = read else {
+            // Dropped with the upstream mid-answer: the provider bills what it
+            // generated, unknown here.
+            if let Some(r) = reservation.take() {
+                r.settle_estimate();
+            }
+            if let Some(rec) = rec {
+                rec.finish(cancelled_end());
+            }
+            starting.cancelled().await;
+            return Err(Error::Cancelled {
+                key: live.key.to_string(),
+            });
+        };
+        let bytes = match read {
             Ok(b) => b,
             Err(e) => {
                 let e = Error::StreamBroke {
