@@ -889,8 +889,17 @@ async fn a_plain_call_can_be_cancelled() {
             eventually(Duration::from_secs(10), || mock.received() == 2 * n + 1).await,
             "{key}: the call reached the provider"
         );
-        // The repeat waits for the answer; the provider's head (if it sends one) is in.
+        // The repeat waits for the answer.
         let repeat = tokio::spawn(send(post_plain(&sidecar, D::OpenAi, key)));
+        if n == 1 {
+            // The provider's head is out, and then in: the body's read is cancelled.
+            assert!(
+                eventually(Duration::from_secs(10), || mock.answered() == 2).await,
+                "{key}: the provider sent its head"
+            );
+        } else {
+            assert_eq!(mock.answered(), 0, "{key}: no head yet");
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
         let cancelled = cancel(key).await;
         assert_eq!(

@@ -14,6 +14,8 @@ pub const ATTEMPTS: &str = "outrigger-attempts";
 /// Marks an answer the sidecar's fault injector made up.
 pub const FAULT_INJECTED: &str = "outrigger-fault-injected";
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// The Anthropic API version a request is sent with when its agent names none.
+pub const ANTHROPIC_VERSION: &str = "2023-06-01";
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1 and the obsolete ones still seen), and the
 /// proxy authentication of one hop (`Proxy-Authorization`, `Proxy-Authenticate`):
@@ -115,7 +117,7 @@ pub fn inject_credential(headers: &mut HeaderMap, dialect: Dialect, key: Option<
             }
             headers
                 .entry(HeaderName::from_static("anthropic-version"))
-                .or_insert(HeaderValue::from_static("2023-06-01"));
+                .or_insert(HeaderValue::from_static(ANTHROPIC_VERSION));
         }
     }
 }

@@ -104,13 +104,13 @@ pub fn key_for(
         return Ok(Some(Keyed {
             key: stream_key(format!("m/{dialect}/{key}"))?,
             replayable: true,
-            fingerprint: fingerprint(request, h),
+            fingerprint: fingerprint(request, h)?,
         }));
     }
     let Some(task) = &ctx.task_id else {
         return Ok(None);
     };
-    let fingerprint = fingerprint(request, h);
+    let fingerprint = fingerprint(request, h)?;
     let fp = fingerprint.to_hex();
     let fresh = no_cache(h) || !options.replay_in_task;
     let key = if fresh {
@@ -135,53 +135,59 @@ fn stream_key(s: String) -> Result<StreamKey, crate::Error> {
 /// The request's fingerprint: its canonical JSON (key order and whitespace do not
 /// matter), for the same dialect, with the headers that change what the provider
 /// generates ([`answer_headers`]).
-pub fn fingerprint(request: &ModelRequest, h: &HeaderMap) -> outrigger_types::Fingerprint {
-    keys::http_fingerprint(
+pub fn fingerprint(
+    request: &ModelRequest,
+    h: &HeaderMap,
+) -> Result<outrigger_types::Fingerprint, crate::Error> {
+    Ok(keys::http_fingerprint(
         "POST",
         &format!("model:{}", request.dialect.as_str()),
-        &answer_headers(request.dialect, h),
+        &answer_headers(request.dialect, h)?,
         Some("application/json"),
         &request.body,
-    )
+    ))
 }
 
 /// The request headers of a dialect that change what its provider generates or how
-/// it words it: a beta feature turned on, an API version. Written `name=value`,
-/// joined by `&`, in this order, for those present (none: the empty string, so the
-/// fingerprint of a request without them is its body's alone). A header's values,
-/// repeated or comma-separated, are one set: order, spaces and repeats do not
-/// matter. A value that is not visible ASCII is the agent's to fix, and the
-/// provider's to refuse; it is taken as its bytes.
-fn answer_headers(dialect: Dialect, h: &HeaderMap) -> String {
-    let names: &[&str] = match dialect {
+/// it words it: a beta feature turned on, an API version other than the one sent
+/// when none is named. Written as a JSON object of the names present, each with its
+/// values sorted (none: the empty string, so that the fingerprint of a request
+/// without them is its body's alone). A header's values, repeated or
+/// comma-separated, are one set: order, spaces and repeats do not matter. A value
+/// that is not visible ASCII is refused: no provider takes one.
+fn answer_headers(dialect: Dialect, h: &HeaderMap) -> Result<String, crate::Error> {
+    let names: &[&'static str] = match dialect {
         Dialect::OpenAi => &["openai-beta"],
         Dialect::Anthropic => &["anthropic-beta", "anthropic-version"],
     };
-    let mut out = String::new();
-    for name in names {
+    let mut named = serde_json::Map::new();
+    for &name in names {
         let mut values = Vec::new();
-        for v in h.get_all(*name) {
-            let v = String::from_utf8_lossy(v.as_bytes());
+        for v in h.get_all(name) {
+            let v = v.to_str().map_err(|_| crate::Error::BadHeader {
+                header: name,
+                detail: "it is not visible ASCII".into(),
+            })?;
             values.extend(
                 v.split(',')
                     .map(str::trim)
                     .filter(|p| !p.is_empty())
+                    // The version sent anyway is no other request.
+                    .filter(|p| name != "anthropic-version" || *p != headers::ANTHROPIC_VERSION)
                     .map(str::to_owned),
             );
         }
-        if values.is_empty() {
-            continue;
-        }
         values.sort_unstable();
         values.dedup();
-        if !out.is_empty() {
-            out.push('&');
+        if !values.is_empty() {
+            named.insert(name.to_owned(), values.into());
         }
-        out.push_str(name);
-        out.push('=');
-        out.push_str(&values.join(","));
     }
-    out
+    Ok(if named.is_empty() {
+        String::new()
+    } else {
+        serde_json::Value::Object(named).to_string()
+    })
 }
 
 fn no_cache(h: &HeaderMap) -> bool {
@@ -494,7 +500,7 @@ impl Live {
 
     /// Cancels the generation, unless it is ending (its upstream read is over, a
     /// plain answer is in): whether it did. Decided under the events' lock, as
-    /// [`Live::take_answer`] is, so that a plain answer is either cancelled or
+    /// [`Live::outcome_in`] is, so that a plain answer is either cancelled or
     /// taken, never both.
     pub fn cancel(&self) -> bool {
         let _held = self.events.lock();
@@ -506,9 +512,10 @@ impl Live {
         true
     }
 
-    /// A plain call's answer was read whole: it is ending, and a cancel now comes
-    /// too late; false if a cancel came first.
-    pub(crate) fn take_answer(&self) -> bool {
+    /// The call's outcome is in (a plain answer read whole, or a failure before
+    /// any stream): it is ending, and a cancel now comes too late; false if a
+    /// cancel came first.
+    pub(crate) fn outcome_in(&self) -> bool {
         let _held = self.events.lock();
         if self.is_cancelled() {
             return false;
@@ -773,6 +780,10 @@ impl Starting {
     /// request starts afresh), then the hub's clients told why (a repeat that waited
     /// for a plain answer then finds the attempt over in the journal).
     pub(crate) async fn failed(mut self, reason: &str) {
+        if !self.live.outcome_in() {
+            // A cancel came first (and was answered `202`): the call ends cancelled.
+            return self.cancelled().await;
+        }
         self.armed = false;
         self.ending = FAILED;
         let end = StreamEnd::Failed {
@@ -2182,7 +2193,7 @@ mod tests {
         Keyed {
             key: key.clone(),
             replayable: true,
-            fingerprint: fingerprint(request, &HeaderMap::new()),
+            fingerprint: fingerprint(request, &HeaderMap::new()).expect("no headers"),
         }
     }
 
@@ -2219,7 +2230,7 @@ mod tests {
 
     fn stream_request(request: &ModelRequest) -> outrigger_journal::StreamRequest {
         outrigger_journal::StreamRequest {
-            fingerprint: fingerprint(request, &HeaderMap::new()),
+            fingerprint: fingerprint(request, &HeaderMap::new()).expect("no headers"),
             task_id: None,
             request_id: outrigger_types::RequestId::from_generated("r1".into()),
             provider: "oa".into(),
@@ -2534,18 +2545,18 @@ mod tests {
             Live::new_for(
                 &key,
                 generation(1),
-                fingerprint(&streamed(), &HeaderMap::new()),
+                fingerprint(&streamed(), &HeaderMap::new()).expect("no headers"),
                 Dialect::OpenAi,
                 &Options::default(),
             )
         };
         let taken = hub();
-        assert!(taken.take_answer());
+        assert!(taken.outcome_in());
         assert!(!taken.cancel(), "too late once the answer is in");
         assert!(!taken.is_cancelled());
         let cancelled = hub();
         assert!(cancelled.cancel());
-        assert!(!cancelled.take_answer(), "a cancelled call takes no answer");
+        assert!(!cancelled.outcome_in(), "a cancelled call takes no answer");
         assert!(cancelled.is_cancelled() && !cancelled.is_ending());
     }
 
@@ -2983,7 +2994,7 @@ mod tests {
             &shared,
             &j.journal,
             &key,
-            Some(fingerprint(&other, &HeaderMap::new())),
+            Some(fingerprint(&other, &HeaderMap::new()).expect("no headers")),
             Some(id(1, 0)),
         )
         .await;
@@ -2996,7 +3007,7 @@ mod tests {
             &shared,
             &j.journal,
             &key,
-            Some(fingerprint(&request, &HeaderMap::new())),
+            Some(fingerprint(&request, &HeaderMap::new()).expect("no headers")),
             Some(id(1, 0)),
         )
         .await
@@ -3048,14 +3059,14 @@ mod tests {
             Bytes::from_static(br#"{"model":"claude","max_tokens":9,"messages":[]}"#),
         )
         .expect("a request");
-        let with = |pairs: &[(&'static str, &'static str)]| {
+        let with = |request: &ModelRequest, pairs: &[(&'static str, &'static str)]| {
             let mut h = HeaderMap::new();
             for (name, value) in pairs {
                 h.append(*name, HeaderValue::from_static(value));
             }
-            fingerprint(&anthropic, &h)
+            fingerprint(request, &h).expect("visible ASCII")
         };
-        let bare = with(&[]);
+        let bare = with(&anthropic, &[]);
         assert_eq!(
             bare,
             keys::http_fingerprint(
@@ -3067,47 +3078,77 @@ mod tests {
             ),
             "without them, the body's alone"
         );
-        let beta = with(&[
-            ("anthropic-beta", "a-1,b-2"),
-            ("anthropic-version", "2023-06-01"),
-        ]);
-        assert_ne!(beta, bare);
-        assert_ne!(
-            beta,
-            with(&[
-                ("anthropic-beta", "a-1"),
-                ("anthropic-version", "2023-06-01")
-            ])
+        assert_eq!(
+            with(&anthropic, &[("anthropic-version", "2023-06-01")]),
+            bare,
+            "the version sent when none is named is no other request"
         );
+        let beta = with(
+            &anthropic,
+            &[
+                ("anthropic-beta", "a-1,b-2"),
+                ("anthropic-version", "2023-06-01"),
+            ],
+        );
+        assert_ne!(beta, bare);
+        assert_ne!(beta, with(&anthropic, &[("anthropic-beta", "a-1")]));
         assert_ne!(
             beta,
-            with(&[
-                ("anthropic-beta", "a-1,b-2"),
-                ("anthropic-version", "2024-01-01")
-            ])
+            with(
+                &anthropic,
+                &[
+                    ("anthropic-beta", "a-1,b-2"),
+                    ("anthropic-version", "2024-01-01")
+                ]
+            )
         );
         assert_eq!(
             beta,
-            with(&[
-                ("anthropic-version", "2023-06-01"),
-                ("anthropic-beta", " b-2 "),
-                ("anthropic-beta", "a-1, b-2"),
-            ]),
+            with(
+                &anthropic,
+                &[
+                    ("anthropic-version", "2023-06-01"),
+                    ("anthropic-beta", " b-2 "),
+                    ("anthropic-beta", "a-1, b-2"),
+                ]
+            ),
             "a set: order, spaces and repeats do not matter"
         );
+        assert_ne!(
+            with(&anthropic, &[("anthropic-beta", "x&anthropic-version=y")]),
+            with(
+                &anthropic,
+                &[("anthropic-beta", "x"), ("anthropic-version", "y")]
+            ),
+            "a value cannot pass for another header"
+        );
         assert_eq!(
-            with(&[("user-agent", "x"), ("openai-beta", "assistants=v2")]),
+            with(
+                &anthropic,
+                &[("user-agent", "x"), ("openai-beta", "assistants=v2")]
+            ),
             bare,
             "other headers, and another dialect's, are not in it"
         );
         assert_ne!(
-            fingerprint(&streamed(), &{
-                let mut h = HeaderMap::new();
-                h.insert("openai-beta", HeaderValue::from_static("assistants=v2"));
-                h
-            }),
-            fingerprint(&streamed(), &HeaderMap::new()),
+            with(&streamed(), &[("openai-beta", "assistants=v2")]),
+            with(&streamed(), &[]),
             "OpenAI's beta header"
+        );
+        let mut h = HeaderMap::new();
+        h.insert(
+            "anthropic-beta",
+            HeaderValue::from_bytes(b"caf\xe9").expect("obs-text"),
+        );
+        assert!(
+            matches!(
+                fingerprint(&anthropic, &h),
+                Err(crate::Error::BadHeader {
+                    header: "anthropic-beta",
+                    ..
+                })
+            ),
+            "a value that is not visible ASCII is refused"
         );
     }
 }

@@ -160,6 +160,8 @@ struct State {
     generations: AtomicU64,
     /// Requests read whole, counted before any `first_byte_delay`.
     received: AtomicU64,
+    /// Responses whose head was handed to the connection to send.
+    answered: AtomicU64,
 }
 
 /// A running mock provider.
@@ -194,7 +196,15 @@ impl MockProvider {
             ..State::default()
         });
         let s = state.clone();
-        let server = Server::start(addr, move |req| handle(s.clone(), req)).await?;
+        let server = Server::start(addr, move |req| {
+            let s = s.clone();
+            async move {
+                let resp = handle(s.clone(), req).await;
+                s.answered.fetch_add(1, Ordering::SeqCst);
+                resp
+            }
+        })
+        .await?;
         Ok(Self { server, state })
     }
 
@@ -238,6 +248,12 @@ impl MockProvider {
     /// `first_byte_delay` (which [`MockProvider::exchanges`] does not list yet).
     pub fn received(&self) -> u64 {
         self.state.received.load(Ordering::SeqCst)
+    }
+
+    /// Responses whose head was handed to the connection (after any
+    /// `first_byte_delay`; a plain answer's body may still wait out `body_delay`).
+    pub fn answered(&self) -> u64 {
+        self.state.answered.load(Ordering::SeqCst)
     }
 }
 

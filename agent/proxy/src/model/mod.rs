@@ -885,21 +885,34 @@ async fn produce(
         let read = tokio::select! {
             biased;
             () = live.cancellation() => None,
-            read = read => Some(read).filter(|_| live.take_answer()),
+            read = read => Some(read),
         };
-        let Some(read) = read else {
-            // Dropped with the upstream mid-answer: the provider bills what it
-            // generated, unknown here.
-            if let Some(r) = reservation.take() {
-                r.settle_estimate();
+        let read = match read {
+            Some(read) if live.outcome_in() => read,
+            cancelled => {
+                // The provider bills what it generated: what the answer says when
+                // it was read whole before the cancel won, else unknown here (the
+                // upstream is dropped mid-answer).
+                let usage = match &cancelled {
+                    Some(Ok(bytes)) => {
+                        let v: serde_json::Value =
+                            serde_json::from_slice(bytes).unwrap_or_default();
+                        Answer::from_value(&v, false).usage
+                    }
+                    _ => None,
+                };
+                settle(reservation.take(), price, usage, true);
+                if let Some(rec) = rec {
+                    rec.finish(ModelEnd {
+                        tokens: usage,
+                        ..cancelled_end()
+                    });
+                }
+                starting.cancelled().await;
+                return Err(Error::Cancelled {
+                    key: live.key.to_string(),
+                });
             }
-            if let Some(rec) = rec {
-                rec.finish(cancelled_end());
-            }
-            starting.cancelled().await;
-            return Err(Error::Cancelled {
-                key: live.key.to_string(),
-            });
         };
         let bytes = match read {
             Ok(b) => b,
