@@ -296,8 +296,10 @@ async fn a_client_that_drops_at_any_event_boundary_resumes_byte_identical() {
     }
 }
 
-/// No client ever sees part of a tool call: for every cut, each tool call the
-/// client saw is complete, and the stream ends with a typed error event.
+/// No client ever sees part of a tool call: for every cut, journaled or not, each
+/// tool call the client saw is complete, what it saw is the provider's events in
+/// order (none twice), the stream ends with a typed error event, and the tokens
+/// metered are those the provider reported in what it sent, no more and no less.
 #[tokio::test]
 async fn an_upstream_cut_anywhere_never_forwards_a_partial_tool_call() {
     let (mock, sidecar) = setup(Behaviour {
@@ -307,13 +309,16 @@ async fn an_upstream_cut_anywhere_never_forwards_a_partial_tool_call() {
     })
     .await;
     for d in [D::OpenAi, D::Anthropic] {
+        let exchanges_before = mock.exchanges().len();
+        let metered_before = metered(&sidecar).await;
         let g = Generation {
             n: 1,
             model: "m".into(),
             chunks: 3,
             tool_calls: 2,
             prompt_tokens: 1,
-            include_usage: false,
+            // OpenAI reports usage only when asked (the requests below ask).
+            include_usage: true,
             content_filtered: false,
         };
         let reference: Vec<String> = match d {
@@ -339,16 +344,33 @@ async fn an_upstream_cut_anywhere_never_forwards_a_partial_tool_call() {
         }
         cuts.extend((1..total_bytes).step_by(37));
         cuts.retain(|c| *c < total_bytes && *c > 0);
-        for (i, cut) in cuts.iter().enumerate() {
+        let mut body = d.body(true);
+        if matches!(d, D::OpenAi) {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        for (cut, journaled) in cuts.iter().flat_map(|c| [(c, false), (c, true)]) {
             mock.push(Behaviour {
                 chunks: 3,
                 tool_calls: 2,
                 cut_bytes: Some(*cut),
+                // Paced, so that each event the mock writes whole is on the wire
+                // before the cut (unpaced, the connection's write buffer dies with
+                // it), and what it sent is what the sidecar received.
+                chunk_delay: Duration::from_millis(1),
                 ..Behaviour::default()
             });
-            let journaled = i % 2 == 0;
             let key = format!("cut-{d:?}-{cut}");
-            let r = send(post(&sidecar, d, journaled.then_some(key.as_str()), &[])).await;
+            let mut h = vec![("content-type", "application/json")];
+            if journaled {
+                h.push(("idempotency-key", key.as_str()));
+            }
+            let r = send(request(
+                Method::POST,
+                &sidecar.url(d.path()),
+                &h,
+                body.to_string(),
+            ))
+            .await;
             if r.status != StatusCode::OK {
                 // Broke before the first event: retried invisibly (the next attempt gets
                 // the default, uncut stream).
@@ -368,6 +390,22 @@ async fn an_upstream_cut_anywhere_never_forwards_a_partial_tool_call() {
             assert_no_partial_tool_call(d, &evs, *cut, call_deltas);
             let last = evs.last().cloned().unwrap_or_default();
             let complete = last.contains("[DONE]") || last.contains("message_stop");
+            // What the client saw before the error event is the provider's events
+            // in order, none twice (withheld ones are the last): a prefix of what
+            // the attempt that answered sent (a cut before the first event is
+            // retried, and the retry is the last exchange).
+            let sent = whole_events(
+                &mock
+                    .exchanges()
+                    .last()
+                    .expect("an exchange")
+                    .response_bytes(),
+            );
+            let seen = &evs[..evs.len() - usize::from(!complete)];
+            assert!(
+                seen.len() <= sent.len() && seen == &sent[..seen.len()],
+                "{d:?} cut {cut} journaled {journaled}: not a prefix of what was sent:\n{seen:?}\n{sent:?}"
+            );
             if !complete {
                 // The typed error event of the dialect, as the official SDKs parse it.
                 let data = last
@@ -409,7 +447,192 @@ async fn an_upstream_cut_anywhere_never_forwards_a_partial_tool_call() {
                 );
             }
         }
+        // Metering: what the provider reported in the events it sent whole, over
+        // every attempt of this dialect's calls, cut or not.
+        let reported = mock.exchanges()[exchanges_before..]
+            .iter()
+            .map(|e| reported_usage(d, &e.response_bytes()))
+            .fold((0, 0), |(i, o), (di, do_)| (i + di, o + do_));
+        assert!(
+            reported.0 > 0 && reported.1 > 0,
+            "{d:?}: usage was reported"
+        );
+        let mut now = metered(&sidecar).await;
+        for _ in 0..250 {
+            if (now.0 - metered_before.0, now.1 - metered_before.1) == reported {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            now = metered(&sidecar).await;
+        }
+        assert_eq!(
+            (now.0 - metered_before.0, now.1 - metered_before.1),
+            reported,
+            "{d:?}: tokens metered (input, output) against those the provider reported"
+        );
     }
+}
+
+/// The events of an SSE body that arrived whole.
+fn whole_events(body: &[u8]) -> Vec<String> {
+    events(body)
+        .into_iter()
+        .filter(|e| e.ends_with("\n\n"))
+        .collect()
+}
+
+/// The tokens (input, output) a provider reported in the events of `sent` that
+/// arrived whole: OpenAI's usage chunk; Anthropic's input at `message_start` and its
+/// latest output count (`message_start`, then `message_delta`).
+fn reported_usage(d: D, sent: &[u8]) -> (u64, u64) {
+    let (mut input, mut output) = (0, 0);
+    for e in whole_events(sent) {
+        let Some(data) = e.lines().find_map(|l| l.strip_prefix("data: ")) else {
+            continue;
+        };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
+            continue;
+        };
+        match d {
+            D::OpenAi => {
+                if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+                    input = u["prompt_tokens"].as_u64().unwrap_or(0);
+                    output = u["completion_tokens"].as_u64().unwrap_or(0);
+                }
+            }
+            D::Anthropic => {
+                let u = if v["type"] == "message_start" {
+                    &v["message"]["usage"]
+                } else {
+                    &v["usage"]
+                };
+                if let Some(i) = u["input_tokens"].as_u64() {
+                    input = i;
+                }
+                if let Some(o) = u["output_tokens"].as_u64() {
+                    output = o;
+                }
+            }
+        }
+    }
+    (input, output)
+}
+
+/// The tokens (input, output) the sidecar has metered so far.
+async fn metered(sidecar: &Sidecar) -> (u64, u64) {
+    let text = get(&sidecar.admin_url("/metrics")).await.text();
+    let sum =
+        |t: &str| crate::matrix::series_sum(&text, "gen_ai_client_token_usage_sum", &[t]) as u64;
+    (
+        sum("gen_ai_token_type=\"input\""),
+        sum("gen_ai_token_type=\"output\""),
+    )
+}
+
+/// Property: for any stream the provider sends (either dialect, any number of text
+/// deltas and tool calls), any event a client drops after, and a resume while the
+/// rest is still being generated (events 20 ms apart) or once the upstream has sent it
+/// all, the prefix the client had plus what the resume gives is the original stream:
+/// byte-identical to a whole replay, and with its ids stripped exactly the provider's
+/// bytes.
+#[test]
+fn the_prefix_a_client_had_and_its_resumed_tail_make_the_original_stream() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestCaseError, TestRunner};
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let (mock, sidecar) = rt.block_on(setup(Behaviour::default()));
+    let cases = AtomicUsize::new(0);
+    let mut runner = TestRunner::new(Config {
+        cases: 48,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let shapes = (
+        any::<bool>(),
+        1usize..12,
+        0usize..3,
+        any::<prop::sample::Index>(),
+        any::<bool>(),
+    );
+    let result = runner.run(
+        &shapes,
+        |(anthropic, chunks, tool_calls, drop_at, paced)| {
+            let d = if anthropic { D::Anthropic } else { D::OpenAi };
+            let g = Generation {
+                n: 1,
+                model: "m".into(),
+                chunks,
+                tool_calls,
+                prompt_tokens: 1,
+                include_usage: false,
+                content_filtered: false,
+            };
+            let total = match d {
+                D::OpenAi => mock_sse::openai_stream(&g),
+                D::Anthropic => mock_sse::anthropic_stream(&g),
+            }
+            .len();
+            // Dropped after 1 to total - 1 events: something is always left to resume.
+            let kept = 1 + drop_at.index(total - 1);
+            let key = format!("prop-{}", cases.fetch_add(1, Ordering::SeqCst));
+            let case =
+                format!("{d:?} chunks {chunks} tools {tool_calls} kept {kept} paced {paced}");
+            rt.block_on(async {
+                mock.push(Behaviour {
+                    chunks,
+                    tool_calls,
+                    chunk_delay: if paced {
+                        Duration::from_millis(20)
+                    } else {
+                        Duration::ZERO
+                    },
+                    ..Behaviour::default()
+                });
+                let (stream_key, prefix) =
+                    read_events(post(&sidecar, d, Some(&key), &[]), kept).await;
+                prop_assert_eq!(events(&prefix).len(), kept, "{}", case);
+                let last_id = events(&prefix)
+                    .last()
+                    .and_then(|e| e.lines().next())
+                    .unwrap_or_default()
+                    .trim_start_matches("id: ")
+                    .to_string();
+                let rest = resume_by_key(&sidecar, &stream_key, &last_id).await;
+                prop_assert_eq!(rest.status, StatusCode::OK, "{}: {}", case, rest.text());
+                let mut whole = prefix;
+                whole.extend_from_slice(&rest.body);
+                let replay = send(post(&sidecar, d, Some(&key), &[])).await;
+                prop_assert_eq!(
+                    replay.header("outrigger-replayed"),
+                    Some("true"),
+                    "{}",
+                    case
+                );
+                prop_assert_eq!(&whole, &replay.body.to_vec(), "{}", case);
+                let stripped: String = events(&whole)
+                    .iter()
+                    .map(|e| strip_id(e).to_string())
+                    .collect();
+                prop_assert!(
+                    mock.exchanges()
+                        .iter()
+                        .any(|e| e.response_bytes() == stripped.as_bytes()),
+                    "{}: the resumed stream is not the provider's: {}",
+                    case,
+                    stripped
+                );
+                Ok::<(), TestCaseError>(())
+            })
+        },
+    );
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    assert!(cases.load(Ordering::SeqCst) >= 48, "every case ran");
 }
 
 /// An upstream that stalls mid-stream with its connection open is not waited on for
