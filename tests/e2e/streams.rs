@@ -1,7 +1,8 @@
 //! Journaled model streams: replay, resume after a client drop (detach, don't
 //! cancel), interruptions at every event boundary and inside events in both dialects
 //! (never a partial tool call; a typed error event), deterministic replay inside a
-//! task, cancellation, a SIGKILL of the sidecar mid-stream, and providers' oddities
+//! task, cancellation, the bounds of a detached generation (time and size), a SIGKILL
+//! of the sidecar mid-stream in both dialects, and providers' oddities
 //! (a byte order mark, a plain answer to a streamed request).
 
 use std::sync::Arc;
@@ -207,7 +208,7 @@ async fn a_journaled_stream_replays_byte_identical() {
 async fn a_client_that_drops_at_any_event_boundary_resumes_byte_identical() {
     let (mock, sidecar) = setup(Behaviour {
         chunks: 6,
-        tool_calls: 1,
+        tool_calls: 2,
         chunk_delay: Duration::from_millis(15),
         ..Behaviour::default()
     })
@@ -771,23 +772,31 @@ async fn a_restarted_agent_gets_the_same_turn_from_the_journal_inside_a_task() {
     })
     .await;
     let task = [("outrigger-task-id", "agent-run-1")];
-    for stream in [false, true] {
-        let body = D::OpenAi.body(stream);
-        let a = post_json(&sidecar.url("/v1/chat/completions"), &task, &body).await;
-        let b = post_json(&sidecar.url("/v1/chat/completions"), &task, &body).await;
-        assert_eq!(a.status, StatusCode::OK);
+    for (d, stream) in [D::OpenAi, D::Anthropic]
+        .into_iter()
+        .flat_map(|d| [(d, false), (d, true)])
+    {
+        let body = d.body(stream);
+        let url = sidecar.url(d.path());
+        let a = post_json(&url, &task, &body).await;
+        let b = post_json(&url, &task, &body).await;
+        assert_eq!(a.status, StatusCode::OK, "{d:?} stream={stream}");
         assert_eq!(
             b.header("outrigger-replayed"),
             Some("true"),
-            "stream={stream}"
+            "{d:?} stream={stream}"
         );
-        assert_eq!(a.body, b.body, "the same tool_call_ids");
+        assert_eq!(a.body, b.body, "{d:?}: the same tool call ids");
         // Asking for a fresh sample gets one.
         let mut h = task.to_vec();
         h.push(("cache-control", "no-cache"));
-        let c = post_json(&sidecar.url("/v1/chat/completions"), &h, &body).await;
-        assert_eq!(c.header("outrigger-replayed"), None);
-        assert_ne!(c.body, a.body);
+        let c = post_json(&url, &h, &body).await;
+        assert_eq!(
+            c.header("outrigger-replayed"),
+            None,
+            "{d:?} stream={stream}"
+        );
+        assert_ne!(c.body, a.body, "{d:?} stream={stream}");
     }
     // Another task does not see this task's turns.
     let other = post_json(
@@ -797,7 +806,7 @@ async fn a_restarted_agent_gets_the_same_turn_from_the_journal_inside_a_task() {
     )
     .await;
     assert_eq!(other.header("outrigger-replayed"), None);
-    assert_eq!(mock.generation_count(), 5);
+    assert_eq!(mock.generation_count(), 9);
 }
 
 /// A header that changes what the provider generates (a beta feature, an API
@@ -905,6 +914,82 @@ async fn a_stream_can_be_cancelled_explicitly() {
     assert_eq!(unknown.status, StatusCode::NOT_FOUND);
 }
 
+/// Detach is bounded: a generation nobody reads for `[streams] detach_timeout` is
+/// abandoned (its upstream released long before the provider would end it), and one
+/// that passes `max_stream_bytes` is cut; either ends with the typed error event,
+/// never a terminal one, and the key's next request generates afresh.
+#[tokio::test]
+async fn a_detached_generation_is_bounded_in_time_and_size() {
+    let (mock, sidecar) = setup_with(
+        Behaviour::default(),
+        "[streams]\ndetach_timeout = \"300ms\"\nmax_stream_bytes = 65536\n",
+    )
+    .await;
+    let ends_with_typed_error = |key: &str, body: &[u8], why: &str| {
+        let last = events(body).last().cloned().unwrap_or_default();
+        assert!(
+            last.contains("stream_interrupted") && last.contains(why),
+            "{key}: {last}"
+        );
+        assert!(!String::from_utf8_lossy(body).contains("[DONE]"), "{key}");
+    };
+    // 200 events 20 ms apart: four seconds of generation, left after two events.
+    mock.push(Behaviour {
+        chunks: 200,
+        chunk_delay: Duration::from_millis(20),
+        ..Behaviour::default()
+    });
+    let started = std::time::Instant::now();
+    let (key, _prefix) = read_events(post(&sidecar, D::OpenAi, Some("unread"), &[]), 2).await;
+    assert!(
+        eventually(Duration::from_secs(3), || {
+            mock.exchanges().last().and_then(|e| e.stream_end()) == Some(StreamEnd::Dropped)
+        })
+        .await,
+        "the upstream of a generation nobody reads is released"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    let whole = send(request(
+        Method::GET,
+        &sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F"))),
+        &[],
+        Bytes::new(),
+    ))
+    .await;
+    assert_eq!(whole.status, StatusCode::OK, "{}", whole.text());
+    ends_with_typed_error("unread", &whole.body, "no client for");
+
+    // About 700 events of about 150 bytes each (with the 64 counted for each id): past 64 KiB.
+    mock.push(Behaviour {
+        chunks: 700,
+        ..Behaviour::default()
+    });
+    let long = send(post(&sidecar, D::OpenAi, Some("long"), &[])).await;
+    assert_eq!(long.status, StatusCode::OK, "{}", long.text());
+    ends_with_typed_error("long", &long.body, "passed 65536 bytes");
+
+    let generated = mock.generation_count();
+    for key in ["unread", "long"] {
+        let again = send(post(&sidecar, D::OpenAi, Some(key), &[])).await;
+        assert_eq!(again.status, StatusCode::OK, "{key}: {}", again.text());
+        assert_eq!(
+            again.header("outrigger-replayed"),
+            None,
+            "{key}: generated afresh"
+        );
+        assert!(
+            again.text().ends_with("data: [DONE]\n\n"),
+            "{key}: {}",
+            again.text()
+        );
+    }
+    assert_eq!(mock.generation_count(), generated + 2);
+}
+
 #[tokio::test]
 async fn a_sidecar_killed_mid_stream_gives_a_fresh_generation_on_retry() {
     let (mock, mut sidecar) = setup(Behaviour {
@@ -914,68 +999,89 @@ async fn a_sidecar_killed_mid_stream_gives_a_fresh_generation_on_retry() {
         ..Behaviour::default()
     })
     .await;
-    let (key, prefix) = read_events(post(&sidecar, D::OpenAi, Some("killed"), &[]), 5).await;
-    assert_eq!(events(&prefix).len(), 5);
-    sidecar.kill();
-    sidecar.spawn().await;
-    // Resumed by key after the restart, the abandoned attempt ends with a typed error
-    // numbered after its last journaled event, not with a silent end.
-    let journaled = send(request(
-        Method::GET,
-        &sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F"))),
-        &[],
-        Bytes::new(),
-    ))
-    .await;
-    assert_eq!(journaled.status, StatusCode::OK, "{}", journaled.text());
-    let whole = events(&journaled.body);
-    let last = whole.last().cloned().unwrap_or_default();
-    assert!(
-        has_id(&last, 1, CLOSING)
-            && last.contains("stream_interrupted")
-            && last.contains("restart"),
-        "{last}"
-    );
-    assert!(!journaled.body.windows(6).any(|w| w == b"[DONE]"));
-    // Resumed after its last journaled event, or after an event the journal lost
-    // in the kill, a client gets the error event alone; after the error event
-    // itself, nothing more (an event source reconnecting is not sent it again).
-    let url = sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F")));
-    let resume = |last_id: String| {
-        let url = url.clone();
-        async move {
-            send(request(
-                Method::GET,
-                &url,
-                &[("last-event-id", last_id.as_str())],
-                Bytes::new(),
-            ))
-            .await
-        }
-    };
-    let g = generation_of(&whole[0]);
-    for after in [whole.len() - 2, whole.len() + 3] {
-        let tail = resume(format!("{g}:{after}")).await;
-        assert_eq!(tail.status, StatusCode::OK, "{}", tail.text());
-        assert_eq!(
-            events(&tail.body),
-            std::slice::from_ref(&last),
-            "after {g}:{after}"
+    for (n, d) in [D::OpenAi, D::Anthropic].into_iter().enumerate() {
+        let n = n as u64;
+        let name = format!("killed-{d:?}");
+        let terminal: &[u8] = match d {
+            D::OpenAi => b"[DONE]",
+            D::Anthropic => b"message_stop",
+        };
+        let (key, prefix) = read_events(post(&sidecar, d, Some(&name), &[]), 5).await;
+        assert_eq!(events(&prefix).len(), 5);
+        sidecar.kill();
+        sidecar.spawn().await;
+        // Resumed by key after the restart, the abandoned attempt ends with a typed
+        // error numbered after its last journaled event, not with a silent end.
+        let journaled = send(request(
+            Method::GET,
+            &sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F"))),
+            &[],
+            Bytes::new(),
+        ))
+        .await;
+        assert_eq!(journaled.status, StatusCode::OK, "{}", journaled.text());
+        let whole = events(&journaled.body);
+        let last = whole.last().cloned().unwrap_or_default();
+        let typed = match d {
+            D::OpenAi => last.contains("stream_interrupted"),
+            D::Anthropic => strip_id(&last).starts_with("event: error\n"),
+        };
+        assert!(
+            has_id(&last, 1, CLOSING) && typed && last.contains("restart"),
+            "{d:?}: {last}"
         );
+        assert!(
+            !journaled
+                .body
+                .windows(terminal.len())
+                .any(|w| w == terminal),
+            "{d:?}: no terminal event"
+        );
+        // Resumed after its last journaled event, or after an event the journal lost
+        // in the kill, a client gets the error event alone; after the error event
+        // itself, nothing more (an event source reconnecting is not sent it again).
+        let url = sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F")));
+        let resume = |last_id: String| {
+            let url = url.clone();
+            async move {
+                send(request(
+                    Method::GET,
+                    &url,
+                    &[("last-event-id", last_id.as_str())],
+                    Bytes::new(),
+                ))
+                .await
+            }
+        };
+        let g = generation_of(&whole[0]);
+        for after in [whole.len() - 2, whole.len() + 3] {
+            let tail = resume(format!("{g}:{after}")).await;
+            assert_eq!(tail.status, StatusCode::OK, "{}", tail.text());
+            assert_eq!(
+                events(&tail.body),
+                std::slice::from_ref(&last),
+                "{d:?}: after {g}:{after}"
+            );
+        }
+        let nothing = resume(format!("{g}:{CLOSING}")).await;
+        assert_eq!(nothing.status, StatusCode::NO_CONTENT, "{}", nothing.text());
+        // The open attempt was abandoned at start-up; the same request generates
+        // afresh.
+        let r = send(post(&sidecar, d, Some(&name), &[])).await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(r.header("outrigger-replayed"), None);
+        let evs = events(&r.body);
+        assert!(has_id(&evs[0], 2, 0), "{d:?}: attempt 2: {}", evs[0]);
+        assert!(
+            evs.last()
+                .is_some_and(|e| e.as_bytes().windows(terminal.len()).any(|w| w == terminal)),
+            "{d:?}: whole"
+        );
+        assert_eq!(mock.generation_count(), 2 * n + 2);
+        // From now on it replays.
+        let again = send(post(&sidecar, d, Some(&name), &[])).await;
+        assert_eq!(again.body, r.body);
     }
-    let nothing = resume(format!("{g}:{CLOSING}")).await;
-    assert_eq!(nothing.status, StatusCode::NO_CONTENT, "{}", nothing.text());
-    // The open attempt was abandoned at start-up; the same request generates afresh.
-    let r = send(post(&sidecar, D::OpenAi, Some("killed"), &[])).await;
-    assert_eq!(r.status, StatusCode::OK);
-    assert_eq!(r.header("outrigger-replayed"), None);
-    let evs = events(&r.body);
-    assert!(has_id(&evs[0], 2, 0), "attempt 2: {}", evs[0]);
-    assert!(evs.last().unwrap().contains("[DONE]"));
-    assert_eq!(mock.generation_count(), 2);
-    // From now on it replays.
-    let again = send(post(&sidecar, D::OpenAi, Some("killed"), &[])).await;
-    assert_eq!(again.body, r.body);
 }
 
 #[tokio::test]
