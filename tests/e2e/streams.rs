@@ -776,10 +776,34 @@ async fn a_restarted_agent_gets_the_same_turn_from_the_journal_inside_a_task() {
         .into_iter()
         .flat_map(|d| [(d, false), (d, true)])
     {
-        let body = d.body(stream);
+        let mut body = d.body(stream);
+        if stream && matches!(d, D::OpenAi) {
+            body["stream_options"] = json!({"include_usage": true});
+        }
         let url = sidecar.url(d.path());
+        let before = metered(&sidecar).await;
         let a = post_json(&url, &task, &body).await;
+        // The turn's tokens are metered once (a stream's at its end)…
+        let mut after_a = metered(&sidecar).await;
+        for _ in 0..250 {
+            if after_a.0 > before.0 && after_a.1 > before.1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            after_a = metered(&sidecar).await;
+        }
+        assert!(
+            after_a.0 > before.0 && after_a.1 > before.1,
+            "{d:?} stream={stream}: metered"
+        );
         let b = post_json(&url, &task, &body).await;
+        // …and its replay meters nothing.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(
+            metered(&sidecar).await,
+            after_a,
+            "{d:?} stream={stream}: a replay is not usage"
+        );
         assert_eq!(a.status, StatusCode::OK, "{d:?} stream={stream}");
         assert_eq!(
             b.header("outrigger-replayed"),
@@ -807,6 +831,10 @@ async fn a_restarted_agent_gets_the_same_turn_from_the_journal_inside_a_task() {
     .await;
     assert_eq!(other.header("outrigger-replayed"), None);
     assert_eq!(mock.generation_count(), 9);
+    // Replays are counted apart, one per turn answered from the journal.
+    let metrics = get(&sidecar.admin_url("/metrics")).await.text();
+    let needle = "outrigger_replays_total{kind=\"model_turn\"} 4";
+    assert!(metrics.contains(needle), "{needle} in {metrics}");
 }
 
 /// A header that changes what the provider generates (a beta feature, an API
