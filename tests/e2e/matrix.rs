@@ -118,7 +118,7 @@ fn events(body: &[u8]) -> Vec<String> {
 }
 
 /// Polls the metrics until `check` holds (10 s at most); returns the last exposition.
-async fn metrics_until(sidecar: &Sidecar, check: impl Fn(&str) -> bool) -> String {
+pub(crate) async fn metrics_until(sidecar: &Sidecar, check: impl Fn(&str) -> bool) -> String {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let text = metrics(sidecar).await;

@@ -78,7 +78,6 @@ impl D {
     }
 }
 
-/// Events of an SSE body (split on blank lines; the mock and the sidecar use LF).
 /// `GET /v1/streams/{key}` after the event `last_id`.
 fn resume_by_key(
     sidecar: &Sidecar,
@@ -93,6 +92,17 @@ fn resume_by_key(
     ))
 }
 
+/// `GET /v1/streams/{key}`: the key's latest attempt whole.
+fn stream_by_key(sidecar: &Sidecar, key: &str) -> impl std::future::Future<Output = Reply> + use<> {
+    send(request(
+        Method::GET,
+        &sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F"))),
+        &[],
+        Bytes::new(),
+    ))
+}
+
+/// Events of an SSE body (split on blank lines; the mock and the sidecar use LF).
 fn events(body: &[u8]) -> Vec<String> {
     String::from_utf8_lossy(body)
         .split_inclusive("\n\n")
@@ -458,16 +468,10 @@ async fn an_upstream_cut_anywhere_never_forwards_a_partial_tool_call() {
             reported.0 > 0 && reported.1 > 0,
             "{d:?}: usage was reported"
         );
-        let mut now = metered(&sidecar).await;
-        for _ in 0..250 {
-            if (now.0 - metered_before.0, now.1 - metered_before.1) == reported {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            now = metered(&sidecar).await;
-        }
+        let added = |now: (u64, u64)| (now.0 - metered_before.0, now.1 - metered_before.1);
+        let now = metered_when(&sidecar, |now| added(now) == reported).await;
         assert_eq!(
-            (now.0 - metered_before.0, now.1 - metered_before.1),
+            added(now),
             reported,
             "{d:?}: tokens metered (input, output) against those the provider reported"
         );
@@ -521,9 +525,19 @@ fn reported_usage(d: D, sent: &[u8]) -> (u64, u64) {
 
 /// The tokens (input, output) the sidecar has metered so far.
 async fn metered(sidecar: &Sidecar) -> (u64, u64) {
-    let text = get(&sidecar.admin_url("/metrics")).await.text();
+    metered_when(sidecar, |_| true).await
+}
+
+/// The tokens metered once `check` holds of them (10 s at most; then as they are).
+async fn metered_when(sidecar: &Sidecar, check: impl Fn((u64, u64)) -> bool) -> (u64, u64) {
+    let text = crate::matrix::metrics_until(sidecar, |t| check(metered_in(t))).await;
+    metered_in(&text)
+}
+
+/// The tokens (input, output) an exposition says were metered.
+fn metered_in(text: &str) -> (u64, u64) {
     let sum =
-        |t: &str| crate::matrix::series_sum(&text, "gen_ai_client_token_usage_sum", &[t]) as u64;
+        |t: &str| crate::matrix::series_sum(text, "gen_ai_client_token_usage_sum", &[t]) as u64;
     (
         sum("gen_ai_token_type=\"input\""),
         sum("gen_ai_token_type=\"output\""),
@@ -784,18 +798,9 @@ async fn a_restarted_agent_gets_the_same_turn_from_the_journal_inside_a_task() {
         let before = metered(&sidecar).await;
         let a = post_json(&url, &task, &body).await;
         // The turn's tokens are metered once (a stream's at its end)…
-        let mut after_a = metered(&sidecar).await;
-        for _ in 0..250 {
-            if after_a.0 > before.0 && after_a.1 > before.1 {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-            after_a = metered(&sidecar).await;
-        }
-        assert!(
-            after_a.0 > before.0 && after_a.1 > before.1,
-            "{d:?} stream={stream}: metered"
-        );
+        let grown = |now: (u64, u64)| now.0 > before.0 && now.1 > before.1;
+        let after_a = metered_when(&sidecar, grown).await;
+        assert!(grown(after_a), "{d:?} stream={stream}: metered");
         let b = post_json(&url, &task, &body).await;
         // …and its replay meters nothing.
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -919,13 +924,7 @@ async fn a_stream_can_be_cancelled_explicitly() {
     .await;
     assert!(dropped, "the upstream was not released");
     // The journaled stream ends with a typed error naming the cancel.
-    let whole = send(request(
-        Method::GET,
-        &sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F"))),
-        &[],
-        Bytes::new(),
-    ))
-    .await;
+    let whole = stream_by_key(&sidecar, &key).await;
     let last = events(&whole.body).last().cloned().unwrap_or_default();
     assert!(
         last.contains("event: error") && last.contains("cancelled"),
@@ -981,13 +980,7 @@ async fn a_detached_generation_is_bounded_in_time_and_size() {
         "{:?}",
         started.elapsed()
     );
-    let whole = send(request(
-        Method::GET,
-        &sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F"))),
-        &[],
-        Bytes::new(),
-    ))
-    .await;
+    let whole = stream_by_key(&sidecar, &key).await;
     assert_eq!(whole.status, StatusCode::OK, "{}", whole.text());
     ends_with_typed_error("unread", &whole.body, "no client for");
 
@@ -1040,13 +1033,7 @@ async fn a_sidecar_killed_mid_stream_gives_a_fresh_generation_on_retry() {
         sidecar.spawn().await;
         // Resumed by key after the restart, the abandoned attempt ends with a typed
         // error numbered after its last journaled event, not with a silent end.
-        let journaled = send(request(
-            Method::GET,
-            &sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F"))),
-            &[],
-            Bytes::new(),
-        ))
-        .await;
+        let journaled = stream_by_key(&sidecar, &key).await;
         assert_eq!(journaled.status, StatusCode::OK, "{}", journaled.text());
         let whole = events(&journaled.body);
         let last = whole.last().cloned().unwrap_or_default();
@@ -1068,22 +1055,9 @@ async fn a_sidecar_killed_mid_stream_gives_a_fresh_generation_on_retry() {
         // Resumed after its last journaled event, or after an event the journal lost
         // in the kill, a client gets the error event alone; after the error event
         // itself, nothing more (an event source reconnecting is not sent it again).
-        let url = sidecar.url(&format!("/v1/streams/{}", key.replace('/', "%2F")));
-        let resume = |last_id: String| {
-            let url = url.clone();
-            async move {
-                send(request(
-                    Method::GET,
-                    &url,
-                    &[("last-event-id", last_id.as_str())],
-                    Bytes::new(),
-                ))
-                .await
-            }
-        };
         let g = generation_of(&whole[0]);
         for after in [whole.len() - 2, whole.len() + 3] {
-            let tail = resume(format!("{g}:{after}")).await;
+            let tail = resume_by_key(&sidecar, &key, &format!("{g}:{after}")).await;
             assert_eq!(tail.status, StatusCode::OK, "{}", tail.text());
             assert_eq!(
                 events(&tail.body),
@@ -1091,7 +1065,7 @@ async fn a_sidecar_killed_mid_stream_gives_a_fresh_generation_on_retry() {
                 "{d:?}: after {g}:{after}"
             );
         }
-        let nothing = resume(format!("{g}:{CLOSING}")).await;
+        let nothing = resume_by_key(&sidecar, &key, &format!("{g}:{CLOSING}")).await;
         assert_eq!(nothing.status, StatusCode::NO_CONTENT, "{}", nothing.text());
         // The open attempt was abandoned at start-up; the same request generates
         // afresh.

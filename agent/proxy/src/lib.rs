@@ -86,7 +86,7 @@ pub(crate) struct Shared {
     pub tasks: Option<tasks::Tasks>,
     pub slos: Arc<outrigger_telemetry::slo::Slos>,
     pub faults: Arc<faults::Injector>,
-    /// Tool calls going on after their agents went away.
+    /// Tool calls and model calls going on after their agents went away.
     pub detached: detach::Detached,
 }
 
