@@ -15,8 +15,15 @@ those ids, so every side effect happens exactly once.
 
     OUTRIGGER_URL=http://127.0.0.1:7070 TASK_ID=trip-42 python3 agent.py
 
+AGENT_STREAM=1 makes it stream every model turn (`stream=True`), assembling the
+message from the chunks as any streaming agent does; a killed agent's repeated turns
+are then replayed as streams, byte for byte.
+
 For the crash-recovery test, AGENT_CRASH_AFTER_TOOL_CALLS=N makes the agent kill
-itself (SIGKILL) right after its N-th tool call returned.
+itself (SIGKILL) right after its N-th tool call returned, and (streaming)
+AGENT_CRASH_MID_STREAM=N right after the first chunk of its N-th model turn arrived:
+the sidecar reads the rest of that stream into its journal, and the restarted agent
+gets it whole from there, nothing generated twice.
 """
 
 import json
@@ -26,11 +33,14 @@ import sys
 import urllib.request
 
 from openai import OpenAI
+from openai.types.chat import ChatCompletionMessage
 
 SIDECAR = os.environ.get("OUTRIGGER_URL", "http://127.0.0.1:7070")
 TASK_ID = os.environ.get("TASK_ID", "trip-42")
 MODEL = os.environ.get("MODEL", "gpt-mock")
 CRASH_AFTER = int(os.environ.get("AGENT_CRASH_AFTER_TOOL_CALLS", "0"))
+STREAM = os.environ.get("AGENT_STREAM") == "1"
+CRASH_MID_STREAM = int(os.environ.get("AGENT_CRASH_MID_STREAM", "0"))
 
 TOOLS = [{
     "type": "function",
@@ -65,6 +75,48 @@ def call_tool(tool_call):
         return json.loads(response.read()), replayed
 
 
+def crash():
+    print("crashing now", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def plain_turn(client, messages, turn):
+    """One model turn as a plain call: the message, and whether it was replayed."""
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, tools=TOOLS)
+    replayed = raw.headers.get("outrigger-replayed") == "true"
+    return raw.parse().choices[0].message, replayed
+
+
+def streamed_turn(client, messages, turn):
+    """One model turn streamed: the message assembled from its chunks (text deltas
+    joined, each tool call's name and arguments joined by index), and whether it
+    was replayed."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, tools=TOOLS, stream=True
+    )
+    replayed = raw.headers.get("outrigger-replayed") == "true"
+    text, calls = [], {}
+    for n, chunk in enumerate(raw.parse()):
+        if CRASH_MID_STREAM == turn and n == 0:
+            crash()
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                text.append(delta.content)
+            for part in delta.tool_calls or []:
+                call = calls.setdefault(
+                    part.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+                )
+                call["id"] += part.id or ""
+                if part.function:
+                    call["function"]["name"] += part.function.name or ""
+                    call["function"]["arguments"] += part.function.arguments or ""
+    message = {"role": "assistant", "content": "".join(text) or None}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
+    return ChatCompletionMessage.model_validate(message), replayed
+
+
 def main():
     client = OpenAI(
         base_url=f"{SIDECAR}/v1",
@@ -77,11 +129,9 @@ def main():
         {"role": "user", "content": "Plan my trip and book what you can."},
     ]
     tool_calls_done = 0
+    turn = streamed_turn if STREAM else plain_turn
     for step in range(20):
-        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, tools=TOOLS)
-        completion = raw.parse()
-        replayed = raw.headers.get("outrigger-replayed") == "true"
-        message = completion.choices[0].message
+        message, replayed = turn(client, messages, step + 1)
         print(f"step {step}: model {'replayed from the journal' if replayed else 'generated'}", flush=True)
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
@@ -94,8 +144,7 @@ def main():
                   f"-> effect {result.get('effect')}{' (replayed)' if replayed else ''}", flush=True)
             messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": json.dumps(result)})
             if CRASH_AFTER and tool_calls_done == CRASH_AFTER:
-                print("crashing now", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                crash()
     print("gave up after 20 steps", file=sys.stderr)
     return 1
 
