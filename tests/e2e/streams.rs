@@ -1,8 +1,9 @@
 //! Journaled model streams: replay, resume after a client drop (detach, don't
 //! cancel), interruptions at every event boundary and inside events in both dialects
 //! (never a partial tool call; a typed error event), deterministic replay inside a
-//! task, cancellation, the bounds of a detached generation (time and size), a SIGKILL
-//! of the sidecar mid-stream in both dialects, and providers' oddities
+//! task, cancellation, the bounds of a detached generation (time and size), a stream
+//! past its retention (expired, then forgotten), a SIGKILL of the sidecar mid-stream
+//! in both dialects, and providers' oddities
 //! (a byte order mark, a plain answer to a streamed request).
 
 use std::sync::Arc;
@@ -939,6 +940,101 @@ async fn a_stream_can_be_cancelled_explicitly() {
     ))
     .await;
     assert_eq!(unknown.status, StatusCode::NOT_FOUND);
+}
+
+/// A stream past `[journal] stream_retention` (here 1 s; the sidecar applies retention
+/// every quarter of it, at most once a second) has its events dropped: reading it by
+/// key and resuming it with `Last-Event-ID` both get `410 stream-expired`, naming
+/// the key, never a silent empty stream; a repeat of its request without an id
+/// generates afresh, as the key's next attempt. As long again after the expiry the
+/// stream is forgotten: `404 unknown-stream`.
+#[tokio::test]
+async fn a_stream_past_its_retention_says_it_expired_then_is_forgotten() {
+    let (mock, sidecar) = setup_with(
+        Behaviour::default(),
+        "[journal]\nstream_retention = \"1s\"\n",
+    )
+    .await;
+    let first = send(post(&sidecar, D::OpenAi, Some("short-lived"), &[])).await;
+    assert_eq!(first.status, StatusCode::OK);
+    let key = first
+        .header("outrigger-stream-key")
+        .expect("stream key")
+        .to_string();
+    let last_id = events(&first.body)
+        .first()
+        .and_then(|e| e.lines().next())
+        .and_then(|l| l.strip_prefix("id: "))
+        .expect("an event id")
+        .to_string();
+    let whole = stream_by_key(&sidecar, &key).await;
+    assert_eq!(whole.status, StatusCode::OK, "kept for now");
+    assert_eq!(whole.body, first.body);
+
+    // Expired within 1 s and a sweep (1 s) of its end; 10 s is far more than enough.
+    let until = |want: StatusCode, key: String| {
+        let sidecar = &sidecar;
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let r = stream_by_key(sidecar, &key).await;
+                if r.status == want || tokio::time::Instant::now() > deadline {
+                    return r;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let expired = until(StatusCode::GONE, key.clone()).await;
+    assert_eq!(expired.status, StatusCode::GONE, "{}", expired.text());
+    let problem = expired.json();
+    assert!(
+        problem["type"]
+            .as_str()
+            .unwrap_or_default()
+            .ends_with("stream-expired"),
+        "{problem}"
+    );
+    let detail = problem["detail"].as_str().unwrap_or_default();
+    assert!(
+        detail.contains(&key) && detail.contains("stream_retention"),
+        "names the key and the setting: {problem}"
+    );
+    let resumed = resume_by_key(&sidecar, &key, &last_id).await;
+    assert_eq!(resumed.status, StatusCode::GONE, "{}", resumed.text());
+    assert!(
+        resumed.text().contains("stream-expired"),
+        "{}",
+        resumed.text()
+    );
+
+    // A repeat without an id is the key's next attempt, generated afresh.
+    let generated = mock.generation_count();
+    let again = send(post(&sidecar, D::OpenAi, Some("short-lived"), &[])).await;
+    assert_eq!(again.status, StatusCode::OK);
+    assert_eq!(again.header("outrigger-replayed"), None);
+    assert_eq!(mock.generation_count(), generated + 1);
+    let evs = events(&again.body);
+    assert!(has_id(&evs[0], 2, 0), "{}", evs[0]);
+
+    // Another stream, left to expire and then be forgotten.
+    let other = send(post(&sidecar, D::Anthropic, Some("forgotten"), &[])).await;
+    let other_key = other
+        .header("outrigger-stream-key")
+        .expect("stream key")
+        .to_string();
+    let forgotten = until(StatusCode::NOT_FOUND, other_key).await;
+    assert_eq!(
+        forgotten.status,
+        StatusCode::NOT_FOUND,
+        "{}",
+        forgotten.text()
+    );
+    assert!(
+        forgotten.text().contains("unknown-stream"),
+        "{}",
+        forgotten.text()
+    );
 }
 
 /// Detach is bounded: a generation nobody reads for `[streams] detach_timeout` is

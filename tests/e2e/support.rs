@@ -70,13 +70,25 @@ impl Sidecar {
         if !config.contains("[listen]") {
             text.push_str("[listen]\ndata = \"127.0.0.1:0\"\nadmin = \"127.0.0.1:0\"\n");
         }
-        if !config.contains("[journal]") {
-            text.push_str(&format!(
-                "[journal]\ndir = {:?}\n",
-                data_dir.display().to_string()
-            ));
-        }
-        text.push_str(config);
+        // The journal goes in the test's own directory, never the working one: a
+        // `[journal]` section without a `dir` gets this one too.
+        let journal_dir = format!("dir = {:?}\n", data_dir.display().to_string());
+        let config = match config.split_once("[journal]\n") {
+            None => {
+                text.push_str(&format!("[journal]\n{journal_dir}"));
+                config.to_string()
+            }
+            Some((before, section))
+                if !section
+                    .split("\n[")
+                    .next()
+                    .is_some_and(|s| s.starts_with("dir = ") || s.contains("\ndir = ")) =>
+            {
+                format!("{before}[journal]\n{journal_dir}{section}")
+            }
+            Some(_) => config.to_string(),
+        };
+        text.push_str(&config);
         let config_path = dir.path().join("outrigger.toml");
         std::fs::write(&config_path, text).expect("write config");
         let env: Vec<(String, String)> = env

@@ -579,8 +579,9 @@ async fn open_journal(
         }
     });
     let sweeper = journal.clone();
+    let period = sweep_period(options);
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
+        let mut tick = tokio::time::interval(period);
         loop {
             tick.tick().await;
             // One call handles a bounded batch; keep going while it says more is due
@@ -602,6 +603,20 @@ async fn open_journal(
         }
     });
     Some(journal)
+}
+
+/// How often retention is applied: once a minute, or a quarter of the shortest
+/// retention when that is shorter (at least once a second), so that nothing
+/// outlives its retention by more than a quarter of it.
+fn sweep_period(options: &outrigger_journal::Options) -> std::time::Duration {
+    let shortest = options
+        .retention
+        .min(options.tombstone_retention)
+        .min(options.stream_retention);
+    (shortest / 4).clamp(
+        std::time::Duration::from_secs(1),
+        std::time::Duration::from_secs(60),
+    )
 }
 
 async fn wait_for(mut rx: watch::Receiver<bool>) {
@@ -637,8 +652,24 @@ mod tests {
 
     use outrigger_journal::Error;
 
-    use super::retry_locked;
+    use super::{retry_locked, sweep_period};
     use crate::admin::Readiness;
+
+    #[test]
+    fn retention_is_applied_within_a_quarter_of_the_shortest_one() {
+        let mut options = outrigger_journal::Options::default();
+        assert_eq!(sweep_period(&options), Duration::from_secs(60), "defaults");
+        options.stream_retention = Duration::from_secs(120);
+        assert_eq!(sweep_period(&options), Duration::from_secs(30));
+        options.tombstone_retention = Duration::from_secs(20);
+        assert_eq!(sweep_period(&options), Duration::from_secs(5));
+        options.stream_retention = Duration::from_millis(400);
+        assert_eq!(
+            sweep_period(&options),
+            Duration::from_secs(1),
+            "at most once a second"
+        );
+    }
 
     fn locked() -> Error {
         Error::Locked {
