@@ -78,6 +78,32 @@ fn run(mut cmd: Command) -> (ExitStatus, String, String) {
     )
 }
 
+/// The restarted agent's run: it completed, `turns` of its model turns came from
+/// the journal and `calls` of its tool calls were deduplicated, each of the `steps`
+/// side effects happened once, and only the turns it had not seen were generated
+/// (the steps and the final answer, in both runs together).
+fn assert_done_once(
+    (status, out, err): (ExitStatus, String, String),
+    model: &MockProvider,
+    tool: &MockTool,
+    steps: usize,
+    turns: usize,
+    calls: usize,
+) {
+    assert!(status.success(), "{out}\n{err}");
+    assert!(out.contains("done:"), "{out}");
+    assert_eq!(
+        out.matches("replayed from the journal").count(),
+        turns,
+        "{out}"
+    );
+    assert_eq!(out.matches("(replayed)").count(), calls, "{out}");
+    let by_key = tool.effects_by_key();
+    assert_eq!(tool.effects().len(), steps, "{by_key:?}");
+    assert!(by_key.values().all(|n| *n == 1), "{by_key:?}");
+    assert_eq!(model.generation_count(), steps as u64 + 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_agent_survives_being_killed_mid_task() {
     let Some(python) = python() else { return };
@@ -96,24 +122,17 @@ async fn the_example_agent_survives_being_killed_mid_task() {
     assert_eq!(generated_before_restart, 2);
 
     // Restarted from scratch, same task: it completes.
-    let (status, out, err) = run(agent(&python, &sidecar, "trip-e2e", &[]));
-    assert!(status.success(), "{out}\n{err}");
-    assert!(out.contains("done:"), "{out}");
-    // The two model turns it had already seen were served from the journal…
-    assert_eq!(out.matches("replayed from the journal").count(), 2, "{out}");
-    // …so its first two tool calls were deduplicated, and every effect happened once.
-    assert_eq!(out.matches("(replayed)").count(), 2, "{out}");
+    // The two model turns it had already seen were served from the journal, so its
+    // first two tool calls were deduplicated, and every effect happened once.
+    let run_again = run(agent(&python, &sidecar, "trip-e2e", &[]));
+    assert_done_once(run_again, &model, &tool, steps, 2, 2);
     let by_key = tool.effects_by_key();
-    assert_eq!(tool.effects().len(), steps, "{by_key:?}");
-    assert!(by_key.values().all(|n| *n == 1), "{by_key:?}");
     assert!(
         by_key
             .keys()
             .all(|k| k.as_deref().is_some_and(|k| k.starts_with("tc-"))),
         "{by_key:?}"
     );
-    // Only the turns it had not seen were generated: steps + the final answer.
-    assert_eq!(model.generation_count(), steps as u64 + 1);
 }
 
 /// Killed while its third tool call is still running at the tool: the sidecar
@@ -148,19 +167,8 @@ async fn the_example_agent_killed_during_a_tool_call_repeats_no_side_effect() {
     );
     assert_eq!(tool.effects().len(), 2, "the third call is still running");
 
-    let (status, stdout, stderr) = run(agent(&python, &sidecar, "trip-in-flight", &[]));
-    assert!(status.success(), "{stdout}\n{stderr}");
-    assert!(stdout.contains("done:"), "{stdout}");
-    assert_eq!(
-        stdout.matches("replayed from the journal").count(),
-        3,
-        "{stdout}"
-    );
-    assert_eq!(stdout.matches("(replayed)").count(), 3, "{stdout}");
-    let by_key = tool.effects_by_key();
-    assert_eq!(tool.effects().len(), steps, "{by_key:?}");
-    assert!(by_key.values().all(|n| *n == 1), "{by_key:?}");
-    assert_eq!(model.generation_count(), steps as u64 + 1);
+    let run_again = run(agent(&python, &sidecar, "trip-in-flight", &[]));
+    assert_done_once(run_again, &model, &tool, steps, 3, 3);
 }
 
 /// Streaming every turn, killed right after the first chunk of its third turn
@@ -223,15 +231,8 @@ async fn killed_mid_stream(restart_while_live: bool) {
         assert!(drained, "the left stream was not read to its end");
     }
 
-    let (status, out, err) = run(agent(&python, &sidecar, "trip-streamed", &[streaming]));
-    assert!(status.success(), "{out}\n{err}");
-    assert!(out.contains("done:"), "{out}");
-    assert_eq!(out.matches("replayed from the journal").count(), 3, "{out}");
-    assert_eq!(out.matches("(replayed)").count(), 2, "{out}");
-    let by_key = tool.effects_by_key();
-    assert_eq!(tool.effects().len(), steps, "{by_key:?}");
-    assert!(by_key.values().all(|n| *n == 1), "{by_key:?}");
-    assert_eq!(model.generation_count(), steps as u64 + 1);
+    let run_again = run(agent(&python, &sidecar, "trip-streamed", &[streaming]));
+    assert_done_once(run_again, &model, &tool, steps, 3, 2);
     assert!(
         model
             .exchanges()

@@ -147,6 +147,13 @@ async fn read_events(
     (key, whole.concat().into_bytes())
 }
 
+/// Sends `req` and gives up on it after `after`, before it is answered: its agent
+/// goes away while the call waits.
+async fn leave_waiting(req: http::Request<http_body_util::Full<Bytes>>, after: Duration) {
+    let left = tokio::time::timeout(after, send(req)).await;
+    assert!(left.is_err(), "the call should still have been waiting");
+}
+
 /// A plain (`"stream": false`) request in dialect `d` under the Idempotency-Key `key`.
 fn post_plain(sidecar: &Sidecar, d: D, key: &str) -> http::Request<http_body_util::Full<Bytes>> {
     request(
@@ -1203,12 +1210,11 @@ async fn a_call_before_its_first_byte_is_joined_by_a_repeat_and_goes_on_when_dro
 
     // A call whose agent goes away before the first byte is not cancelled (detach):
     // the same request, sent again, is answered from that generation.
-    let dropped = tokio::time::timeout(
+    leave_waiting(
+        post(&sidecar, D::OpenAi, Some("dropped"), &[]),
         Duration::from_millis(250),
-        send(post(&sidecar, D::OpenAi, Some("dropped"), &[])),
     )
     .await;
-    assert!(dropped.is_err(), "the call should still have been waiting");
     tokio::time::sleep(Duration::from_millis(100)).await;
     let again = send(post(&sidecar, D::OpenAi, Some("dropped"), &[])).await;
     assert_eq!(again.status, StatusCode::OK, "{}", again.text());
@@ -1247,12 +1253,7 @@ async fn a_plain_call_whose_agent_goes_away_answers_its_repeat() {
     .await;
     for (n, d) in [D::OpenAi, D::Anthropic].into_iter().enumerate() {
         let key = format!("plain-left-{d:?}");
-        let dropped = tokio::time::timeout(
-            Duration::from_millis(200),
-            send(post_plain(&sidecar, d, &key)),
-        )
-        .await;
-        assert!(dropped.is_err(), "the call should still have been waiting");
+        leave_waiting(post_plain(&sidecar, d, &key), Duration::from_millis(200)).await;
         // Sent while the provider still works on the first call: it waits for its
         // answer (its own request reaches no provider).
         let waited = send(post_plain(&sidecar, d, &key)).await;
@@ -1393,12 +1394,11 @@ async fn under_cancel_on_disconnect_a_call_left_before_its_answer_is_generated_a
         "[streams]\ncancel_on_disconnect = true\n",
     )
     .await;
-    let dropped = tokio::time::timeout(
+    leave_waiting(
+        post(&sidecar, D::OpenAi, Some("left"), &[]),
         Duration::from_millis(200),
-        send(post(&sidecar, D::OpenAi, Some("left"), &[])),
     )
     .await;
-    assert!(dropped.is_err(), "the call should still have been waiting");
     tokio::time::sleep(Duration::from_millis(100)).await;
     let again = send(post(&sidecar, D::OpenAi, Some("left"), &[])).await;
     assert_eq!(again.status, StatusCode::OK, "{}", again.text());
@@ -1406,12 +1406,11 @@ async fn under_cancel_on_disconnect_a_call_left_before_its_answer_is_generated_a
     let evs = events(&again.body);
     assert!(has_id(&evs[0], 2, 0), "attempt 2: {}", evs[0]);
 
-    let dropped = tokio::time::timeout(
+    leave_waiting(
+        post_plain(&sidecar, D::OpenAi, "plain-left"),
         Duration::from_millis(200),
-        send(post_plain(&sidecar, D::OpenAi, "plain-left")),
     )
     .await;
-    assert!(dropped.is_err(), "the call should still have been waiting");
     tokio::time::sleep(Duration::from_millis(100)).await;
     let again = send(post_plain(&sidecar, D::OpenAi, "plain-left")).await;
     assert_eq!(again.status, StatusCode::OK, "{}", again.text());

@@ -687,10 +687,11 @@ impl Registry {
 /// A journaled generation from its start (the journal's `New`) until it has a
 /// stream. Its hub is registered at once, so that a repeat of the request or a
 /// resume by key waits for its first events (a plain call's repeat, for its answer)
-/// instead of being told it is in progress, and a cancel reaches it. If it never gets a stream (the upstream failed, the sidecar
-/// refused it, or the agent went away and the call was dropped), its end is recorded
-/// and the hub's clients get a typed error: the key's next request generates afresh
-/// instead of waiting on an attempt that never ends.
+/// instead of being told it is in progress, and a cancel reaches it. If it never
+/// gets a stream (the upstream failed, the sidecar refused it, or the agent went
+/// away and the call was dropped), its end is recorded and the hub's clients get a
+/// typed error: the key's next request generates afresh instead of waiting on an
+/// attempt that never ends.
 pub(crate) struct Starting {
     shared: Arc<Shared>,
     journal: Journal,
